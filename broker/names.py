@@ -1,0 +1,64 @@
+"""Every stream, group and key name Parallax uses, in one place.
+
+All names live under a namespace (default "parallax", one per run or test) so that several
+runs can share one broker. Nothing else builds these strings by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names under one namespace."""
+
+    namespace: str = "parallax"
+
+    # streams
+    @property
+    def prompts(self) -> str:
+        """PromptRecords from the learner's feeder to the generators (one shared group)."""
+        return f"{self.namespace}:prompts"
+
+    @property
+    def rollouts(self) -> str:
+        """RolloutGroups from generators to reward workers."""
+        return f"{self.namespace}:rollouts"
+
+    @property
+    def scored(self) -> str:
+        """ScoredGroups from reward workers to the learner."""
+        return f"{self.namespace}:scored"
+
+    @property
+    def control(self) -> str:
+        return f"{self.namespace}:control"
+
+    @staticmethod
+    def dead(stream: str) -> str:
+        """Dead-letter stream of `stream`."""
+        return f"{stream}:dead"
+
+    # consumer groups
+    GENERATORS = "generators"
+    REWARD = "reward"
+    LEARNER = "learner"
+
+    # blobs and values
+    def blob(self, sha256: str) -> str:
+        return f"{self.namespace}:blob:{sha256}"
+
+    @property
+    def learner_version(self) -> str:
+        """Latest WeightVersion published by the learner."""
+        return f"{self.namespace}:version:learner"
+
+    def generator_version(self, generator_id: str) -> str:
+        """Latest WeightVersion served by one generator."""
+        return f"{self.namespace}:version:gen:{generator_id}"
+
+    @property
+    def weight_sync_address(self) -> str:
+        """Where the learner's weight-sync rendezvous listens ("host:port")."""
+        return f"{self.namespace}:weights:address"

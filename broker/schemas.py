@@ -1,0 +1,129 @@
+"""Versioned wire messages of Parallax.
+
+Every message that crosses a process boundary is one of the msgspec Structs below, encoded
+as msgpack (never pickle). Each struct carries a `kind` tag and a `schema_version`; the codec
+(`broker.codec`) rejects unknown kinds and versions with a `MessageError`.
+
+Images never travel inside these messages: they are stored once, content-addressed, in the
+blob store (`broker.images`), and messages carry `ImageRef`s.
+
+Flow:  PromptRecord --(generator)--> RolloutGroup --(reward_service)--> ScoredGroup --(learner)
+       learner --> WeightVersion (announcement), anyone --> Control.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""Bump when a field changes meaning or a required field is added."""
+
+
+class ImageRef(msgspec.Struct, frozen=True):
+    """A pointer to encoded image bytes stored once in the blob store under their sha256."""
+
+    sha256: str
+    """Hex sha256 of the encoded bytes (the blob key)."""
+    format: str = "png"
+    """Encoding of the bytes (png, jpeg, ...)."""
+    width: int = 0
+    height: int = 0
+    nbytes: int = 0
+
+
+class PromptRecord(msgspec.Struct, tag="prompt", kw_only=True):
+    """One task prompt, as written by a task's preprocessor and read by generators."""
+
+    prompt_id: str
+    """Stable id, unique within a data source and split."""
+    data_source: str
+    """Which task (and so which reward function) this prompt belongs to, e.g. "geometry3k"."""
+    problem: str
+    """User text; each `<image>` placeholder marks where an image goes, in order."""
+    images: list[ImageRef] = []
+    ground_truth: str
+    """Verifiable answer the reward function grades against."""
+    split: str = "train"
+    meta: dict[str, str] = {}
+    schema_version: int = SCHEMA_VERSION
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One sampled response of a group."""
+
+    response_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    """Per-token logprobs of the sampled tokens under the generator's policy (same temperature as the learner)."""
+    response_text: str
+    """Decoded response tokens only (never prompt + response)."""
+    version_start: int
+    """Policy version that was served when this sample started."""
+    version_end: int
+    """Policy version that was served when this sample finished."""
+    finish_reason: str
+    """"stop", "length" or "abort"."""
+
+
+class RolloutGroup(msgspec.Struct, tag="rollout_group", kw_only=True):
+    """n samples of one prompt, as published by a generator."""
+
+    group_id: str
+    """Globally unique; the idempotency key of every downstream stage."""
+    prompt_id: str
+    data_source: str
+    prompt_token_ids: list[int]
+    """Chat-templated prompt ids with ONE image pad token per image (not processor-expanded)."""
+    images: list[ImageRef]
+    ground_truth: str
+    samples: list[Sample]
+    temperature: float = 1.0
+    generator_id: str = ""
+    split: str = "train"
+    timings: dict[str, float] = {}
+    """Wall-clock seconds per stage, e.g. {"queue": .., "generate": ..}; stages add their own."""
+    schema_version: int = SCHEMA_VERSION
+
+
+class Score(msgspec.Struct, kw_only=True):
+    """Reward of one sample and its parts."""
+
+    reward: float
+    accuracy: float
+    format: float
+    timed_out: bool = False
+
+
+class ScoredGroup(msgspec.Struct, tag="scored_group", kw_only=True):
+    """A rollout group with one Score per sample, as published by the reward service."""
+
+    group: RolloutGroup
+    scores: list[Score]
+    scorer_id: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+
+class WeightVersion(msgspec.Struct, tag="weight_version", kw_only=True):
+    """Announcement of a policy version: by the learner (published) or a generator (now served)."""
+
+    version: int
+    step: int = 0
+    source: str = ""
+    """"learner" or a generator id."""
+    num_bytes: int = 0
+    seconds: float = 0.0
+    """Time the sender/receiver spent on this version's transfer."""
+    timestamp: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+
+class Control(msgspec.Struct, tag="control", kw_only=True):
+    """Out-of-band command: "stop", "pause", "resume", "evaluate", "hello" (generator joins)."""
+
+    command: str
+    sender: str = ""
+    args: dict[str, str] = {}
+    schema_version: int = SCHEMA_VERSION
+
+
+Message = PromptRecord | RolloutGroup | ScoredGroup | WeightVersion | Control
+"""Every top-level message type; the codec decodes this union."""

@@ -1,0 +1,98 @@
+"""The one small transport interface that every Parallax process talks through.
+
+A transport offers three things:
+  * durable streams with consumer groups: `publish`, `consume`, `ack`, `dead_letter`;
+    a delivery is acked only after it was processed, entries pending on a dead consumer are
+    reclaimed by live ones, and an entry delivered more than `max_deliveries` times is moved
+    to the stream's dead-letter stream. `publish` blocks (backpressure) while a stream holds
+    `max_len` unconsumed entries and raises `BackpressureTimeout` when that lasts too long:
+    unconsumed work is never trimmed silently.
+  * a content-addressed blob store for image bytes (`put_blob` / `get_blob`), with expiry.
+  * a tiny latest-value store (`set_value` / `get_value`) for version announcements.
+
+Implementations: `broker.redis_transport.RedisTransport` (Redis Streams) and
+`broker.zmq_transport.ZmqTransport` (a small ZeroMQ broker process with credit-based flow
+control). Use `broker.connect(url)` to get one; nothing outside `broker/` imports redis or zmq.
+Typed messages go through `broker.channel` on top of this byte-level interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TransportError(RuntimeError):
+    """The broker could not be reached or answered with an error."""
+
+
+class BackpressureTimeout(TransportError):
+    """A publish waited longer than its timeout for consumers to catch up."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One entry handed to a consumer; ack it (or dead-letter it) by `id`."""
+
+    stream: str
+    id: str
+    payload: bytes
+    attempts: int = 1
+    """How many times this entry has been delivered, this time included."""
+
+
+class Transport(abc.ABC):
+    """Byte-level streams, blobs and values; see the module docstring for the guarantees."""
+
+    @abc.abstractmethod
+    def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
+        """Append `payload` to `stream` and return its entry id; block while the stream is full."""
+
+    @abc.abstractmethod
+    def consume(
+        self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
+    ) -> list[Delivery]:
+        """Return up to `count` entries for `consumer` of `group` (reclaimed ones first)."""
+
+    @abc.abstractmethod
+    def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
+        """Mark entries as processed by `group`; they are never delivered to it again."""
+
+    @abc.abstractmethod
+    def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
+        """Move an entry to `<stream>:dead` with the reason and ack it."""
+
+    @abc.abstractmethod
+    def pending(self, stream: str, group: str) -> int:
+        """Entries delivered to `group` but not yet acked."""
+
+    @abc.abstractmethod
+    def backlog(self, stream: str) -> int:
+        """Entries in `stream` not yet acked by every group (what counts against `max_len`)."""
+
+    @abc.abstractmethod
+    def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        """Store `data` under `key` (idempotent); refresh its expiry."""
+
+    @abc.abstractmethod
+    def get_blob(self, key: str) -> bytes | None:
+        """The bytes stored under `key`, or None when absent or expired."""
+
+    @abc.abstractmethod
+    def set_value(self, key: str, value: bytes) -> None:
+        """Set a small latest-value entry."""
+
+    @abc.abstractmethod
+    def get_value(self, key: str) -> bytes | None:
+        """Read a latest-value entry (None when unset)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets/connections; idempotent."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Parallax deploy package."""

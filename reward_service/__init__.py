@@ -1,0 +1,1 @@
+"""Parallax reward_service package."""
