@@ -45,6 +45,9 @@ class PromptRecord(msgspec.Struct, tag="prompt", kw_only=True):
     """Verifiable answer the reward function grades against."""
     split: str = "train"
     meta: dict[str, str] = {}
+    min_version: int = 0
+    """Staleness gate (admission control): a generator may start this prompt only once it serves a
+    policy version >= min_version. The learner's feeder sets it to (index // groups_per_step) - K."""
     schema_version: int = SCHEMA_VERSION
 
 
