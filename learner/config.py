@@ -1,0 +1,218 @@
+"""The learner's configuration: one `LearnerConfig` made of small per-component dataclasses.
+
+Resolved by `runtime.config.load_config` (defaults < `--config file.toml` < CLI flags via tyro),
+e.g. `python -m learner --model PATH --loss.correction tis --algo.groups-per-step 16`.
+Nothing here imports torch, so `python -m learner` can parse flags (and set
+CUDA_VISIBLE_DEVICES) before torch is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+CORRECTIONS = ("none", "decoupled", "tis", "icepop", "geo_mask")
+PROXIMAL_MODES = ("detached", "recompute", "behaviour")
+
+
+@dataclass
+class LossConfig:
+    """PPO-clip loss, off-policy correction and regularisers (see learner/losses.py)."""
+
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.3
+    """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when > clip_low)."""
+    dual_clip: float = 3.0
+    """Dual-clip constant c for negative advantages (loss capped at -A·c); <= 1 disables."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses become the batch loss; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser."""
+    norm_length: int = 1024
+    """The constant length of seq-mean-token-sum-norm (Dr.GRPO: the maximum response length)."""
+    correction: Literal["none", "decoupled", "tis", "icepop", "geo_mask"] = "decoupled"
+    """Off-policy correction of k = π_prox/μ: none, decoupled PPO, truncated IS, IcePop, geometric mask."""
+    behav_weight_cap: float = 0.0
+    """decoupled: tokens whose k exceeds this are masked out (AReaL's cap); 0 disables."""
+    tis_cap: float = 2.0
+    """tis: the weight is min(k, tis_cap)."""
+    icepop_low: float = 0.5
+    """icepop: tokens with k below this are masked."""
+    icepop_high: float = 2.0
+    """icepop: tokens with k above this are masked."""
+    geo_low: float = 0.99
+    """geo_mask: a sequence whose geometric-mean k is below this is masked."""
+    geo_high: float = 1.01
+    """geo_mask: a sequence whose geometric-mean k is above this is masked."""
+    kl_coef: float = 0.0
+    """Weight of low_var_kl to the frozen reference policy (0 = no reference model is loaded)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+
+
+@dataclass
+class AlgoConfig:
+    """Advantages, batch composition and staleness."""
+
+    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Group-relative advantage estimator (learner/advantages.py)."""
+    adv_eps: float = 1e-6
+    """ε added to the group std by grpo."""
+    dynamic_sampling: bool = True
+    """DAPO: drop groups whose rewards are all equal (counted), fill the step with others."""
+    groups_per_step: int = 8
+    """Rollout groups (prompts) that make one optimizer step, after dynamic sampling."""
+    mini_batches: int = 1
+    """Optimizer steps per batch of groups (PPO mini-batches); > 1 needs proximal=recompute."""
+    max_staleness: int = 1
+    """Samples whose version_start is more than this many versions behind the learner are dropped (counted)."""
+    proximal: Literal["detached", "recompute", "behaviour"] = "detached"
+    """π_prox: detached (the step's own forward, exact when mini_batches == 1), recompute (extra
+    no-grad forward before the step), behaviour (π_prox := μ, no correction possible)."""
+    temperature: float = 1.0
+    """Sampling temperature the generators used; logits are divided by it before log-softmax."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and gradient clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 1e-2
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps to the peak learning rate (then constant)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables (the norm is still logged)."""
+
+
+@dataclass
+class ParallelConfig:
+    """FSDP2 sharding, precision and recomputation (learner/parallel.py)."""
+
+    activation_checkpointing: bool = True
+    """Recompute each decoder block's activations in the backward pass."""
+    mixed_precision: bool = True
+    """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2)."""
+    backend: str = ""
+    """torch.distributed backend; empty = nccl on GPU, gloo on CPU."""
+
+
+@dataclass
+class BatchingConfig:
+    """Packed micro-batches (learner/batching.py)."""
+
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed micro-batch (prompt + image + response tokens)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic checkpoints and Hugging Face exports (learner/checkpoint.py)."""
+
+    every: int = 50
+    """Save every this many optimizer steps (0 = only at the end)."""
+    keep: int = 2
+    """Number of most recent checkpoints kept on disk."""
+    export_hf_every: int = 0
+    """Export a Hugging Face checkpoint every this many steps (0 = only at the end)."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory when there is one."""
+
+
+@dataclass
+class FeederConfig:
+    """The prompt feeder: owns the data cursor and publishes PromptRecords (learner/feeder.py)."""
+
+    train_data: str = ""
+    """Prompt records of the training split (a file written by tasks/)."""
+    test_data: str = ""
+    """Prompt records of the test split, for periodic evaluation."""
+    prompts_ahead: int = 16
+    """Prompts published but not yet consumed back as scored groups that the feeder keeps in flight."""
+    epochs: int = 1
+    """Passes over the training prompts."""
+    shuffle: bool = True
+    """Shuffle the prompt order each epoch (seeded)."""
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the test split through the generators."""
+
+    every: int = 0
+    """Evaluate every this many steps (0 = never)."""
+    max_prompts: int = 0
+    """Evaluate on at most this many test prompts (0 = all)."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy)."""
+    timeout_s: float = 600.0
+    """Give up waiting for evaluation results after this long (the missing ones are counted)."""
+
+
+@dataclass
+class LearnerConfig:
+    """Everything `python -m learner` needs."""
+
+    model: str = ""
+    """Path of the Hugging Face checkpoint to train (e.g. built by policy.builder)."""
+    gpus: str = ""
+    """GPUs to use, e.g. "0-5"; empty = CPU."""
+    nproc: int = 1
+    """Number of CPU processes (gloo) when no GPUs are given."""
+    broker: str = "redis://127.0.0.1:6379/0"
+    """Broker URL (redis://... or zmq://...)."""
+    namespace: str = "parallax"
+    """Broker namespace of this run (stream and key names)."""
+    run_dir: str = "runs/learner"
+    """Where metrics.jsonl, checkpoints and exports go."""
+    seed: int = 0
+    """Seed of data order and initialisation."""
+    max_steps: int = 100
+    """Stop after this many optimizer steps."""
+    sync_every: int = 1
+    """Broadcast weights to the generators every this many optimizer steps."""
+    metrics_port: int = 0
+    """Prometheus port (0 = no server)."""
+    consumer: str = "learner-0"
+    """Consumer name of the learner in the scored stream's consumer group."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantages, batch composition, staleness."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Loss and off-policy correction."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """FSDP2 and precision."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    """Micro-batching."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and export."""
+    feeder: FeederConfig = field(default_factory=FeederConfig)
+    """Prompt feeding."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic evaluation."""
+
+    def validate(self) -> None:
+        """Raise ValueError on inconsistent settings."""
+        if self.loss.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}")
+        if self.loss.correction not in CORRECTIONS:
+            raise ValueError(f"loss.correction must be one of {CORRECTIONS}")
+        if self.algo.proximal not in PROXIMAL_MODES:
+            raise ValueError(f"algo.proximal must be one of {PROXIMAL_MODES}")
+        if self.algo.mini_batches > 1 and self.algo.proximal == "detached":
+            raise ValueError("algo.mini_batches > 1 needs algo.proximal = recompute (or behaviour)")
+        if self.loss.correction != "none" and self.algo.proximal == "behaviour":
+            raise ValueError(f"loss.correction={self.loss.correction} needs a learner-side π_prox")
+        if self.algo.groups_per_step < 1 or self.algo.mini_batches < 1:
+            raise ValueError("algo.groups_per_step and algo.mini_batches must be >= 1")
+        if self.loss.clip_low < 0 or self.loss.clip_high < 0:
+            raise ValueError("clip ranges must be >= 0")

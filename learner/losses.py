@@ -1,0 +1,175 @@
+"""Policy-gradient losses of the learner: PPO-clip with off-policy corrections.
+
+Inputs are the flattened response tokens of one packed micro-batch (no padding): per token
+the current logprob log π_θ (with grad), the behaviour logprob log μ (vLLM, as sampled), the
+proximal logprob log π_prox (the learner's policy before this optimizer step; `None` means
+"not recomputed", then π_prox := μ), the sequence's advantage and the sequence index.
+
+Per token, with u = π_θ/π_prox and k = π_prox/μ (engine mismatch + staleness):
+    pg   = max(-A·u, -A·clip(u, 1-ε_low, 1+ε_high))          clip-higher (DAPO)
+    pg   = min(pg, -A·c)  where A < 0                          dual clip (c > 1; 0 disables)
+    loss = w · pg  (+ β·low_var_kl(π_θ, π_ref))  (- λ·entropy)
+with the off-policy weight w chosen by `LossConfig.correction`:
+    none      : w = 1 (naive PPO on π_prox, or on μ when π_prox is not recomputed)
+    decoupled : w = k (AReaL); tokens with k > `behav_weight_cap` (when > 0) get w = 0
+    tis       : w = min(k, C)                                  truncated IS (Yao et al.)
+    icepop    : w = k if α ≤ k ≤ β else 0                       IcePop's M(k)
+    geo_mask  : w = 1 if lo ≤ exp(mean_seq log k) ≤ hi else 0   whole sequence rejected
+w is a constant (no gradient flows through it).
+
+Aggregation (`LossConfig.aggregation`) divides a numerator by a denominator; the trainer
+passes the denominator of the whole optimizer step (all micro-batches, all ranks) so that
+gradient accumulation gives the same update as one big batch:
+    token-mean              : Σ_t loss / #tokens
+    seq-mean-token-mean     : Σ_s mean_t∈s loss / #sequences
+    seq-mean-token-sum-norm : Σ_t loss / (#sequences · norm_length)   (Dr.GRPO's constant)
+Masked tokens count in the denominators (they contribute zero), so masking never rescales
+the surviving tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.config import AGGREGATIONS, CORRECTIONS, LossConfig
+
+
+@dataclass
+class TokenBatch:
+    """Flattened response tokens of one micro-batch (all tensors of shape (T,))."""
+
+    logprobs: Tensor
+    """log π_θ of the sampled tokens under the current parameters (requires grad)."""
+    behaviour_logprobs: Tensor
+    """log μ: the generator's logprobs as sampled."""
+    advantages: Tensor
+    """Advantage of each token's sequence."""
+    seq_index: Tensor
+    """Index (0..num_seqs-1) of the sequence each token belongs to (long)."""
+    num_seqs: int
+    proximal_logprobs: Tensor | None = None
+    """log π_prox (no grad); None means not recomputed, π_prox := μ."""
+    ref_logprobs: Tensor | None = None
+    """log π_ref of a frozen reference policy, for the KL penalty."""
+    entropy: Tensor | None = None
+    """Per-token entropy of π_θ (with grad when the entropy bonus is on)."""
+
+
+def loss_denominator(cfg: LossConfig, num_tokens: int, num_seqs: int) -> float:
+    """The denominator of `cfg.aggregation` for a batch of these totals."""
+    if cfg.aggregation == "token-mean":
+        return float(max(num_tokens, 1))
+    if cfg.aggregation == "seq-mean-token-mean":
+        return float(max(num_seqs, 1))
+    if cfg.aggregation == "seq-mean-token-sum-norm":
+        return float(max(num_seqs, 1) * cfg.norm_length)
+    raise ValueError(f"unknown aggregation {cfg.aggregation!r}; choose one of {AGGREGATIONS}")
+
+
+def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(π_θ || π_ref) per token (veRL's low_var_kl), clamped to [-10, 10]."""
+    log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+def seq_mean(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
+    """Mean of `values` over the tokens of each sequence, shape (num_seqs,); empty sequences give 0."""
+    sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_index, values)
+    counts = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
+        0, seq_index, torch.ones_like(values)
+    )
+    return sums / counts.clamp(min=1.0)
+
+
+def off_policy_weight(cfg: LossConfig, log_k: Tensor, batch: TokenBatch) -> Tensor:
+    """The constant per-token weight w of `cfg.correction` from log k = log π_prox - log μ."""
+    if cfg.correction == "none":
+        return torch.ones_like(log_k)
+    k = log_k.clamp(-20.0, 20.0).exp()
+    if cfg.correction == "decoupled":
+        if cfg.behav_weight_cap > 0:
+            return torch.where(k > cfg.behav_weight_cap, torch.zeros_like(k), k)
+        return k
+    if cfg.correction == "tis":
+        return k.clamp(max=cfg.tis_cap)
+    if cfg.correction == "icepop":
+        keep = (k >= cfg.icepop_low) & (k <= cfg.icepop_high)
+        return torch.where(keep, k, torch.zeros_like(k))
+    if cfg.correction == "geo_mask":
+        geo = seq_mean(log_k, batch.seq_index, batch.num_seqs).exp()
+        keep_seq = (geo >= cfg.geo_low) & (geo <= cfg.geo_high)
+        return keep_seq[batch.seq_index].to(log_k.dtype)
+    raise ValueError(f"unknown correction {cfg.correction!r}; choose one of {CORRECTIONS}")
+
+
+def _aggregate(cfg: LossConfig, token_loss: Tensor, batch: TokenBatch, denom: float) -> Tensor:
+    if cfg.aggregation == "seq-mean-token-mean":
+        return seq_mean(token_loss, batch.seq_index, batch.num_seqs).sum() / denom
+    return token_loss.sum() / denom
+
+
+def policy_loss(cfg: LossConfig, batch: TokenBatch, denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's loss (already divided by `denom`) and its token-mean metrics.
+
+    `denom` defaults to this micro-batch's own `loss_denominator`.
+    """
+    logp = batch.logprobs
+    behav = batch.behaviour_logprobs.to(logp.dtype)
+    prox = behav if batch.proximal_logprobs is None else batch.proximal_logprobs.to(logp.dtype).detach()
+    adv = batch.advantages.to(logp.dtype)
+    if denom is None:
+        denom = loss_denominator(cfg, logp.numel(), batch.num_seqs)
+
+    log_u = (logp - prox).clamp(-20.0, 20.0)
+    ratio = log_u.exp()
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual_active = torch.zeros_like(pg, dtype=torch.bool)
+    if cfg.dual_clip > 1.0:
+        pg_dual = -adv * cfg.dual_clip
+        dual_active = (adv < 0) & (pg_dual < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg_dual), pg)
+
+    weight = off_policy_weight(cfg, (prox - behav).detach(), batch).detach()
+    token_loss = weight * pg
+    kl = None
+    if cfg.kl_coef > 0:
+        if batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = low_var_kl(logp, batch.ref_logprobs.to(logp.dtype).detach())
+        token_loss = token_loss + cfg.kl_coef * kl
+    if cfg.entropy_coef > 0:
+        if batch.entropy is None:
+            raise ValueError("entropy_coef > 0 needs entropy")
+        token_loss = token_loss - cfg.entropy_coef * batch.entropy
+    loss = _aggregate(cfg, token_loss, batch, denom)
+    metrics = _metrics(batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl)
+    return loss, metrics
+
+
+def _metrics(batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl) -> dict[str, float]:
+    """Token means over the micro-batch (detached), for logging; weight them by `num_tokens`."""
+    with torch.no_grad():
+        log_r = (logp.detach() - behav).clamp(-20.0, 20.0)  # learner vs behaviour
+        masked = weight == 0
+        out = {
+            "num_tokens": float(logp.numel()),
+            "mismatch_kl": (log_r.exp() - log_r - 1.0).mean().item(),
+            "mismatch_kl_k1": (-log_r).mean().item(),
+            "mismatch_abs_logprob_diff": log_r.abs().mean().item(),
+            "clipped_frac": (pg_clipped > pg_unclipped).float().mean().item(),
+            "dual_clipped_frac": dual_active.float().mean().item(),
+            "masked_frac": masked.float().mean().item(),
+            "is_weight_mean": weight.mean().item(),
+            "ratio_mean": ratio.detach().mean().item(),
+            "ratio_max": ratio.detach().max().item() if ratio.numel() else 0.0,
+        }
+        if kl is not None:
+            out["kl_ref"] = kl.detach().mean().item()
+        if batch.entropy is not None:
+            out["entropy"] = batch.entropy.detach().float().mean().item()
+    return out

@@ -1,0 +1,225 @@
+"""Every loss variant against a plain, loop-based re-derivation on hand-made tokens."""
+
+import math
+
+import pytest
+import torch
+
+from learner.config import LossConfig
+from learner.losses import TokenBatch, loss_denominator, low_var_kl, policy_loss
+
+# Two sequences: seq 0 has 4 tokens (A > 0), seq 1 has 3 tokens (A < 0).
+# log π_θ - log π_prox chosen to land inside, on and beyond the clip range [0.8, 1.3] and the
+# dual clip c = 3; log π_prox - log μ chosen around the IcePop bounds [0.5, 2].
+SEQ = [0, 0, 0, 0, 1, 1, 1]
+ADV = [1.5, 1.5, 1.5, 1.5, -2.0, -2.0, -2.0]
+RATIO = [1.0, 1.2, 1.31, 0.5, 0.7, 1.5, 4.0]  # π_θ / π_prox
+K = [1.0, 1.9, 2.1, 0.45, 0.55, 1.0, 1.05]  # π_prox / μ
+PROX = [-1.0, -0.5, -2.0, -0.3, -1.2, -0.8, -3.0]
+
+
+def _inputs(ratio=RATIO, k=K):
+    logp = [p + math.log(r) for p, r in zip(PROX, ratio)]
+    behav = [p - math.log(x) for p, x in zip(PROX, k)]
+    return logp, behav
+
+
+def _reference(cfg, logp, behav, prox, adv, seq, ref=None, ent=None, denom=None):
+    """Per-token loop over the formulas of the module docstring, with torch scalars for autograd."""
+    num_seqs = max(seq) + 1
+    prox = prox if prox is not None else [b for b in behav]
+    seq_logk = {}
+    for t, s in enumerate(seq):
+        seq_logk.setdefault(s, []).append(prox[t] - behav[t])
+    token_losses = []
+    for t in range(len(seq)):
+        a = adv[t]
+        u = torch.exp(logp[t] - prox[t])
+        pg = max(-a * u, -a * min(max(u, 1 - cfg.clip_low), 1 + cfg.clip_high))
+        if cfg.dual_clip > 1 and a < 0:
+            pg = min(pg, torch.tensor(-a * cfg.dual_clip, dtype=torch.float64))
+        k = math.exp(prox[t] - behav[t])
+        if cfg.correction == "none":
+            w = 1.0
+        elif cfg.correction == "decoupled":
+            w = 0.0 if (cfg.behav_weight_cap > 0 and k > cfg.behav_weight_cap) else k
+        elif cfg.correction == "tis":
+            w = min(k, cfg.tis_cap)
+        elif cfg.correction == "icepop":
+            w = k if cfg.icepop_low <= k <= cfg.icepop_high else 0.0
+        else:
+            lks = seq_logk[seq[t]]
+            g = math.exp(sum(lks) / len(lks))
+            w = 1.0 if cfg.geo_low <= g <= cfg.geo_high else 0.0
+        loss_t = w * pg
+        if cfg.kl_coef > 0:
+            d = ref[t] - logp[t]
+            loss_t = loss_t + cfg.kl_coef * (torch.exp(d) - d - 1)
+        if cfg.entropy_coef > 0:
+            loss_t = loss_t - cfg.entropy_coef * ent[t]
+        token_losses.append(loss_t)
+    if cfg.aggregation == "token-mean":
+        return sum(token_losses) / (denom or len(seq))
+    if cfg.aggregation == "seq-mean-token-mean":
+        total = 0.0
+        for s in range(num_seqs):
+            mine = [token_losses[t] for t in range(len(seq)) if seq[t] == s]
+            total = total + sum(mine) / len(mine)
+        return total / (denom or num_seqs)
+    return sum(token_losses) / (denom or num_seqs * cfg.norm_length)
+
+
+def _run_both(cfg, with_prox=True, ratio=RATIO, k=K, denom=None):
+    logp, behav = _inputs(ratio, k)
+    prox = PROX if with_prox else None
+    ref = [x - 0.1 * i for i, x in enumerate(logp)]
+    ent = [0.5 + 0.1 * i for i in range(len(logp))]
+    logp_t = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
+    ent_t = torch.tensor(ent, dtype=torch.float64, requires_grad=True)
+    batch = TokenBatch(
+        logprobs=logp_t,
+        behaviour_logprobs=torch.tensor(behav, dtype=torch.float64),
+        proximal_logprobs=torch.tensor(prox, dtype=torch.float64) if prox else None,
+        advantages=torch.tensor(ADV, dtype=torch.float64),
+        seq_index=torch.tensor(SEQ),
+        num_seqs=2,
+        ref_logprobs=torch.tensor(ref, dtype=torch.float64),
+        entropy=ent_t,
+    )
+    loss, metrics = policy_loss(cfg, batch, denom)
+    loss.backward()
+
+    logp_r = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in logp]
+    ent_r = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in ent]
+    ref_loss = _reference(cfg, logp_r, behav, prox, ADV, SEQ, ref, ent_r, denom)
+    ref_loss.backward()
+    grad_ref = [x.grad.item() if x.grad is not None else 0.0 for x in logp_r]
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+    assert logp_t.grad.tolist() == pytest.approx(grad_ref, abs=1e-12)
+    return loss, metrics, logp_t.grad
+
+
+CORRECTION_CASES = ["none", "decoupled", "tis", "icepop", "geo_mask"]
+AGG_CASES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("correction", CORRECTION_CASES)
+@pytest.mark.parametrize("aggregation", AGG_CASES)
+def test_policy_loss_matches_loop_reference(correction, aggregation):
+    cfg = LossConfig(correction=correction, aggregation=aggregation, norm_length=16)
+    _run_both(cfg)
+
+
+def test_kl_and_entropy_terms_match_reference():
+    cfg = LossConfig(correction="tis", kl_coef=0.1, entropy_coef=0.01)
+    _, metrics, _ = _run_both(cfg)
+    assert "kl_ref" in metrics and metrics["entropy"] == pytest.approx(0.8)
+
+
+def test_without_proximal_ratio_is_against_behaviour():
+    cfg = LossConfig(correction="none")
+    _run_both(cfg, with_prox=False)
+
+
+def test_external_denominator_scales_loss():
+    cfg = LossConfig(correction="none")
+    loss_local, _, _ = _run_both(cfg)
+    loss_global, _, _ = _run_both(cfg, denom=70.0)
+    assert loss_global.item() == pytest.approx(loss_local.item() * 7 / 70.0)
+
+
+def test_clip_edges_zero_gradient_where_clipped():
+    # Positive advantage beyond 1 + ε_high (token 2: 1.31 > 1.3) and negative advantage
+    # below 1 - ε_low are clipped (no gradient); A < 0 above 1 + ε is not clipped.
+    cfg = LossConfig(correction="none", dual_clip=0.0)
+    _, metrics, grad = _run_both(cfg)
+    assert grad[2].item() == 0.0  # A>0, u = 1.31 above 1.3
+    assert grad[3].item() != 0.0  # A>0, u = 0.5 below the range: not clipped (max picks unclipped)
+    assert grad[4].item() == 0.0  # A<0, u = 0.7 below 0.8
+    assert grad[5].item() != 0.0  # A<0, u = 1.5: unclipped (pessimistic)
+    assert metrics["clipped_frac"] == pytest.approx(2 / 7)
+
+
+def test_clip_boundary_inside_keeps_gradient():
+    ratio = [1.0, 1.2999, 1.3001, 0.8001, 0.7999, 1.0, 1.0]
+    cfg = LossConfig(correction="none", dual_clip=0.0)
+    _, _, grad = _run_both(cfg, ratio=ratio)
+    assert grad[1].item() != 0.0 and grad[2].item() == 0.0
+    assert grad[3].item() != 0.0  # A>0 below the range: unclipped
+    assert grad[4].item() == 0.0  # A<0, 0.7999 < 0.8: clipped
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    cfg = LossConfig(correction="none", dual_clip=3.0, aggregation="token-mean")
+    loss, metrics, grad = _run_both(cfg)
+    assert grad[6].item() == 0.0  # u = 4 > c = 3 with A < 0: loss is the constant -A·c
+    assert metrics["dual_clipped_frac"] == pytest.approx(1 / 7)
+    cfg_off = LossConfig(correction="none", dual_clip=0.0)
+    _, _, grad_off = _run_both(cfg_off)
+    assert grad_off[6].item() != 0.0
+
+
+def test_icepop_masks_outside_and_weights_inside():
+    cfg = LossConfig(correction="icepop", icepop_low=0.5, icepop_high=2.0, dual_clip=0.0)
+    _, metrics, grad = _run_both(cfg)
+    # K = [1.0, 1.9, 2.1, 0.45, 0.55, 1.0, 1.05]: tokens 2 and 3 are outside [0.5, 2].
+    assert grad[3].item() == 0.0
+    assert metrics["masked_frac"] == pytest.approx(2 / 7)
+    assert metrics["is_weight_mean"] == pytest.approx((1.0 + 1.9 + 0.55 + 1.0 + 1.05) / 7)
+
+
+def test_geo_mask_rejects_whole_sequences():
+    # seq 1 log-ratios: log .55, log 1, log 1.05 -> geo mean ~0.834 -> rejected
+    # seq 0 made exactly on-policy -> kept
+    k = [1.0, 1.0, 1.0, 1.0, 0.55, 1.0, 1.05]
+    cfg = LossConfig(correction="geo_mask", geo_low=0.99, geo_high=1.01)
+    _, metrics, grad = _run_both(cfg, k=k)
+    assert all(g == 0.0 for g in grad[4:].tolist())
+    assert any(g != 0.0 for g in grad[:4].tolist())
+    assert metrics["masked_frac"] == pytest.approx(3 / 7)
+    # Inside the band near its edge: 1.009 per token keeps the sequence.
+    k_edge = [1.0, 1.0, 1.0, 1.0, 1.009, 1.009, 1.009]
+    _, metrics, _ = _run_both(cfg, k=k_edge)
+    assert metrics["masked_frac"] == 0.0
+
+
+def test_decoupled_cap_masks_large_weights():
+    cfg = LossConfig(correction="decoupled", behav_weight_cap=2.0)
+    _, metrics, grad = _run_both(cfg)
+    assert grad[2].item() == 0.0  # k = 2.1 > cap
+    assert metrics["masked_frac"] == pytest.approx(1 / 7)
+
+
+def test_tis_truncates_weight():
+    cfg = LossConfig(correction="tis", tis_cap=1.5, dual_clip=0.0)
+    _, metrics, _ = _run_both(cfg)
+    assert metrics["is_weight_mean"] == pytest.approx((1.0 + 1.5 + 1.5 + 0.45 + 0.55 + 1.0 + 1.05) / 7)
+
+
+def test_mismatch_kl_is_zero_on_policy_and_positive_off_policy():
+    cfg = LossConfig(correction="none")
+    ones = [1.0] * 7
+    _, m_on, _ = _run_both(cfg, ratio=ones, k=ones)
+    assert m_on["mismatch_kl"] == pytest.approx(0.0, abs=1e-12)
+    _, m_off, _ = _run_both(cfg)
+    assert m_off["mismatch_kl"] > 0.0
+
+
+def test_low_var_kl_is_k3():
+    logp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -2.0])
+    d = ref - logp
+    assert torch.allclose(low_var_kl(logp, ref), d.exp() - d - 1)
+
+
+def test_denominators_and_errors():
+    assert loss_denominator(LossConfig(aggregation="token-mean"), 10, 3) == 10.0
+    assert loss_denominator(LossConfig(aggregation="seq-mean-token-mean"), 10, 3) == 3.0
+    assert loss_denominator(LossConfig(aggregation="seq-mean-token-sum-norm", norm_length=8), 10, 3) == 24.0
+    with pytest.raises(ValueError, match="aggregation"):
+        loss_denominator(LossConfig(aggregation="bogus"), 1, 1)
+    batch = TokenBatch(torch.zeros(2), torch.zeros(2), torch.ones(2), torch.tensor([0, 0]), 1)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(LossConfig(kl_coef=0.1), batch)
+    with pytest.raises(ValueError, match="correction"):
+        policy_loss(LossConfig(correction="bogus"), batch)
