@@ -1,0 +1,40 @@
+"""The learner entry point: flags resolve before torch is imported; multi-rank re-launch command."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from learner.__main__ import relaunch_command, world_size_wanted
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_world_size_from_gpus_or_nproc():
+    assert world_size_wanted([0, 1, 2], 1) == 3
+    assert world_size_wanted([], 4) == 4
+    assert world_size_wanted([], 0) == 1
+
+
+def test_relaunch_runs_this_module_under_torch_distributed():
+    cmd = relaunch_command(2, ["--model", "m", "--nproc", "2"])
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in cmd
+    assert cmd[-5:] == ["learner", "--model", "m", "--nproc", "2"]
+
+
+def test_config_resolves_without_importing_torch(tmp_path):
+    toml = tmp_path / "learner.toml"
+    toml.write_text('model = "/x"\n[loss]\ncorrection = "tis"\n')
+    code = (
+        "import sys\n"
+        "from learner.config import LearnerConfig\n"
+        "from runtime.config import apply_gpus, load_config\n"
+        f"cfg = load_config(LearnerConfig, ['--config', {str(toml)!r}, '--algo.groups-per-step', '3'])\n"
+        "apply_gpus('2-3')\n"
+        "assert 'torch' not in sys.modules, 'torch imported before CUDA_VISIBLE_DEVICES was set'\n"
+        "import os\n"
+        "print(cfg.model, cfg.loss.correction, cfg.algo.groups_per_step, os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["/x", "tis", "3", "2,3"]
