@@ -1,0 +1,124 @@
+"""Typed publish/subscribe on top of a byte-level `Transport`.
+
+    pub = Publisher(transport, names.rollouts)
+    pub.publish(group)                                   # blocks under backpressure
+    sub = Subscriber(transport, names.rollouts, Names.REWARD, "worker-1", expect=RolloutGroup)
+    for delivery, group in sub.poll(count=16, block_s=1.0):
+        ...process...
+    sub.ack([d for d, _ in batch])                       # ack only after processing
+
+A payload that does not decode (garbage, unknown kind, unknown schema version) or is not one of
+the `expect`ed types is dead-lettered with its reason, counted in
+`parallax_broker_rejected_total{stream,reason}`, logged, and never returned; the good entries
+around it are returned as usual. Nothing here creates a metrics registry at import time: pass
+your process's registry, or each Subscriber counts into a private one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+
+from broker import codec
+from broker.schemas import Message
+from broker.transport import Delivery, Transport
+
+log = logging.getLogger(__name__)
+
+_counters: "weakref.WeakKeyDictionary[CollectorRegistry, Counter]" = weakref.WeakKeyDictionary()
+_counters_lock = threading.Lock()
+
+
+def rejected_counter(registry: CollectorRegistry) -> Counter:
+    """`parallax_broker_rejected_total{stream,reason}` on `registry` (created once per registry)."""
+    with _counters_lock:
+        counter = _counters.get(registry)
+        if counter is None:
+            counter = Counter(
+                "parallax_broker_rejected",
+                "Messages rejected by a subscriber and dead-lettered, by stream and reason",
+                ["stream", "reason"],
+                registry=registry,
+            )
+            _counters[registry] = counter
+        return counter
+
+
+class Publisher:
+    """Encodes messages and publishes them to one stream."""
+
+    def __init__(self, transport: Transport, stream: str):
+        self.transport = transport
+        self.stream = stream
+
+    def publish(self, msg: Message, *, timeout: float | None = 30.0) -> str:
+        """Publish one message; blocks while the stream is full (BackpressureTimeout after `timeout`)."""
+        return self.transport.publish(self.stream, codec.encode(msg), timeout=timeout)
+
+    def publish_many(self, msgs: Iterable[Message], *, timeout: float | None = 30.0) -> list[str]:
+        """Publish several messages in order, in as few round trips as the transport allows."""
+        payloads = [codec.encode(m) for m in msgs]
+        many = getattr(self.transport, "publish_many", None)
+        if many is not None:
+            return many(self.stream, payloads, timeout=timeout)
+        return [self.transport.publish(self.stream, p, timeout=timeout) for p in payloads]
+
+
+class Subscriber:
+    """Consumes one stream as `consumer` of `group`, decoding and type-checking every entry."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        expect: type | tuple[type, ...] = Message.__args__,
+        registry: CollectorRegistry | None = None,
+    ):
+        self.transport = transport
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.expect = expect if isinstance(expect, tuple) else (expect,)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.rejected = rejected_counter(self.registry)
+        ensure_group = getattr(transport, "ensure_group", None)
+        if ensure_group is not None:  # join now, so nothing published from here on is missed
+            ensure_group(stream, group)
+
+    def poll(self, count: int = 1, block_s: float = 1.0) -> list[tuple[Delivery, Message]]:
+        """Up to `count` (delivery, message) pairs; rejected entries are dead-lettered, not returned."""
+        good = []
+        for delivery in self.transport.consume(self.stream, self.group, self.consumer, count=count, block_s=block_s):
+            try:
+                msg = codec.decode(delivery.payload)
+                if not isinstance(msg, self.expect):
+                    wanted = " or ".join(t.__name__ for t in self.expect)
+                    raise codec.MessageError("wrong_type", f"got {type(msg).__name__}, expected {wanted}")
+            except codec.MessageError as exc:
+                self.reject(delivery, exc.reason, str(exc))
+                continue
+            good.append((delivery, msg))
+        return good
+
+    def reject(self, delivery: Delivery, reason: str, detail: str = "") -> None:
+        """Dead-letter one delivery with `reason` (a short label) and count it."""
+        log.warning("%s: dead-lettering entry %s: %s", self.stream, delivery.id, detail or reason)
+        self.transport.dead_letter(delivery, self.group, detail or reason)
+        self.rejected.labels(stream=self.stream, reason=reason).inc()
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Ack processed deliveries (never before processing them)."""
+        self.transport.ack(self.stream, self.group, [d.id for d in deliveries])
+
+    def rejected_count(self, reason: str | None = None) -> float:
+        """How many entries this subscriber's counter holds for this stream (optionally one reason)."""
+        reasons = [reason] if reason else codec.REASONS
+        labels = [{"stream": self.stream, "reason": r} for r in reasons]
+        return sum(self.registry.get_sample_value("parallax_broker_rejected_total", lab) or 0.0 for lab in labels)

@@ -1,0 +1,103 @@
+"""Content-addressed image blobs: images travel once, messages carry `ImageRef`s.
+
+    store = ImageStore(transport, Names(namespace))
+    ref = store.put(png_bytes)          # stored under sha256, expiry refreshed
+    pil = store.open(ref)               # fetched, sha256-verified, decoded
+
+The same bytes are stored once (the key is their sha256); every `put` refreshes the expiry
+(at most every `ttl_s / 4` per process, so a hot image costs no traffic). `get` raises
+`ImageMissing` when the blob expired or was never stored and `ImageCorrupt` when the bytes do
+not hash to the reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections import OrderedDict
+
+from broker.names import Names
+from broker.schemas import ImageRef
+from broker.transport import Transport
+
+DEFAULT_TTL_S = 24 * 3600.0
+_RECENT_MAX = 10_000
+
+
+class ImageError(RuntimeError):
+    """An image could not be stored or fetched."""
+
+
+class ImageMissing(ImageError):
+    """The referenced blob is not in the store (expired or never stored)."""
+
+
+class ImageCorrupt(ImageError):
+    """The stored bytes do not match the reference's sha256."""
+
+
+class ImageStore:
+    """Puts and gets encoded images by sha256 through a transport's blob store."""
+
+    def __init__(self, transport: Transport, names: Names | None = None, ttl_s: float | None = DEFAULT_TTL_S):
+        self.transport = transport
+        self.names = names or Names()
+        self.ttl_s = ttl_s
+        self._refreshed: OrderedDict[str, float] = OrderedDict()
+
+    def put(self, data: bytes) -> ImageRef:
+        """Store encoded image bytes (png, jpeg, ...) once and return their reference."""
+        fmt, width, height = _probe(data)
+        sha = hashlib.sha256(data).hexdigest()
+        if not self._recently_refreshed(sha):
+            self.transport.put_blob(self.names.blob(sha), data, ttl_s=self.ttl_s)
+            self._mark_refreshed(sha)
+        return ImageRef(sha256=sha, format=fmt, width=width, height=height, nbytes=len(data))
+
+    def put_image(self, image, format: str = "png") -> ImageRef:
+        """Encode a PIL image (PNG by default) and store it."""
+        buf = io.BytesIO()
+        image.save(buf, format=format.upper())
+        return self.put(buf.getvalue())
+
+    def get(self, ref: ImageRef) -> bytes:
+        """The verified bytes of `ref`."""
+        data = self.transport.get_blob(self.names.blob(ref.sha256))
+        if data is None:
+            raise ImageMissing(f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)")
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != ref.sha256:
+            raise ImageCorrupt(f"image {ref.sha256[:16]}...: stored bytes hash to {actual[:16]}...")
+        return data
+
+    def open(self, ref: ImageRef, mode: str | None = "RGB"):
+        """The decoded PIL image of `ref` (converted to `mode` unless None)."""
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(self.get(ref)))
+        image.load()
+        return image.convert(mode) if mode and image.mode != mode else image
+
+    def _recently_refreshed(self, sha: str) -> bool:
+        if self.ttl_s is None:
+            return sha in self._refreshed
+        at = self._refreshed.get(sha)
+        return at is not None and time.monotonic() - at < self.ttl_s / 4
+
+    def _mark_refreshed(self, sha: str) -> None:
+        self._refreshed[sha] = time.monotonic()
+        self._refreshed.move_to_end(sha)
+        while len(self._refreshed) > _RECENT_MAX:
+            self._refreshed.popitem(last=False)
+
+
+def _probe(data: bytes) -> tuple[str, int, int]:
+    """(format, width, height) from the image header; ImageError if it is not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return (image.format or "").lower(), image.width, image.height
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ImageError(f"not a decodable image ({len(data)} bytes): {exc}") from None

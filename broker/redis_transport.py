@@ -1,0 +1,209 @@
+"""Redis Streams implementation of `broker.transport.Transport` (redis-py).
+
+* Streams with consumer groups (created from the stream's start with MKSTREAM; only BUSYGROUP
+  is ignored). `consume` first reclaims entries idle longer than `claim_idle_s` on other
+  (dead) consumers with XAUTOCLAIM, then reads new ones with XREADGROUP; entries delivered more
+  than `max_deliveries` times go to `<stream>:dead` with the reason and are acked.
+* Ack after processing (XACK); acked prefixes are trimmed exactly (XTRIM MINID below the first
+  entry any group still needs), so the stream length is the backlog and unconsumed work is
+  never trimmed. `publish` blocks while the backlog is `max_len` (an atomic check+XADD script,
+  polled with short sleeps) and raises `BackpressureTimeout` when that outlasts `timeout`.
+* Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
+Password and user come from the URL: redis://[user]:password@host:port/db.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+import redis
+
+from broker import redis_scripts
+from broker.names import Names
+from broker.stream_options import Backoff, DeadLetter, StreamOptions
+from broker.transport import BackpressureTimeout, Delivery, Transport, TransportError
+
+PUBLISH_CHUNK = 256
+"""Payloads per PUBLISH script call in `publish_many`."""
+MAX_BLOCK_S = 50.0
+"""Longest single blocking read (below the socket timeout)."""
+
+
+def redact(url: str) -> str:
+    """`url` with any password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
+
+
+class RedisTransport(Transport):
+    """Streams, blobs and values on one Redis server; see the module docstring."""
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", options: StreamOptions | None = None, **opts):
+        self.options = options or StreamOptions(**opts)
+        self.url = url
+        self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
+        self._publish = self._redis.register_script(redis_scripts.PUBLISH)
+        self._ack = self._redis.register_script(redis_scripts.ACK)
+        self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
+        self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
+        self._groups: set[tuple[str, str]] = set()
+        self._last_reclaim: dict[tuple[str, str], float] = {}
+        with self._errors("connect"):
+            self._redis.ping()
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except redis.exceptions.RedisError as exc:
+            raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
+
+    # ---- streams -------------------------------------------------------------------------------
+    def ensure_group(self, stream: str, group: str) -> None:
+        """Create `group` on `stream` (from its first entry) unless it exists."""
+        if (stream, group) in self._groups:
+            return
+        try:
+            self._redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise TransportError(f"cannot create group {group!r} on {stream!r}: {exc}") from exc
+        except redis.exceptions.RedisError as exc:
+            raise TransportError(f"cannot create group {group!r} on {stream!r}: {exc}") from exc
+        self._groups.add((stream, group))
+
+    def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
+        return self.publish_many(stream, [payload], timeout=timeout)[0]
+
+    def publish_many(
+        self, stream: str, payloads: Sequence[bytes], *, timeout: float | None = 30.0
+    ) -> list[str]:
+        """Publish in order, blocking while the stream is full; all ids, or BackpressureTimeout
+        (whose `published` attribute lists the ids that did go out)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ids: list[str] = []
+        backoff = Backoff()
+        while len(ids) < len(payloads):
+            chunk = payloads[len(ids) : len(ids) + PUBLISH_CHUNK]
+            with self._errors("publish"):
+                added = self._publish(keys=[stream], args=[self.options.max_len, *chunk])
+            ids.extend(i.decode() for i in added)
+            if added:
+                backoff.reset()
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                exc = BackpressureTimeout(
+                    f"{stream}: backlog stayed at max_len={self.options.max_len} for {timeout:.3g}s "
+                    f"({len(ids)}/{len(payloads)} published); consumers are not keeping up"
+                )
+                exc.published = ids
+                raise exc
+            delay = backoff.step()
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+        return ids
+
+    def consume(
+        self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
+    ) -> list[Delivery]:
+        self.ensure_group(stream, group)
+        out = self._reclaim_idle(stream, group, consumer, count)
+        if len(out) >= count:
+            return out
+        block_ms = None if out or block_s <= 0 else max(1, int(min(block_s, MAX_BLOCK_S) * 1000))
+        try:
+            reply = self._redis.xreadgroup(group, consumer, {stream: ">"}, count=count - len(out), block=block_ms)
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise TransportError(f"redis consume failed: {exc}") from exc
+            self._groups.discard((stream, group))  # stream deleted under us: recreate next time
+            return out
+        except redis.exceptions.RedisError as exc:
+            raise TransportError(f"redis consume failed ({redact(self.url)}): {exc}") from exc
+        for _name, entries in reply or []:
+            for entry_id, fields in entries:
+                out.append(Delivery(stream, entry_id.decode(), fields.get(b"d", b""), 1))
+        return out
+
+    def _reclaim_idle(self, stream: str, group: str, consumer: str, count: int) -> list[Delivery]:
+        key, now = (stream, group), time.monotonic()
+        if now - self._last_reclaim.get(key, -1e9) < min(self.options.claim_idle_s / 4, 1.0):
+            return []
+        opts = self.options
+        with self._errors("reclaim"):
+            claimed = self._reclaim(
+                keys=[stream, Names.dead(stream)],
+                args=[group, consumer, int(opts.claim_idle_s * 1000), count, opts.max_deliveries, opts.dead_max_len],
+            )
+        if len(claimed) < count:  # a full batch means more may be waiting: look again next time
+            self._last_reclaim[key] = now
+        return [Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed]
+
+    def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        with self._errors("ack"):
+            self._ack(keys=[stream], args=[group, *ids])
+
+    def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
+        with self._errors("dead_letter"):
+            self._dead(
+                keys=[delivery.stream, Names.dead(delivery.stream)],
+                args=[group, delivery.id, delivery.payload, delivery.attempts, reason, self.options.dead_max_len],
+            )
+
+    def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
+        """The oldest `count` entries of `<stream>:dead` (for inspection; not consumed)."""
+        with self._errors("dead_letters"):
+            entries = self._redis.xrange(Names.dead(stream), count=count)
+        return [
+            DeadLetter(
+                id=f[b"id"].decode(), payload=f[b"d"], reason=f[b"reason"].decode(),
+                group=f[b"group"].decode(), attempts=int(f[b"attempts"]),
+            )
+            for _id, f in entries
+        ]
+
+    def pending(self, stream: str, group: str) -> int:
+        try:
+            return int(self._redis.xpending(stream, group)["pending"])
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                return 0
+            raise TransportError(f"redis pending failed: {exc}") from exc
+        except redis.exceptions.RedisError as exc:
+            raise TransportError(f"redis pending failed ({redact(self.url)}): {exc}") from exc
+
+    def backlog(self, stream: str) -> int:
+        with self._errors("backlog"):
+            return int(self._redis.xlen(stream))
+
+    # ---- blobs and values ----------------------------------------------------------------------
+    def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
+        with self._errors("put_blob"):
+            if ttl is None:
+                self._redis.set(key, data, nx=True)
+                self._redis.persist(key)
+            elif not self._redis.pexpire(key, max(1, int(ttl * 1000))):  # refreshed if present
+                self._redis.set(key, data, px=max(1, int(ttl * 1000)), nx=True)
+
+    def get_blob(self, key: str) -> bytes | None:
+        with self._errors("get_blob"):
+            return self._redis.get(key)
+
+    def set_value(self, key: str, value: bytes) -> None:
+        with self._errors("set_value"):
+            self._redis.set(key, value)
+
+    def get_value(self, key: str) -> bytes | None:
+        with self._errors("get_value"):
+            return self._redis.get(key)
+
+    def close(self) -> None:
+        self._redis.close()
+        self._redis.connection_pool.disconnect()

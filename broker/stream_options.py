@@ -1,0 +1,61 @@
+"""Settings and records shared by both transport implementations (Redis and ZeroMQ).
+
+`StreamOptions` holds the knobs of the transport contract (bound, reclaim, redelivery cap,
+blob expiry); `broker.connect(url, **opts)` passes its keyword options through to it.
+`DeadLetter` is what `dead_letters(stream)` returns for inspection of a dead-letter stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Contract knobs of a transport; the same meaning on Redis and on ZeroMQ."""
+
+    max_len: int = 10_000
+    """Backlog bound per stream (entries not yet acked by every group); publish blocks at it."""
+    claim_idle_s: float = 30.0
+    """An entry pending this long on one consumer is reclaimed by the next consumer that reads."""
+    max_deliveries: int = 5
+    """An entry delivered this many times without an ack goes to `<stream>:dead` instead of a 6th time."""
+    blob_ttl_s: float | None = 24 * 3600.0
+    """Expiry of blobs stored with `ttl_s=None`; None keeps them forever."""
+    dead_max_len: int = 100_000
+    """Dead-letter streams keep about this many of the newest entries (they are not work)."""
+
+    def __post_init__(self) -> None:
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        if self.claim_idle_s <= 0:
+            raise ValueError(f"claim_idle_s must be > 0, got {self.claim_idle_s}")
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One entry of a dead-letter stream."""
+
+    id: str
+    """Entry id in the original stream."""
+    payload: bytes
+    reason: str
+    group: str
+    """Consumer group that gave up on it."""
+    attempts: int
+
+
+class Backoff:
+    """Sleep intervals for polling loops: start small, double up to `cap_s`."""
+
+    def __init__(self, start_s: float = 0.001, cap_s: float = 0.05):
+        self.start_s, self.cap_s, self.next_s = start_s, cap_s, start_s
+
+    def reset(self) -> None:
+        self.next_s = self.start_s
+
+    def step(self) -> float:
+        delay, self.next_s = self.next_s, min(self.next_s * 2, self.cap_s)
+        return delay

@@ -1,0 +1,232 @@
+"""The ZeroMQ broker process: a ROUTER socket serving `broker.zmq_state.BrokerState`.
+
+Run it with `python -m broker zmq-broker --bind tcp://127.0.0.1:5555`, or in a thread with
+`BrokerThread().start()` (tests). Clients (`broker.zmq_transport.ZmqTransport`) talk to it over
+DEALER sockets, one msgpack frame per request and per reply (no pickle):
+
+    request  [request_id, op, *args]
+    reply    [request_id, status ("ok" | "err" | "nocredit"), result, credits]
+
+`credits` is [stream, count, lease_s] on replies that change a client's credits, else nil.
+Requests that cannot be answered yet are parked: a blocking `consume` until an entry arrives or
+its `block_s` ends, a `credit` request until the backlog drops below `max_len` or its `wait_s`
+ends. That parking is the back-pressure: a slow consumer holds producers at the broker instead
+of letting the broker's memory grow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from broker.zmq_state import BrokerState
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05
+"""Longest wait between timer checks (parked deadlines, lease expiry, blob expiry)."""
+
+
+@dataclass
+class ZmqBrokerConfig:
+    """`python -m broker zmq-broker`: one ZeroMQ broker process."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint to bind (port 0 or * picks a free port, printed at start)."""
+
+
+class ZmqBroker:
+    """The socket loop; `bind()` then `serve(stop)` from one thread."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:5555", context: zmq.Context | None = None):
+        self.bind_address = bind[:-2] + ":*" if bind.endswith(":0") else bind
+        self.context = context or zmq.Context.instance()
+        self.state = BrokerState()
+        self.socket: zmq.Socket | None = None
+        self._waiting_consume: dict[str, list] = {}
+        self._waiting_credit: dict[str, deque] = {}
+        self._ops = {
+            "ping": lambda client, rid: ("ok", "pong", None),
+            "credit": self._credit, "publish": self._publish, "release": self._release,
+            "consume": self._consume, "ack": self._ack, "dead": self._dead,
+            "dead_letters": lambda c, r, stream, count: ("ok", list(self.state.stream(stream).dead)[:count], None),
+            "pending": lambda c, r, stream, group: ("ok", self.state.pending(stream, group), None),
+            "backlog": lambda c, r, stream: ("ok", self.state.backlog(stream), None),
+            "ensure_group": self._ensure_group,
+            "put_blob": lambda c, r, key, data, ttl: ("ok", self.state.put_blob(key, data, ttl), None),
+            "get_blob": lambda c, r, key: ("ok", self.state.get_blob(key), None),
+            "set_value": lambda c, r, key, value: ("ok", self.state.values.__setitem__(key, value), None),
+            "get_value": lambda c, r, key: ("ok", self.state.values.get(key), None),
+        }
+
+    def bind(self) -> str:
+        """Bind the ROUTER socket; returns the endpoint actually bound (tcp://host:port)."""
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(self.bind_address)
+        return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer requests until `stop` is set; closes the socket at the end."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        last_tick = 0.0
+        try:
+            while not stop.is_set():
+                if poller.poll(int(TICK_S * 1000)):
+                    self._drain()
+                if time.monotonic() - last_tick >= TICK_S / 10:
+                    self._on_tick()
+                    last_tick = time.monotonic()
+        finally:
+            self.socket.close(linger=0)
+
+    def _drain(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            try:
+                client, body = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not [identity, body]: not one of our clients
+            self._handle(client, body)
+
+    def _handle(self, client: bytes, body: bytes) -> None:
+        rid = None
+        try:
+            request = msgspec.msgpack.decode(body)
+            rid, op, args = request[0], request[1], request[2:]
+            reply = self._ops[op](client, rid, *args)
+        except KeyError as exc:
+            reply = ("err", f"unknown op or stream/key: {exc}", None)
+        except Exception as exc:  # a bad request never takes the broker down
+            log.warning("bad request from %r: %s", client, exc)
+            reply = ("err", f"{type(exc).__name__}: {exc}", None)
+        if reply is not None:
+            self._reply(client, rid, *reply)
+
+    def _reply(self, client: bytes, rid, status: str, result, credits) -> None:
+        self.socket.send_multipart([client, msgspec.msgpack.encode([rid, status, result, credits])])
+
+    # ---- flow control --------------------------------------------------------------------------
+    def _credit(self, client, rid, stream, want, max_len, wait_s):
+        count, lease = self.state.grant(client, stream, want, max_len)
+        if count > 0 or wait_s <= 0:
+            return "ok", count, [stream, count, lease]
+        waiters = self._waiting_credit.setdefault(stream, deque())
+        waiters.append((client, rid, want, max_len, time.monotonic() + wait_s))
+        return None
+
+    def _serve_credit_waiters(self, stream: str, now: float) -> None:
+        waiters = self._waiting_credit.get(stream)
+        while waiters:
+            client, rid, want, max_len, deadline = waiters[0]
+            count, lease = self.state.grant(client, stream, want, max_len)
+            if count == 0 and deadline > now:
+                break  # first come, first served: later producers wait behind this one
+            waiters.popleft()
+            self._reply(client, rid, "ok", count, [stream, count, lease])
+
+    def _publish(self, client, rid, stream, payloads):
+        ids = self.state.publish(client, stream, payloads)
+        credits = [stream, *self.state.credits_of(client, stream)]
+        if ids is None:
+            return "nocredit", f"{stream}: publish of {len(payloads)} entries needs credits", credits
+        self._serve_consumers(stream, time.monotonic())
+        return "ok", ids, credits
+
+    def _release(self, client, rid, stream):
+        self.state.release(client, stream)
+        self._serve_credit_waiters(stream, time.monotonic())
+        return "ok", None, [stream, 0, 0.0]
+
+    # ---- consuming -------------------------------------------------------------------------------
+    def _consume(self, client, rid, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries):
+        out = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
+        self._serve_credit_waiters(stream, time.monotonic())  # reclaim may have dead-lettered some
+        if out or block_s <= 0:
+            return "ok", out, None
+        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries)
+        self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
+        return None
+
+    def _serve_consumers(self, stream: str, now: float) -> None:
+        waiters = self._waiting_consume.get(stream)
+        if not waiters:
+            return
+        keep = []
+        for client, rid, args, deadline in waiters:
+            stream_, group, consumer, count, _block, idle_s, max_deliveries = args
+            if deadline > now and not self.state.has_new(stream_, group):
+                keep.append((client, rid, args, deadline))
+                continue
+            out = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
+            self._reply(client, rid, "ok", out, None)
+        self._waiting_consume[stream] = keep
+
+    def _ensure_group(self, client, rid, stream, group):
+        self.state.ensure_group(stream, group)
+        return "ok", None, None
+
+    def _ack(self, client, rid, stream, group, ids):
+        n = self.state.ack(stream, group, ids)
+        self._serve_credit_waiters(stream, time.monotonic())
+        return "ok", n, None
+
+    def _dead(self, client, rid, stream, group, id_, payload, attempts, reason):
+        n = self.state.dead_letter(stream, group, id_, payload, attempts, reason)
+        self._serve_credit_waiters(stream, time.monotonic())
+        return "ok", n, None
+
+    # ---- timers ----------------------------------------------------------------------------------
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for stream in list(self._waiting_consume):
+            self._serve_consumers(stream, now)
+        for stream in list(self._waiting_credit):
+            self._serve_credit_waiters(stream, now)  # leases may have expired, deadlines passed
+        self.state.expire_blobs()
+
+
+class BrokerThread:
+    """A ZmqBroker serving from a daemon thread (tests, demo); `url` is its zmq:// address."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0"):
+        self.broker = ZmqBroker(bind)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    def start(self) -> "BrokerThread":
+        endpoint = self.broker.bind()
+        self.url = "zmq://" + endpoint.removeprefix("tcp://")
+        self._thread = threading.Thread(target=self.broker.serve, args=(self._stop,), daemon=True, name="zmq-broker")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "BrokerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_forever(config: ZmqBrokerConfig) -> None:
+    """Entry point of `python -m broker zmq-broker`; stops on Ctrl-C / SIGTERM."""
+    broker = ZmqBroker(config.bind)
+    endpoint = broker.bind()
+    print(f"zmq broker listening on zmq://{endpoint.removeprefix('tcp://')}", flush=True)
+    try:
+        broker.serve(threading.Event())
+    except KeyboardInterrupt:
+        pass

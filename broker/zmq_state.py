@@ -1,0 +1,205 @@
+"""In-memory state of the ZeroMQ broker: streams, consumer groups, credits, blobs, values.
+
+Pure Python, no sockets (the socket loop is `broker.zmq_broker`). Semantics match the Redis
+transport: a consumer group starts at the stream's oldest retained entry; an entry is delivered
+to one consumer of each group, stays pending until acked, is reclaimed by another consumer once
+idle for `claim_idle_s`, and goes to the dead-letter list after `max_deliveries` deliveries. An
+entry is dropped once every group acked it, so `len(entries)` is the backlog.
+
+Credit-based flow control: a producer may only publish with credits, and credits are granted
+only while backlog + outstanding credits < max_len. Grants are leased (`CREDIT_LEASE_S`), so a
+producer that dies holding credits gives them back by expiry.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+CREDIT_LEASE_S = 10.0
+"""Unused credits return to the pool this long after their last grant."""
+
+# An entry is [payload, acks]; a pending record is [consumer, delivered_at, attempts].
+
+
+@dataclass
+class Group:
+    last: int
+    """Sequence number of the last entry delivered to this group."""
+    pending: dict[int, list] = field(default_factory=dict)
+    """seq -> [consumer, delivered_at, attempts], oldest delivery first."""
+
+
+@dataclass
+class Stream:
+    entries: dict[int, list] = field(default_factory=dict)
+    next_seq: int = 1
+    groups: dict[str, Group] = field(default_factory=dict)
+    credits: dict[bytes, list] = field(default_factory=dict)
+    """client identity -> [count, expires_at]."""
+    dead: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    """(id, payload, reason, group, attempts), oldest first."""
+
+
+class BrokerState:
+    """Everything the broker holds; every method is one request's effect."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.streams: dict[str, Stream] = {}
+        self.blobs: dict[str, tuple[bytes, float | None]] = {}
+        self._blob_expiry: list[tuple[float, str]] = []
+        self.values: dict[str, bytes] = {}
+
+    def stream(self, name: str) -> Stream:
+        s = self.streams.get(name)
+        if s is None:
+            s = self.streams[name] = Stream()
+        return s
+
+    # ---- credits and publishing ------------------------------------------------------------------
+    def outstanding(self, s: Stream) -> int:
+        now = self.clock()
+        for client in [c for c, (_, exp) in s.credits.items() if exp <= now]:
+            del s.credits[client]
+        return sum(count for count, _ in s.credits.values())
+
+    def grant(self, client: bytes, name: str, want: int, max_len: int) -> tuple[int, float]:
+        """Grant up to `want` more credits; returns (client's credits now, lease seconds left)."""
+        s = self.stream(name)
+        room = max_len - len(s.entries) - self.outstanding(s)
+        mine = s.credits.get(client)
+        if room > 0 and want > 0:
+            count = (mine[0] if mine else 0) + min(want, room)
+            mine = s.credits[client] = [count, self.clock() + CREDIT_LEASE_S]
+        return self.credits_of(client, name)
+
+    def credits_of(self, client: bytes, name: str) -> tuple[int, float]:
+        mine = self.streams[name].credits.get(client) if name in self.streams else None
+        if not mine or mine[1] <= self.clock():
+            return 0, 0.0
+        return mine[0], mine[1] - self.clock()
+
+    def release(self, client: bytes, name: str) -> None:
+        if name in self.streams:
+            self.streams[name].credits.pop(client, None)
+
+    def publish(self, client: bytes, name: str, payloads: list[bytes]) -> list[str] | None:
+        """Append with the client's credits; None (nothing appended) when it has too few."""
+        s = self.stream(name)
+        have, _ = self.credits_of(client, name)
+        if have < len(payloads):
+            return None
+        s.credits[client][0] -= len(payloads)
+        ids = []
+        for payload in payloads:
+            s.entries[s.next_seq] = [payload, 0]
+            ids.append(str(s.next_seq))
+            s.next_seq += 1
+        return ids
+
+    # ---- consuming -------------------------------------------------------------------------------
+    def ensure_group(self, name: str, group: str) -> Group:
+        s = self.stream(name)
+        g = s.groups.get(group)
+        if g is None:
+            first = next(iter(s.entries)) if s.entries else s.next_seq
+            g = s.groups[group] = Group(last=first - 1)
+        return g
+
+    def consume(
+        self, name: str, group: str, consumer: str, count: int, claim_idle_s: float, max_deliveries: int
+    ) -> list[tuple[str, bytes, int]]:
+        """Reclaimed idle entries first, then new ones: [(id, payload, attempts)]."""
+        s, g = self.stream(name), self.ensure_group(name, group)
+        now = self.clock()
+        out = self._reclaim(s, g, group, consumer, count, now - claim_idle_s, max_deliveries)
+        seq = g.last + 1
+        while len(out) < count and seq < s.next_seq:
+            entry = s.entries.get(seq)
+            if entry is not None:
+                g.pending[seq] = [consumer, now, 1]
+                out.append((str(seq), entry[0], 1))
+            g.last = seq
+            seq += 1
+        return out
+
+    def _reclaim(self, s, g, group, consumer, count, idle_before, max_deliveries):
+        claim, dead = [], []
+        for seq, record in g.pending.items():
+            if record[1] > idle_before or len(claim) >= count:
+                break
+            (claim if record[2] < max_deliveries else dead).append(seq)
+        for seq in dead:
+            attempts = g.pending.pop(seq)[2]
+            reason = f"delivered {attempts} times without ack (max_deliveries {max_deliveries})"
+            s.dead.append((str(seq), s.entries[seq][0], reason, group, attempts))
+            self._acked(s, seq)
+        now = self.clock()
+        for seq in claim:  # re-inserted at the end: pending stays ordered by delivery time
+            g.pending[seq] = [consumer, now, g.pending.pop(seq)[2] + 1]
+        return [(str(seq), s.entries[seq][0], g.pending[seq][2]) for seq in claim]
+
+    def ack(self, name: str, group: str, ids: list[str]) -> int:
+        s = self.streams.get(name)
+        g = s.groups.get(group) if s else None
+        if g is None:
+            return 0
+        n = 0
+        for id_ in ids:
+            seq = int(id_)
+            if g.pending.pop(seq, None) is not None:
+                self._acked(s, seq)
+                n += 1
+        return n
+
+    def _acked(self, s: Stream, seq: int) -> None:
+        entry = s.entries[seq]
+        entry[1] += 1
+        if entry[1] >= len(s.groups):
+            del s.entries[seq]
+
+    def dead_letter(self, name: str, group: str, id_: str, payload: bytes, attempts: int, reason: str) -> int:
+        s = self.stream(name)
+        g = s.groups.get(group)
+        if g is None or int(id_) not in g.pending:
+            return 0
+        s.dead.append((id_, payload, reason, group, attempts))
+        return self.ack(name, group, [id_])
+
+    def pending(self, name: str, group: str) -> int:
+        s = self.streams.get(name)
+        return len(s.groups[group].pending) if s and group in s.groups else 0
+
+    def backlog(self, name: str) -> int:
+        return len(self.streams[name].entries) if name in self.streams else 0
+
+    def has_new(self, name: str, group: str) -> bool:
+        s = self.streams.get(name)
+        return s is not None and group in s.groups and s.groups[group].last + 1 < s.next_seq
+
+    # ---- blobs and values -------------------------------------------------------------------------
+    def put_blob(self, key: str, data: bytes, ttl_s: float | None) -> None:
+        expires = None if ttl_s is None else self.clock() + ttl_s
+        current = self.blobs.get(key)
+        if current is not None and (current[1] is None or current[1] > self.clock()):
+            data = current[0]  # stored once: only the expiry is refreshed
+        self.blobs[key] = (data, expires)
+        if expires is not None:
+            heapq.heappush(self._blob_expiry, (expires, key))
+
+    def get_blob(self, key: str) -> bytes | None:
+        item = self.blobs.get(key)
+        if item is None or (item[1] is not None and item[1] <= self.clock()):
+            return None
+        return item[0]
+
+    def expire_blobs(self) -> None:
+        now = self.clock()
+        while self._blob_expiry and self._blob_expiry[0][0] <= now:
+            _, key = heapq.heappop(self._blob_expiry)
+            item = self.blobs.get(key)
+            if item is not None and item[1] is not None and item[1] <= now:
+                del self.blobs[key]

@@ -1,0 +1,190 @@
+"""ZeroMQ implementation of `broker.transport.Transport`: a client of `broker.zmq_broker`.
+
+One DEALER socket per transport (not thread-safe: one transport per thread; a lock serialises
+accidental sharing). Every call is one request-reply (see `broker.zmq_broker` for the framing).
+
+Credit-based flow control: `publish` spends credits the broker granted for that stream; with
+none left it asks for more (`credit_batch` at a time), and the broker parks that request while
+the stream's backlog plus the credits it already handed out reach `max_len`. A producer thus
+blocks until consumers ack, and gets `BackpressureTimeout` once `timeout` has passed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from broker.stream_options import DeadLetter, StreamOptions
+from broker.transport import BackpressureTimeout, Delivery, Transport, TransportError
+
+CREDIT_WAIT_S = 1.0
+"""Longest single credit request parked at the broker (the client re-asks until its timeout)."""
+PUBLISH_CHUNK = 256
+"""Most entries per publish request."""
+
+
+def endpoint_of(url: str) -> str:
+    """zmq://host:port -> tcp://host:port (tcp:// and ipc:// pass through)."""
+    if url.startswith("zmq://"):
+        return "tcp://" + url.removeprefix("zmq://").rstrip("/")
+    if url.startswith(("tcp://", "ipc://")):
+        return url
+    raise ValueError(f"not a ZeroMQ broker url: {url!r} (expected zmq://host:port)")
+
+
+class ZmqTransport(Transport):
+    """Streams, blobs and values on a `broker.zmq_broker` process; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str = "zmq://127.0.0.1:5555",
+        options: StreamOptions | None = None,
+        *,
+        request_timeout_s: float = 10.0,
+        credit_batch: int = 64,
+        **opts,
+    ):
+        self.options = options or StreamOptions(**opts)
+        self.url = url
+        self.request_timeout_s = request_timeout_s
+        self.credit_batch = credit_batch
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint_of(url))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, valid until)
+        self._closed = False
+        try:
+            self._request("ping")
+        except TransportError:
+            self._socket.close(linger=0)
+            raise
+
+    # ---- request/reply ---------------------------------------------------------------------------
+    def _request(self, op: str, *args, timeout: float | None = None, status_ok=("ok",)):
+        """Send one request and wait for its reply; returns (status, result)."""
+        if self._closed:
+            raise TransportError("transport is closed")
+        timeout = self.request_timeout_s if timeout is None else timeout
+        with self._lock:
+            rid = next(self._ids)
+            self._socket.send(msgspec.msgpack.encode([rid, op, *args]), copy=False)
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                    if time.monotonic() >= deadline:
+                        raise TransportError(f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s")
+                    continue
+                reply_id, status, result, credits = msgspec.msgpack.decode(self._socket.recv(copy=False).buffer)
+                if credits is not None:  # late replies still tell us our credits
+                    stream, count, lease_s = credits
+                    self._credits[stream] = (count, time.monotonic() + 0.9 * lease_s)
+                if reply_id != rid:
+                    continue
+                if status in status_ok:
+                    return status, result
+                raise TransportError(f"zmq broker refused {op!r}: {result}")
+
+    # ---- streams --------------------------------------------------------------------------------
+    def ensure_group(self, stream: str, group: str) -> None:
+        """Create `group` on `stream` (from its oldest retained entry) unless it exists."""
+        self._request("ensure_group", stream, group)
+
+    def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
+        return self.publish_many(stream, [payload], timeout=timeout)[0]
+
+    def publish_many(
+        self, stream: str, payloads: Sequence[bytes], *, timeout: float | None = 30.0
+    ) -> list[str]:
+        """Publish in order, waiting for credits; all ids, or BackpressureTimeout (whose
+        `published` attribute lists the ids that did go out)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ids: list[str] = []
+        while len(ids) < len(payloads):
+            have = self._credits_left(stream)
+            if have == 0:
+                self._wait_for_credit(stream, deadline, timeout, ids, len(payloads))
+                continue
+            chunk = list(payloads[len(ids) : len(ids) + min(have, PUBLISH_CHUNK)])
+            status, result = self._request("publish", stream, chunk, status_ok=("ok", "nocredit"))
+            if status == "ok":
+                ids.extend(result)
+        return ids
+
+    def _credits_left(self, stream: str) -> int:
+        count, valid_until = self._credits.get(stream, (0, 0.0))
+        return count if valid_until > time.monotonic() else 0
+
+    def _wait_for_credit(self, stream, deadline, timeout, ids, total) -> None:
+        remaining = CREDIT_WAIT_S if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            exc = BackpressureTimeout(
+                f"{stream}: no credit from the zmq broker for {timeout:.3g}s (backlog at "
+                f"max_len={self.options.max_len}; {len(ids)}/{total} published); consumers are not keeping up"
+            )
+            exc.published = ids
+            raise exc
+        wait_s = min(remaining, CREDIT_WAIT_S)
+        self._request(
+            "credit", stream, self.credit_batch, self.options.max_len, wait_s,
+            timeout=wait_s + self.request_timeout_s,
+        )
+
+    def consume(
+        self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
+    ) -> list[Delivery]:
+        opts = self.options
+        _, entries = self._request(
+            "consume", stream, group, consumer, count, max(0.0, block_s), opts.claim_idle_s, opts.max_deliveries,
+            timeout=max(0.0, block_s) + self.request_timeout_s,
+        )
+        return [Delivery(stream, id_, payload, attempts) for id_, payload, attempts in entries]
+
+    def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
+        if ids:
+            self._request("ack", stream, group, list(ids))
+
+    def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
+        self._request("dead", delivery.stream, group, delivery.id, delivery.payload, delivery.attempts, reason)
+
+    def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
+        """The oldest `count` dead-lettered entries of `stream` (for inspection)."""
+        _, rows = self._request("dead_letters", stream, count)
+        return [DeadLetter(id=i, payload=p, reason=r, group=g, attempts=a) for i, p, r, g, a in rows]
+
+    def pending(self, stream: str, group: str) -> int:
+        return self._request("pending", stream, group)[1]
+
+    def backlog(self, stream: str) -> int:
+        return self._request("backlog", stream)[1]
+
+    # ---- blobs and values -------------------------------------------------------------------------
+    def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        self._request("put_blob", key, data, ttl_s if ttl_s is not None else self.options.blob_ttl_s)
+
+    def get_blob(self, key: str) -> bytes | None:
+        return self._request("get_blob", key)[1]
+
+    def set_value(self, key: str, value: bytes) -> None:
+        self._request("set_value", key, value)
+
+    def get_value(self, key: str) -> bytes | None:
+        return self._request("get_value", key)[1]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for stream in [s for s in self._credits if self._credits_left(s)]:
+            try:  # hand unused credits back; the lease would expire anyway
+                self._socket.send(msgspec.msgpack.encode([0, "release", stream]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+        self._closed = True
+        self._socket.close(linger=100)

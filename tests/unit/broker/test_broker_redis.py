@@ -1,0 +1,45 @@
+"""Redis-only parts of the transport: password from the url, clear connection errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import broker
+from broker.redis_server import free_port
+from broker.redis_transport import redact
+from broker.transport import TransportError
+
+
+def test_password_protected_server(redis_server_auth, names):
+    with broker.connect(redis_server_auth.url) as t:
+        t.ensure_group(names.rollouts, "g")
+        t.publish(names.rollouts, b"secret work")
+        assert [d.payload for d in t.consume(names.rollouts, "g", "c", count=1, block_s=0.5)] == [b"secret work"]
+
+
+def test_wrong_password_is_a_transport_error_without_the_password(redis_server_auth):
+    url = redis_server_auth.url.replace(redis_server_auth.password, "wrong-pw")
+    with pytest.raises(TransportError, match="connect failed") as info:
+        broker.connect(url)
+    assert "wrong-pw" not in str(info.value)
+
+
+def test_missing_password_is_a_transport_error(redis_server_auth):
+    with pytest.raises(TransportError):
+        broker.connect(f"redis://127.0.0.1:{redis_server_auth.port}/0")
+
+
+def test_unreachable_server_is_a_transport_error():
+    with pytest.raises(TransportError, match="connect failed"):
+        broker.connect(f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_redact_hides_passwords_only():
+    assert redact("redis://:pw@host:1/0") == "redis://:***@host:1/0"
+    assert redact("redis://user:pw@host:1/0") == "redis://user:***@host:1/0"
+    assert redact("redis://host:1/0") == "redis://host:1/0"
+
+
+def test_unsupported_url_scheme():
+    with pytest.raises(ValueError, match="unsupported broker url"):
+        broker.connect("http://127.0.0.1:1")

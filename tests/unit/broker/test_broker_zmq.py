@@ -1,0 +1,73 @@
+"""ZeroMQ-only parts: credit leases, a broker that survives bad requests, clear errors."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+import broker
+from broker.redis_server import free_port
+from broker.transport import TransportError
+from broker.zmq_state import CREDIT_LEASE_S, BrokerState
+from broker.zmq_transport import endpoint_of
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_credits_are_bounded_by_max_len_and_return_when_the_lease_ends():
+    clock = FakeClock()
+    state = BrokerState(clock=clock)
+    assert state.grant(b"A", "s", want=10, max_len=4)[0] == 4  # all the room there is
+    assert state.grant(b"B", "s", want=10, max_len=4)[0] == 0
+    assert state.publish(b"B", "s", [b"x"]) is None  # no credit, nothing appended
+    assert state.publish(b"A", "s", [b"x"]) == ["1"]
+    assert state.grant(b"B", "s", want=10, max_len=4)[0] == 0  # 1 entry + 3 credits held by A
+    clock.now += CREDIT_LEASE_S + 1  # A died holding 3 credits
+    assert state.grant(b"B", "s", want=10, max_len=4)[0] == 3
+    assert state.backlog("s") == 1
+
+
+def test_acks_free_room_for_credits():
+    state = BrokerState(clock=FakeClock())
+    state.ensure_group("s", "g")
+    state.grant(b"A", "s", want=2, max_len=2)
+    state.publish(b"A", "s", [b"a", b"b"])
+    assert state.grant(b"A", "s", want=2, max_len=2)[0] == 0
+    ids = [i for i, _, _ in state.consume("s", "g", "c", 2, claim_idle_s=30, max_deliveries=3)]
+    state.ack("s", "g", ids[:1])
+    assert state.grant(b"A", "s", want=2, max_len=2)[0] == 1
+
+
+def test_broker_survives_garbage_and_unknown_requests(zmq_broker, names):
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint_of(zmq_broker.url))
+    try:
+        raw.send(b"\x00garbage")
+        raw.send(msgspec.msgpack.encode([7, "no_such_op"]))
+        replies = [msgspec.msgpack.decode(raw.recv()) for _ in range(2) if raw.poll(2000)]
+    finally:
+        raw.close()
+    assert [r[1] for r in replies] == ["err", "err"]
+    assert replies[1][0] == 7 and "no_such_op" in replies[1][2]
+    with broker.connect(zmq_broker.url) as t:  # still serving
+        t.set_value(names.learner_version, b"ok")
+        assert t.get_value(names.learner_version) == b"ok"
+
+
+def test_unreachable_broker_is_a_transport_error():
+    with pytest.raises(TransportError, match="did not answer"):
+        broker.connect(f"zmq://127.0.0.1:{free_port()}", request_timeout_s=0.3)
+
+
+def test_endpoint_of():
+    assert endpoint_of("zmq://10.0.0.1:5555") == "tcp://10.0.0.1:5555"
+    with pytest.raises(ValueError):
+        endpoint_of("redis://x")
