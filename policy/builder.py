@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 """Bump when the builder's output changes for the same preset and seed."""
 
 

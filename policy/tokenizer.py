@@ -74,7 +74,8 @@ def training_corpus(seed: int, lines: int = 3000) -> list[str]:
         number = str(rng.randint(0, 1000)) if rng.random() < 0.7 else f"{rng.randint(1, 99)}.{rng.randint(0, 9)}"
         latex = "".join(rng.choice(LATEX) for _ in range(rng.randint(0, 3)))
         thought = " ".join(rng.choice(vocab) for _ in range(rng.randint(1, 6)))
-        answer = rng.choice([number, rng.choice(COLOURS), rng.choice(SHAPES), f"\\frac{{{number}}}{{2}}"])
+        answer = rng.choice([number, rng.choice(COLOURS), rng.choice(SHAPES), rng.choice(["left", "right"]),
+                             f"\\frac{{{number}}}{{2}}"])
         if i % 2 == 0:
             out.append(f"{' '.join(words).capitalize()} {number}{latex}?")
         out.append(f"<think> {thought} </think> \\boxed{{{answer}}}")

@@ -1,0 +1,115 @@
+"""Geometry3k preprocessing: hiyouga/geometry3k parquet -> Parallax prompt records.
+
+Input schema (per row): `images` (list of {"bytes": binary, "path": str} structs), `problem`
+(text containing `<image>`), `answer` (the value, e.g. "48"); `id` is used when present.
+
+Each kept row becomes a PromptRecord with data_source "geometry3k", the problem followed by the
+think-then-\\boxed{} instruction, and its images referenced by sha256. Rows are skipped, counted
+and logged when: the answer is missing or empty, an image is missing or undecodable, the
+`<image>` placeholders outnumber the images, or the prompt is longer than `max_prompt_len`
+tokens after image expansion.
+
+    python -m tasks geometry3k --input train.parquet --out data/geo3k --split train --model MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from broker.schemas import PromptRecord
+from tasks.prompt import INSTRUCTION, expanded_length, render_prompt_ids, with_instruction
+from tasks.records import BadImage, ImagePut, RecordWriter, SkipCounter, make_record
+
+log = logging.getLogger(__name__)
+
+DATA_SOURCE = "geometry3k"
+
+
+@dataclasses.dataclass
+class Geo3kConfig:
+    """Options of the Geometry3k preprocessor."""
+
+    input: Path
+    """Parquet file in the hiyouga/geometry3k schema."""
+    out: Path
+    """Task directory to write (records, images, manifest)."""
+    split: str = "train"
+    """Split name written into the records and the output file name."""
+    model: Path | None = None
+    """Checkpoint whose processor (tokenizer + image processor) measures prompt lengths; default: tiny preset."""
+    max_prompt_len: int = 2048
+    """Longest prompt kept, in tokens after image expansion."""
+    instruction: str = INSTRUCTION
+    """Appended to each problem."""
+
+
+def iter_rows(path: Path, batch_size: int = 256) -> Iterator[dict]:
+    """Rows of a parquet file as dicts, read in batches (bounded memory)."""
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+        yield from batch.to_pylist()
+
+
+def row_to_record(row: dict, index: int, split: str, processor, max_prompt_len: int,
+                  instruction: str = INSTRUCTION, put_image: ImagePut | None = None
+                  ) -> tuple[PromptRecord, dict[str, bytes]] | tuple[None, str]:
+    """One row -> (record, blobs), or (None, skip reason: detail)."""
+    row_id = str(row.get("id") if row.get("id") is not None else index)
+    answer = row.get("answer")
+    if answer is None or not str(answer).strip():
+        return None, "missing_answer"
+    problem = row.get("problem")
+    if not isinstance(problem, str) or not problem.strip():
+        return None, "missing_problem"
+    images = []
+    for item in row.get("images") or []:
+        data = item.get("bytes") if isinstance(item, dict) else item
+        if not data:
+            return None, "missing_image"
+        images.append(bytes(data))
+    try:
+        record, blobs = make_record(
+            prompt_id=f"{DATA_SOURCE}-{split}-{row_id}", data_source=DATA_SOURCE,
+            problem=with_instruction(problem, instruction), images=images, ground_truth=str(answer).strip(),
+            split=split, meta={"row": str(index)}, put_image=put_image)
+    except BadImage as exc:
+        return None, f"undecodable_image: {exc}"
+    except ValueError as exc:
+        return None, f"image_placeholder_mismatch: {exc}"
+    n_ids = len(render_prompt_ids(processor, record.problem, len(record.images)))
+    length = expanded_length(n_ids, [(r.width, r.height) for r in record.images], processor.image_processor)
+    if length > max_prompt_len:
+        return None, f"too_long: {length} tokens after image expansion > {max_prompt_len}"
+    return record, blobs
+
+
+def preprocess(config: Geo3kConfig, processor=None) -> dict:
+    """Convert the parquet file into a task directory; returns the manifest dict."""
+    if processor is None:
+        processor = _default_processor(config.model)
+    skips = SkipCounter(DATA_SOURCE)
+    with RecordWriter(config.out) as writer:
+        for index, row in enumerate(iter_rows(config.input)):
+            record, result = row_to_record(row, index, config.split, processor, config.max_prompt_len,
+                                           config.instruction)
+            if record is None:
+                reason, _, detail = result.partition(": ")
+                skips.skip(reason, f"row {index}", detail)
+                continue
+            writer.write(record, result)
+        kept = dict(writer.counts)
+        writer.close(skipped=skips.as_dict(), extra={"data_source": DATA_SOURCE, "input": str(config.input),
+                                                     "max_prompt_len": config.max_prompt_len})
+    log.info("geometry3k %s: kept %s, skipped %s", config.split, kept, skips.as_dict())
+    return {"records": kept, "skipped": skips.as_dict()}
+
+
+def _default_processor(model: Path | None):
+    from policy.builder import build_tiny_model
+    from policy.loading import load_processor
+
+    return load_processor(model if model is not None else build_tiny_model("tiny"))

@@ -1,0 +1,223 @@
+"""A procedurally generated visual task whose answer can only be read from the image.
+
+Question types (`task`):
+- "colour": one large shape; "What colour is the shape?" -> a colour word.
+- "count":  1..max_count small shapes; "How many shapes are there?" -> a digit.
+- "bigger": two shapes, left and right; "Which shape is bigger, left or right?" -> left/right.
+- "mixed":  one of the three per example.
+
+Difficulty knobs: `n_colours` (palette size), `max_count`, `size_margin` (how much bigger the
+bigger shape is), `colour_jitter`, `image_size` (112 px -> 16 image tokens). Every example is
+a pure function of (seed, split, index), so splits are reproducible and disjoint streams.
+`shuffle_images` is the control: each question gets the image of an independent scene of the
+same type, so the answer cannot be read from the image and accuracy must stay at chance.
+
+`verify(response_text, ground_truth)` is the task's pure verifier (the reward service calls it).
+
+    python -m tasks synthetic --out data/shapes --train 2000 --test 64 --task colour
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from broker.schemas import PromptRecord
+from tasks.prompt import SHORT_INSTRUCTION
+from tasks.records import ImagePut, RecordWriter, encode_png, make_record
+
+log = logging.getLogger(__name__)
+
+DATA_SOURCE = "synthetic"
+PALETTE: list[tuple[str, tuple[int, int, int]]] = [
+    ("red", (220, 40, 40)), ("green", (40, 170, 60)), ("blue", (40, 80, 220)), ("yellow", (235, 210, 40)),
+    ("purple", (140, 60, 180)), ("orange", (245, 140, 30)), ("pink", (240, 120, 190)), ("cyan", (40, 200, 210)),
+    ("brown", (120, 70, 30)), ("black", (20, 20, 20)),
+]
+KINDS = ("circle", "square", "triangle")
+QUESTIONS = {
+    "colour": "What colour is the shape?",
+    "count": "How many shapes are there?",
+    "bigger": "Which shape is bigger, left or right?",
+}
+
+
+@dataclasses.dataclass
+class SyntheticConfig:
+    """Options of the synthetic shapes task."""
+
+    out: Path = Path("data/synthetic")
+    """Task directory to write (records, images, manifest)."""
+    task: str = "colour"
+    """colour | count | bigger | mixed."""
+    train: int = 2000
+    """Number of training prompts."""
+    test: int = 64
+    """Number of held-out prompts."""
+    seed: int = 0
+    """Seed of both splits (each split draws from its own stream)."""
+    n_colours: int = 4
+    """Palette size (2..10); chance on "colour" is 1/n_colours."""
+    max_count: int = 4
+    """Largest count in "count" questions (1..9)."""
+    size_margin: float = 0.5
+    """"bigger": the bigger shape's size is at least (1 + size_margin) x the smaller one's."""
+    colour_jitter: int = 20
+    """Per-channel uniform jitter of shape colours."""
+    image_size: int = 112
+    """Square image side in pixels (112 -> 16 image tokens with Qwen2-VL's 28-px merged patches)."""
+    shuffle_images: bool = False
+    """Control: pair every question with the image of an independent scene (answer unreadable)."""
+    instruction: str = SHORT_INSTRUCTION
+    """Appended to each question."""
+
+
+@dataclasses.dataclass
+class Example:
+    """One generated example before it becomes a record."""
+
+    image: Image.Image
+    question: str
+    answer: str
+    task: str
+
+
+def make_example(config: SyntheticConfig, split: str, index: int) -> Example:
+    """The example at `index` of `split`: a pure function of the config's seed, the split and the index."""
+    rng = random.Random(f"{config.seed}/{split}/{index}")
+    task = rng.choice(list(QUESTIONS)) if config.task == "mixed" else config.task
+    if task not in QUESTIONS:
+        raise ValueError(f"unknown synthetic task {config.task!r}; choose colour, count, bigger or mixed")
+    image, answer = _SCENES[task](rng, config)
+    if config.shuffle_images:
+        image, _ = _SCENES[task](random.Random(f"{config.seed}/{split}/{index}/decoy"), config)
+    return Example(image=image, question=QUESTIONS[task], answer=answer, task=task)
+
+
+def generate(config: SyntheticConfig, split: str, n: int, start: int = 0,
+             put_image: ImagePut | None = None) -> Iterator[tuple[PromptRecord, dict[str, bytes]]]:
+    """Records (with their PNG bytes) for indices start..start+n-1 of `split`."""
+    for index in range(start, start + n):
+        ex = make_example(config, split, index)
+        yield make_record(
+            prompt_id=f"{DATA_SOURCE}-{config.task}-{split}-{index}", data_source=DATA_SOURCE,
+            problem="<image>" + ex.question + config.instruction, images=[encode_png(ex.image)],
+            ground_truth=ex.answer, split=split, put_image=put_image,
+            meta={"task": ex.task, "shuffled": str(int(config.shuffle_images)), "seed": str(config.seed)})
+
+
+def write_task(config: SyntheticConfig) -> dict:
+    """Write the train and test splits into `config.out`; returns the manifest dict."""
+    with RecordWriter(config.out) as writer:
+        for split, n in (("train", config.train), ("test", config.test)):
+            for record, blobs in generate(config, split, n):
+                writer.write(record, blobs)
+        counts = dict(writer.counts)
+        writer.close(extra={"data_source": DATA_SOURCE,
+                            "config": {k: str(v) for k, v in dataclasses.asdict(config).items()}})
+    log.info("synthetic %s: wrote %s to %s", config.task, counts, config.out)
+    return {"records": counts}
+
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_WORDS = {"zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
+          "seven": "7", "eight": "8", "nine": "9", "grey": "gray", "colour": "color"}
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (braces balanced), or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def normalise_answer(answer: str) -> str:
+    """Lower-case, unwrap \\text{...}, drop spaces and trailing punctuation, words to digits."""
+    answer = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", answer).strip().lower().strip(" .!$")
+    answer = re.sub(r"\s+", " ", answer)
+    if re.fullmatch(r"\d+\.0+", answer):
+        answer = answer.split(".")[0]
+    return _WORDS.get(answer, answer)
+
+
+def verify(response_text: str, ground_truth: str) -> float:
+    """1.0 if the last \\boxed{} of the response holds the ground truth (normalised), else 0.0."""
+    boxed = last_boxed(response_text)
+    if boxed is None:
+        return 0.0
+    return 1.0 if normalise_answer(boxed) == normalise_answer(ground_truth) else 0.0
+
+
+def _canvas(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, ImageDraw.ImageDraw]:
+    shade = 235 + rng.randint(-10, 10)
+    image = Image.new("RGB", (config.image_size, config.image_size), (shade, shade, shade))
+    return image, ImageDraw.Draw(image)
+
+
+def _colour(rng: random.Random, config: SyntheticConfig) -> tuple[str, tuple[int, int, int]]:
+    if not 2 <= config.n_colours <= len(PALETTE):
+        raise ValueError(f"n_colours must be in 2..{len(PALETTE)}")
+    name, rgb = PALETTE[rng.randrange(config.n_colours)]
+    j = config.colour_jitter
+    return name, tuple(min(255, max(0, c + rng.randint(-j, j))) for c in rgb)
+
+
+def _draw(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, fill) -> None:
+    if kind == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif kind == "square":
+        draw.rectangle([cx - r * 0.9, cy - r * 0.9, cx + r * 0.9, cy + r * 0.9], fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r * 0.95, cy + r * 0.8), (cx + r * 0.95, cy + r * 0.8)], fill=fill)
+
+
+def _scene_colour(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+    image, draw = _canvas(rng, config)
+    s = config.image_size
+    r = s * rng.uniform(0.22, 0.36)
+    cx, cy = rng.uniform(r, s - r), rng.uniform(r, s - r)
+    name, rgb = _colour(rng, config)
+    _draw(draw, rng.choice(KINDS), cx, cy, r, rgb)
+    return image, name
+
+
+def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+    if not 1 <= config.max_count <= 9:
+        raise ValueError("max_count must be in 1..9")
+    image, draw = _canvas(rng, config)
+    s, k = config.image_size, rng.randint(1, config.max_count)
+    cells = rng.sample([(i, j) for i in range(3) for j in range(3)], k)  # one shape per 3x3 cell: no overlap
+    for i, j in cells:
+        r = s / 6 * rng.uniform(0.45, 0.75)
+        cx = (i + 0.5) * s / 3 + rng.uniform(-1, 1) * (s / 6 - r)
+        cy = (j + 0.5) * s / 3 + rng.uniform(-1, 1) * (s / 6 - r)
+        _draw(draw, rng.choice(KINDS), cx, cy, r, _colour(rng, config)[1])
+    return image, str(k)
+
+
+def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+    image, draw = _canvas(rng, config)
+    s = config.image_size
+    big = s / 4 * rng.uniform(0.75, 0.95)
+    small = big / (1 + config.size_margin) * rng.uniform(0.7, 1.0)
+    left_is_big = rng.random() < 0.5
+    kind = rng.choice(KINDS)
+    for side, r in ((0, big if left_is_big else small), (1, small if left_is_big else big)):
+        cx = s / 4 + side * s / 2 + rng.uniform(-1, 1) * (s / 4 - r)
+        cy = s / 2 + rng.uniform(-1, 1) * (s / 2 - r) * 0.6
+        _draw(draw, kind, cx, cy, r, _colour(rng, config)[1])
+    return image, "left" if left_is_big else "right"
+
+
+_SCENES = {"colour": _scene_colour, "count": _scene_count, "bigger": _scene_bigger}

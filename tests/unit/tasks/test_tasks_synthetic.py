@@ -1,0 +1,109 @@
+"""The synthetic shapes task: answers readable from the image, determinism, splits, control, verifier."""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import pytest
+from PIL import Image
+
+from tasks.records import read_records
+from tasks.synthetic import PALETTE, SyntheticConfig, generate, last_boxed, make_example, verify, write_task
+
+
+def _foreground(image):
+    bg = image.getpixel((0, 0))
+    w, h = image.size
+    return [(x, y, image.getpixel((x, y))) for y in range(h) for x in range(w)
+            if max(abs(a - b) for a, b in zip(image.getpixel((x, y)), bg)) > 25]
+
+
+def test_colour_answer_is_the_drawn_colour():
+    config = SyntheticConfig(task="colour", n_colours=6)
+    for i in range(20):
+        ex = make_example(config, "train", i)
+        pixels = [p for _, _, p in _foreground(ex.image)]
+        mean = [sum(c[k] for c in pixels) / len(pixels) for k in range(3)]
+        nearest = min(PALETTE[:6], key=lambda item: sum((a - b) ** 2 for a, b in zip(item[1], mean)))[0]
+        assert nearest == ex.answer
+
+
+def test_bigger_answer_matches_pixel_mass_and_count_is_in_range():
+    config = SyntheticConfig(task="bigger")
+    half = config.image_size / 2
+    for i in range(10):
+        ex = make_example(config, "train", i)
+        fg = _foreground(ex.image)
+        left = sum(1 for x, _, _ in fg if x < half)
+        assert ("left" if left > len(fg) - left else "right") == ex.answer
+    counts = {make_example(SyntheticConfig(task="count", max_count=3), "test", i).answer for i in range(40)}
+    assert counts == {"1", "2", "3"}
+
+
+def test_examples_are_deterministic_and_splits_differ():
+    config = SyntheticConfig(task="mixed")
+    a = make_example(config, "train", 5)
+    assert a.image.tobytes() == make_example(config, "train", 5).image.tobytes()
+    assert a.image.tobytes() != make_example(config, "test", 5).image.tobytes()
+    assert a.image.tobytes() != make_example(SyntheticConfig(task="mixed", seed=1), "train", 5).image.tobytes()
+    assert {make_example(config, "train", i).task for i in range(30)} == {"colour", "count", "bigger"}
+
+
+def test_answers_are_balanced_over_the_palette():
+    answers = collections.Counter(make_example(SyntheticConfig(n_colours=4), "train", i).answer for i in range(400))
+    assert set(answers) == {"red", "green", "blue", "yellow"}
+    assert min(answers.values()) > 60
+
+
+def test_shuffled_control_keeps_questions_and_answers_but_changes_images():
+    plain, control = SyntheticConfig(), SyntheticConfig(shuffle_images=True)
+    same = 0
+    for i in range(40):
+        a, b = make_example(plain, "train", i), make_example(control, "train", i)
+        assert (a.question, a.answer) == (b.question, b.answer)
+        assert a.image.tobytes() != b.image.tobytes()
+        same += _drawn_colour(b.image) == b.answer
+    assert same < 20  # about chance (1/4), far from always
+
+
+def _drawn_colour(image):
+    pixels = [p for _, _, p in _foreground(image)]
+    mean = [sum(c[k] for c in pixels) / len(pixels) for k in range(3)]
+    return min(PALETTE[:4], key=lambda item: sum((a - b) ** 2 for a, b in zip(item[1], mean)))[0]
+
+
+def test_records_and_task_dir(tmp_path, tiny_processor):
+    config = SyntheticConfig(out=tmp_path, task="count", train=5, test=3)
+    assert write_task(config) == {"records": {"train": 5, "test": 3}}
+    train = list(read_records(tmp_path, "train"))
+    assert len(train) == 5 and train[0].problem.startswith("<image>How many shapes are there?")
+    assert train[0].data_source == "synthetic" and train[0].images[0].width == 112
+    record, blobs = next(generate(config, "test", 1))
+    image = Image.open(io.BytesIO(blobs[record.images[0].sha256]))
+    assert image.size == (112, 112)
+    from tasks.prompt import expanded_length, render_prompt_ids
+
+    ids = render_prompt_ids(tiny_processor, record.problem, 1)
+    assert expanded_length(len(ids), [(112, 112)], tiny_processor.image_processor) == len(ids) - 1 + 16
+
+
+@pytest.mark.parametrize("response,truth,expected", [
+    ("<think>red</think> \\boxed{red}", "red", 1.0),
+    ("\\boxed{blue} then \\boxed{Red}", "red", 1.0),          # last box wins, case-insensitive
+    ("\\boxed{red} then \\boxed{blue}", "red", 0.0),
+    ("no box red", "red", 0.0),
+    ("\\boxed{\\text{three}}", "3", 1.0),
+    ("\\boxed{3.0}", "3", 1.0),
+    ("\\boxed{ left. }", "left", 1.0),
+    ("\\boxed{4", "4", 0.0),                                   # unclosed
+    ("\\boxed{grey}", "gray", 1.0),
+    ("\\boxed{}", "red", 0.0),
+])
+def test_verify(response, truth, expected):
+    assert verify(response, truth) == expected
+
+
+def test_last_boxed_handles_nested_braces():
+    assert last_boxed("\\boxed{\\frac{1}{2}} x") == "\\frac{1}{2}"
+    assert last_boxed("nothing") is None
