@@ -48,6 +48,8 @@ class MetricSpec:
     """First word of the METRICS.md section: Generator, Reward, Learner, Broker, External."""
     optional: bool
     """True when a process may leave it out."""
+    buckets: tuple[float, ...] = ()
+    """Histogram bucket upper bounds (without +Inf) that every exporter must use."""
 
     def series(self) -> tuple[str, ...]:
         """Names as they appear on /metrics (histograms: bucket, sum and count)."""
@@ -74,7 +76,10 @@ def load_catalog(path: Path = METRICS_MD) -> dict[str, MetricSpec]:
         if name in catalog:
             raise ValueError(f"{path}: {name} is listed twice")
         labels = tuple(x.strip() for x in row["labels"].split(",") if x.strip() not in ("", "-"))
-        catalog[name] = MetricSpec(name, mtype, labels, section, "*(optional)*" in row["meaning"])
+        buckets = _buckets(row["meaning"])
+        if (mtype == "histogram") != bool(buckets):
+            raise ValueError(f"{path}: {name}: histograms, and only histograms, list their buckets")
+        catalog[name] = MetricSpec(name, mtype, labels, section, "*(optional)*" in row["meaning"], buckets)
     return catalog
 
 
@@ -98,6 +103,16 @@ def unknown_series(expr: str, catalog: dict[str, MetricSpec], extra: set[str] = 
     """Names in `expr` that neither the catalogue nor `extra` (e.g. recording rules) define."""
     known = set(exported_series(catalog)) | set(extra)
     return promql_metric_names(expr) - known
+
+
+def _buckets(meaning: str) -> tuple[float, ...]:
+    m = re.search(r"buckets\s+([-0-9., ]+)", meaning)
+    if not m:
+        return ()
+    bounds = tuple(float(x) for x in m.group(1).replace(" ", "").strip(",").split(","))
+    if list(bounds) != sorted(set(bounds)):
+        raise ValueError(f"buckets must increase: {bounds}")
+    return bounds
 
 
 def _is_number(word: str) -> bool:
