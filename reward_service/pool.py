@@ -99,8 +99,8 @@ class GraderProcess:
         """The next frame, or None when none arrived within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while (frame := self._take_frame()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+            left = max(deadline - time.monotonic(), 0.0)
+            if not select.select([self._fd], [], [], left)[0]:
                 return None
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
@@ -153,8 +153,13 @@ class SafeGrader:
         """Start (and wait for) the active grader and, if enabled, the spare."""
         self._ensure_active()
 
-    def grade(self, items: list[tuple[str, str, str]]) -> list[Outcome]:
-        """Outcomes of (reward, response, ground_truth) items, in order."""
+    def grade(self, items: list[tuple[str, str, str]], budget_s: float | None = None) -> list[Outcome]:
+        """Outcomes of (reward, response, ground_truth) items, in order.
+
+        `budget_s` bounds the whole batch: each item's timeout shrinks to what is left of it, so a
+        batch of many different hanging answers still returns in about `budget_s` seconds.
+        """
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         results: list[Outcome | None] = [self._cached(item) for item in items]
         first: dict[tuple[str, str, str], int] = {}
         for i, item in enumerate(items):
@@ -163,6 +168,11 @@ class SafeGrader:
         todo = sorted(first.values())
         sends_failed = 0
         while todo:
+            if deadline is not None and time.monotonic() >= deadline:
+                for index in todo:  # out of budget: never sent, scored as timed out
+                    self.timeouts += 1
+                    results[index] = self._remember(items[index], Outcome(timed_out=True))
+                break
             grader = self._ensure_active()
             try:
                 grader.send(_encode(items, todo))
@@ -172,18 +182,19 @@ class SafeGrader:
                 if sends_failed > 2:
                     raise GraderUnavailable("grader processes die on every batch") from None
                 continue
-            todo = self._collect(grader, todo, items, results)
+            todo = self._collect(grader, todo, items, results, deadline)
         for i, item in enumerate(items):
             if results[i] is None:  # a repeat of an item graded in this batch
                 results[i] = replace(results[first[item]], seconds=0.0, cached=True)
         return results  # type: ignore[return-value]
 
-    def _collect(self, grader: GraderProcess, todo: list[int], items, results) -> list[int]:
+    def _collect(self, grader: GraderProcess, todo: list[int], items, results, deadline) -> list[int]:
         """Read answers for `todo` in order; on a timeout or death return the items still to send."""
         for k, index in enumerate(todo):
             started = time.monotonic()
+            timeout = self.timeout_s if deadline is None else min(self.timeout_s, max(deadline - started, 0.0))
             try:
-                frame = grader.recv(self.timeout_s)
+                frame = grader.recv(timeout)
             except GraderDied:
                 frame, crashed = None, True
             else:

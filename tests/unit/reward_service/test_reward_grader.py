@@ -107,3 +107,14 @@ def test_identical_items_are_graded_once():
         assert g.timeouts == 1
         [again] = g.grade([item])
         assert again.timed_out and again.cached and g.timeouts == 1
+
+
+def test_a_batch_budget_bounds_many_different_hanging_answers(grader):
+    hanging = [("math", T + f"\\boxed{{{n}**{n}**{n}}}", IRRATIONAL) for n in (9, 11, 12, 13, 14, 15)]
+    good = ("math", T + "\\boxed{4}", "4")
+    started = time.monotonic()
+    outcomes = grader.grade([good, *hanging], budget_s=2 * TIMEOUT_S)
+    assert time.monotonic() - started < BOUND_S
+    assert outcomes[0].accuracy == 1.0
+    assert all(o.timed_out and o.accuracy == 0.0 for o in outcomes[1:])
+    _still_works(grader)
