@@ -59,6 +59,11 @@ class Names:
         return f"{self.namespace}:version:gen:{generator_id}"
 
     @property
+    def feeder_cursor(self) -> str:
+        """The learner's prompt feeder cursor (JSON), updated after every publish."""
+        return f"{self.namespace}:feeder:cursor"
+
+    @property
     def weight_sync_address(self) -> str:
         """Where the learner's weight-sync rendezvous listens ("host:port")."""
         return f"{self.namespace}:weights:address"
