@@ -6,8 +6,9 @@
   than `max_deliveries` times go to `<stream>:dead` with the reason and are acked.
 * Ack after processing (XACK); acked prefixes are trimmed exactly (XTRIM MINID below the first
   entry any group still needs), so the stream length is the backlog and unconsumed work is
-  never trimmed. `publish` blocks while the backlog is `max_len` (an atomic check+XADD script,
-  polled with short sleeps) and raises `BackpressureTimeout` when that outlasts `timeout`.
+  never trimmed. `publish` needs credits, granted (atomically, by a script) only while backlog +
+  credits already granted < `max_len`; without any it polls with short sleeps, and raises
+  `BackpressureTimeout` when that outlasts `timeout`. Credits are spent in MULTI/EXEC batches.
 * Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
 Password and user come from the URL: redis://[user]:password@host:port/db.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 
 import redis
@@ -26,7 +28,9 @@ from broker.stream_options import Backoff, DeadLetter, StreamOptions
 from broker.transport import BackpressureTimeout, Delivery, Transport, TransportError
 
 PUBLISH_CHUNK = 256
-"""Payloads per PUBLISH script call in `publish_many`."""
+"""Most XADDs per MULTI/EXEC in `publish_many`."""
+CREDIT_LEASE_S = 30.0
+"""Credits a producer holds but does not spend return to the pool after this long."""
 MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
 
@@ -43,11 +47,21 @@ def redact(url: str) -> str:
 class RedisTransport(Transport):
     """Streams, blobs and values on one Redis server; see the module docstring."""
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", options: StreamOptions | None = None, **opts):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        options: StreamOptions | None = None,
+        *,
+        credit_batch: int = 64,
+        **opts,
+    ):
         self.options = options or StreamOptions(**opts)
         self.url = url
+        self.credit_batch = credit_batch
+        self._token = uuid.uuid4().hex  # this producer's name in the credit hashes
+        self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, spend before)
         self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
-        self._publish = self._redis.register_script(redis_scripts.PUBLISH)
+        self._reserve_script = self._redis.register_script(redis_scripts.RESERVE)
         self._ack = self._redis.register_script(redis_scripts.ACK)
         self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
         self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
@@ -89,23 +103,50 @@ class RedisTransport(Transport):
         ids: list[str] = []
         backoff = Backoff()
         while len(ids) < len(payloads):
-            chunk = payloads[len(ids) : len(ids) + PUBLISH_CHUNK]
-            with self._errors("publish"):
-                added = self._publish(keys=[stream], args=[self.options.max_len, *chunk])
-            ids.extend(i.decode() for i in added)
-            if added:
-                backoff.reset()
+            have = self._credits_left(stream)
+            if have == 0 and self._reserve(stream, len(payloads) - len(ids)) == 0:
+                if deadline is not None and time.monotonic() >= deadline:
+                    exc = BackpressureTimeout(
+                        f"{stream}: backlog stayed at max_len={self.options.max_len} for {timeout:.3g}s "
+                        f"({len(ids)}/{len(payloads)} published); consumers are not keeping up"
+                    )
+                    exc.published = ids
+                    raise exc
+                delay = backoff.step()
+                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
                 continue
-            if deadline is not None and time.monotonic() >= deadline:
-                exc = BackpressureTimeout(
-                    f"{stream}: backlog stayed at max_len={self.options.max_len} for {timeout:.3g}s "
-                    f"({len(ids)}/{len(payloads)} published); consumers are not keeping up"
-                )
-                exc.published = ids
-                raise exc
-            delay = backoff.step()
-            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+            backoff.reset()
+            chunk = payloads[len(ids) : len(ids) + min(self._credits_left(stream), PUBLISH_CHUNK)]
+            ids.extend(self._spend(stream, chunk))
         return ids
+
+    def _credits_left(self, stream: str) -> int:
+        count, valid_until = self._credits.get(stream, (0, 0.0))
+        return count if valid_until > time.monotonic() else 0
+
+    def _reserve(self, stream: str, want: int) -> int:
+        """Ask for credits (at least `credit_batch`); returns how many this producer holds now."""
+        with self._errors("publish"):
+            held = int(
+                self._reserve_script(
+                    keys=[stream, f"{stream}:credits", f"{stream}:leases"],
+                    args=[self._token, max(want, self.credit_batch), self.options.max_len, int(CREDIT_LEASE_S * 1000)],
+                )
+            )
+        # Spend only well inside the lease: credits past it may have been handed to someone else.
+        self._credits[stream] = (held, time.monotonic() + CREDIT_LEASE_S / 2)
+        return held
+
+    def _spend(self, stream: str, payloads: Sequence[bytes]) -> list[str]:
+        """XADD `payloads` and give back as many credits, in one MULTI/EXEC."""
+        pipe = self._redis.pipeline(transaction=True)
+        for payload in payloads:
+            pipe.xadd(stream, {"d": payload})
+        pipe.hincrby(f"{stream}:credits", self._token, -len(payloads))
+        with self._errors("publish"):
+            *added, held = pipe.execute()
+        self._credits[stream] = (int(held), self._credits[stream][1])
+        return [i.decode() for i in added]
 
     def consume(
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
@@ -205,5 +246,10 @@ class RedisTransport(Transport):
             return self._redis.get(key)
 
     def close(self) -> None:
+        for stream in [s for s in self._credits if self._credits_left(s)]:
+            with contextlib.suppress(redis.exceptions.RedisError):  # hand unused credits back
+                self._redis.hdel(f"{stream}:credits", self._token)
+                self._redis.zrem(f"{stream}:leases", self._token)
+        self._credits.clear()
         self._redis.close()
         self._redis.connection_pool.disconnect()

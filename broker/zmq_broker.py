@@ -17,6 +17,8 @@ of letting the broker's memory grow.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from broker.redis_server import free_port
 from broker.zmq_state import BrokerState
 
 log = logging.getLogger(__name__)
@@ -230,3 +233,36 @@ def serve_forever(config: ZmqBrokerConfig) -> None:
         broker.serve(threading.Event())
     except KeyboardInterrupt:
         pass
+
+
+class BrokerProcess:
+    """`python -m broker zmq-broker` as a child process on a free port (benchmark, demo)."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"zmq://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self) -> "BrokerProcess":
+        cmd = [sys.executable, "-m", "broker", "zmq-broker", "--bind", f"tcp://127.0.0.1:{self.port}"]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline()  # "zmq broker listening on ..." once bound
+        if "listening" not in line:
+            self.stop()
+            raise RuntimeError(f"zmq broker did not start (exit {self.process.returncode}): {line!r}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> "BrokerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -71,3 +71,14 @@ def test_endpoint_of():
     assert endpoint_of("zmq://10.0.0.1:5555") == "tcp://10.0.0.1:5555"
     with pytest.raises(ValueError):
         endpoint_of("redis://x")
+
+
+def test_broker_process_cli_serves_and_stops(names):
+    from broker.zmq_broker import BrokerProcess
+
+    with BrokerProcess() as process:
+        with broker.connect(process.url) as t:
+            t.ensure_group(names.rollouts, "g")
+            t.publish(names.rollouts, b"via the process")
+            assert [d.payload for d in t.consume(names.rollouts, "g", "c", block_s=1)] == [b"via the process"]
+    assert process.process.returncode is not None
