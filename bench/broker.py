@@ -67,7 +67,11 @@ def run(config: BenchConfig) -> dict:
     }
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_1m": os.getloadavg()[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_1m": os.getloadavg()[0],
+        },
         "image_bytes_stored_once": len(image_png()),
         "results": [dataclasses.asdict(r) for r in best],
         "all_runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],

@@ -95,7 +95,9 @@ class Subscriber:
     def poll(self, count: int = 1, block_s: float = 1.0) -> list[tuple[Delivery, Message]]:
         """Up to `count` (delivery, message) pairs; rejected entries are dead-lettered, not returned."""
         good = []
-        for delivery in self.transport.consume(self.stream, self.group, self.consumer, count=count, block_s=block_s):
+        for delivery in self.transport.consume(
+            self.stream, self.group, self.consumer, count=count, block_s=block_s
+        ):
             try:
                 msg = codec.decode(delivery.payload)
                 if not isinstance(msg, self.expect):
@@ -121,4 +123,6 @@ class Subscriber:
         """How many entries this subscriber's counter holds for this stream (optionally one reason)."""
         reasons = [reason] if reason else codec.REASONS
         labels = [{"stream": self.stream, "reason": r} for r in reasons]
-        return sum(self.registry.get_sample_value("parallax_broker_rejected_total", lab) or 0.0 for lab in labels)
+        return sum(
+            self.registry.get_sample_value("parallax_broker_rejected_total", lab) or 0.0 for lab in labels
+        )

@@ -52,7 +52,9 @@ def _known_kinds() -> frozenset[str]:
 def encode(msg: Message) -> bytes:
     """msgpack bytes of one message (a struct from `broker.schemas`)."""
     if not isinstance(msg, Message.__args__):
-        raise MessageError("wrong_type", f"cannot encode {type(msg).__name__}; expected one of {_kind_list()}")
+        raise MessageError(
+            "wrong_type", f"cannot encode {type(msg).__name__}; expected one of {_kind_list()}"
+        )
     return _encoder().encode(msg)
 
 

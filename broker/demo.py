@@ -40,7 +40,9 @@ def image_png(size: int = 180, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def realistic_group(index: int, image: ImageRef, seed: int = 0, samples: int = 8, tokens: int = 512) -> RolloutGroup:
+def realistic_group(
+    index: int, image: ImageRef, seed: int = 0, samples: int = 8, tokens: int = 512
+) -> RolloutGroup:
     """One Geometry3k-like rollout group with random tokens (Qwen's vocabulary size) and logprobs."""
     rng = random.Random(seed * 1_000_003 + index)
     return RolloutGroup(
@@ -87,7 +89,9 @@ def _producer(url, stream, mode, groups, batch, max_len, image, start_q):
     for first in range(0, groups, batch):
         n = min(batch, groups - first)
         if mode == "typed":  # encode each group as a generator would
-            msgs = [msgspec.structs.replace(pool[(first + i) % POOL], group_id=f"g-{first + i}") for i in range(n)]
+            msgs = [
+                msgspec.structs.replace(pool[(first + i) % POOL], group_id=f"g-{first + i}") for i in range(n)
+            ]
             batch_payloads = [codec.encode(m) for m in msgs]
         else:
             batch_payloads = [payloads[(first + i) % POOL] for i in range(n)]
@@ -116,31 +120,41 @@ def _consumer(url, stream, group, mode, groups, batch, ready, done_q):
     transport.close()
 
 
-def run_pipeline(url: str, label: str, mode: str, groups: int, batch: int = 64, max_len: int = 1000) -> RunResult:
+def run_pipeline(
+    url: str, label: str, mode: str, groups: int, batch: int = 64, max_len: int = 1000
+) -> RunResult:
     """Time `groups` realistic groups from a producer process to a consumer process via `url`."""
     names = Names(namespace=f"bench-{uuid.uuid4().hex[:8]}")
     with connect(url) as transport:
         image = ImageStore(transport, names).put(image_png())  # stored once, referenced by every group
     ctx = mp.get_context("spawn")
     ready, start_q, done_q = ctx.Event(), ctx.Queue(), ctx.Queue()
-    consumer = ctx.Process(target=_consumer, args=(url, names.rollouts, Names.REWARD, mode, groups, batch, ready, done_q))
+    consumer = ctx.Process(
+        target=_consumer, args=(url, names.rollouts, Names.REWARD, mode, groups, batch, ready, done_q)
+    )
     consumer.start()
     if not ready.wait(60):
         consumer.kill()
         raise RuntimeError("consumer process did not start")
-    producer = ctx.Process(target=_producer, args=(url, names.rollouts, mode, groups, batch, max_len, image, start_q))
+    producer = ctx.Process(
+        target=_producer, args=(url, names.rollouts, mode, groups, batch, max_len, image, start_q)
+    )
     producer.start()
     started = start_q.get(timeout=120)
     finished, received, nbytes = done_q.get(timeout=600)
     producer.join(30)
     consumer.join(30)
     seconds = finished - started
-    return RunResult(label, mode, received, seconds, received / seconds, nbytes / seconds / 1e6, nbytes // max(1, received))
+    return RunResult(
+        label, mode, received, seconds, received / seconds, nbytes / seconds / 1e6, nbytes // max(1, received)
+    )
 
 
 def format_table(results: list[RunResult]) -> str:
     """Side-by-side text table of runs."""
-    header = f"{'transport':<10} {'mode':<6} {'groups':>7} {'seconds':>8} {'groups/s':>10} {'MB/s':>8} {'KB/group':>9}"
+    header = (
+        f"{'transport':<10} {'mode':<6} {'groups':>7} {'seconds':>8} {'groups/s':>10} {'MB/s':>8} {'KB/group':>9}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(

@@ -65,7 +65,9 @@ class ImageStore:
         """The verified bytes of `ref`."""
         data = self.transport.get_blob(self.names.blob(ref.sha256))
         if data is None:
-            raise ImageMissing(f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)")
+            raise ImageMissing(
+                f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)"
+            )
         actual = hashlib.sha256(data).hexdigest()
         if actual != ref.sha256:
             raise ImageCorrupt(f"image {ref.sha256[:16]}...: stored bytes hash to {actual[:16]}...")

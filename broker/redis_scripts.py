@@ -89,9 +89,11 @@ RECLAIM = (
     _TRIM
     + """
 -- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, consumer, claim_idle_ms, count,
--- max_deliveries, dead_maxlen. Returns {{id, payload, deliveries}, ...} of reclaimed live entries.
+-- max_deliveries, dead_maxlen, cursor. Returns {next cursor, {{id, payload, deliveries}, ...}}
+-- with the reclaimed entries that are still live.
 local group, consumer = ARGV[1], ARGV[2]
-local claimed = redis.call('XAUTOCLAIM', KEYS[1], group, consumer, ARGV[3], '0-0', 'COUNT', ARGV[4])[2]
+local reply = redis.call('XAUTOCLAIM', KEYS[1], group, consumer, ARGV[3], ARGV[7], 'COUNT', ARGV[4])
+local claimed = reply[2]
 local out = {}
 for _, entry in ipairs(claimed) do
   local id, fields = entry[1], entry[2]
@@ -108,7 +110,7 @@ for _, entry in ipairs(claimed) do
   end
 end
 if #out < #claimed then trim_acked(KEYS[1]) end
-return out
+return {reply[1], out}
 """
 )
 

@@ -29,8 +29,6 @@ from broker.transport import BackpressureTimeout, Delivery, Transport, Transport
 
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
-CREDIT_LEASE_S = 30.0
-"""Credits a producer holds but does not spend return to the pool after this long."""
 MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
 
@@ -45,7 +43,12 @@ def redact(url: str) -> str:
 
 
 class RedisTransport(Transport):
-    """Streams, blobs and values on one Redis server; see the module docstring."""
+    """Streams, blobs and values on one Redis server; see the module docstring.
+
+    `options` (or keyword `StreamOptions` fields) set the contract knobs; `credit_batch` is how
+    many publish credits a producer asks for at a time, `credit_lease_s` how long unspent
+    credits stay reserved for it (a dead producer's credits return after that).
+    """
 
     def __init__(
         self,
@@ -53,11 +56,13 @@ class RedisTransport(Transport):
         options: StreamOptions | None = None,
         *,
         credit_batch: int = 64,
+        credit_lease_s: float = 30.0,
         **opts,
     ):
         self.options = options or StreamOptions(**opts)
         self.url = url
         self.credit_batch = credit_batch
+        self.credit_lease_s = credit_lease_s
         self._token = uuid.uuid4().hex  # this producer's name in the credit hashes
         self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, spend before)
         self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
@@ -66,7 +71,8 @@ class RedisTransport(Transport):
         self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
         self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
         self._groups: set[tuple[str, str]] = set()
-        self._last_reclaim: dict[tuple[str, str], float] = {}
+        self._last_reclaim: dict[tuple[str, str], float] = {}  # when a reclaim scan last completed
+        self._reclaim_cursor: dict[tuple[str, str], str] = {}
         with self._errors("connect"):
             self._redis.ping()
 
@@ -130,11 +136,16 @@ class RedisTransport(Transport):
             held = int(
                 self._reserve_script(
                     keys=[stream, f"{stream}:credits", f"{stream}:leases"],
-                    args=[self._token, max(want, self.credit_batch), self.options.max_len, int(CREDIT_LEASE_S * 1000)],
+                    args=[
+                        self._token,
+                        max(want, self.credit_batch),
+                        self.options.max_len,
+                        int(self.credit_lease_s * 1000),
+                    ],
                 )
             )
         # Spend only well inside the lease: credits past it may have been handed to someone else.
-        self._credits[stream] = (held, time.monotonic() + CREDIT_LEASE_S / 2)
+        self._credits[stream] = (held, time.monotonic() + self.credit_lease_s / 2)
         return held
 
     def _spend(self, stream: str, payloads: Sequence[bytes]) -> list[str]:
@@ -151,13 +162,16 @@ class RedisTransport(Transport):
     def consume(
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
     ) -> list[Delivery]:
+        count = max(1, count)
         self.ensure_group(stream, group)
         out = self._reclaim_idle(stream, group, consumer, count)
         if len(out) >= count:
             return out
         block_ms = None if out or block_s <= 0 else max(1, int(min(block_s, MAX_BLOCK_S) * 1000))
         try:
-            reply = self._redis.xreadgroup(group, consumer, {stream: ">"}, count=count - len(out), block=block_ms)
+            reply = self._redis.xreadgroup(
+                group, consumer, {stream: ">"}, count=count - len(out), block=block_ms
+            )
         except redis.exceptions.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise TransportError(f"redis consume failed: {exc}") from exc
@@ -171,16 +185,29 @@ class RedisTransport(Transport):
         return out
 
     def _reclaim_idle(self, stream: str, group: str, consumer: str, count: int) -> list[Delivery]:
+        """XAUTOCLAIM idle entries, resuming the scan of the pending list where the last one ended."""
         key, now = (stream, group), time.monotonic()
-        if now - self._last_reclaim.get(key, -1e9) < min(self.options.claim_idle_s / 4, 1.0):
-            return []
+        cursor = self._reclaim_cursor.get(key, "0-0")
+        if cursor == "0-0" and now - self._last_reclaim.get(key, -1e9) < min(
+            self.options.claim_idle_s / 4, 1.0
+        ):
+            return []  # a full scan happened moments ago: nothing can have become idle since
         opts = self.options
         with self._errors("reclaim"):
-            claimed = self._reclaim(
+            cursor, claimed = self._reclaim(
                 keys=[stream, Names.dead(stream)],
-                args=[group, consumer, int(opts.claim_idle_s * 1000), count, opts.max_deliveries, opts.dead_max_len],
+                args=[
+                    group,
+                    consumer,
+                    int(opts.claim_idle_s * 1000),
+                    count,
+                    opts.max_deliveries,
+                    opts.dead_max_len,
+                    cursor,
+                ],
             )
-        if len(claimed) < count:  # a full batch means more may be waiting: look again next time
+        self._reclaim_cursor[key] = cursor = cursor.decode()
+        if cursor == "0-0":
             self._last_reclaim[key] = now
         return [Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed]
 
@@ -194,7 +221,14 @@ class RedisTransport(Transport):
         with self._errors("dead_letter"):
             self._dead(
                 keys=[delivery.stream, Names.dead(delivery.stream)],
-                args=[group, delivery.id, delivery.payload, delivery.attempts, reason, self.options.dead_max_len],
+                args=[
+                    group,
+                    delivery.id,
+                    delivery.payload,
+                    delivery.attempts,
+                    reason,
+                    self.options.dead_max_len,
+                ],
             )
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
@@ -203,8 +237,11 @@ class RedisTransport(Transport):
             entries = self._redis.xrange(Names.dead(stream), count=count)
         return [
             DeadLetter(
-                id=f[b"id"].decode(), payload=f[b"d"], reason=f[b"reason"].decode(),
-                group=f[b"group"].decode(), attempts=int(f[b"attempts"]),
+                id=f[b"id"].decode(),
+                payload=f[b"d"],
+                reason=f[b"reason"].decode(),
+                group=f[b"group"].decode(),
+                attempts=int(f[b"attempts"]),
             )
             for _id, f in entries
         ]

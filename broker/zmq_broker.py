@@ -55,9 +55,17 @@ class ZmqBroker:
         self._waiting_credit: dict[str, deque] = {}
         self._ops = {
             "ping": lambda client, rid: ("ok", "pong", None),
-            "credit": self._credit, "publish": self._publish, "release": self._release,
-            "consume": self._consume, "ack": self._ack, "dead": self._dead,
-            "dead_letters": lambda c, r, stream, count: ("ok", list(self.state.stream(stream).dead)[:count], None),
+            "credit": self._credit,
+            "publish": self._publish,
+            "release": self._release,
+            "consume": self._consume,
+            "ack": self._ack,
+            "dead": self._dead,
+            "dead_letters": lambda c, r, stream, count: (
+                "ok",
+                list(self.state.stream(stream).dead)[:count],
+                None,
+            ),
             "pending": lambda c, r, stream, group: ("ok", self.state.pending(stream, group), None),
             "backlog": lambda c, r, stream: ("ok", self.state.backlog(stream), None),
             "ensure_group": self._ensure_group,
@@ -208,7 +216,9 @@ class BrokerThread:
     def start(self) -> "BrokerThread":
         endpoint = self.broker.bind()
         self.url = "zmq://" + endpoint.removeprefix("tcp://")
-        self._thread = threading.Thread(target=self.broker.serve, args=(self._stop,), daemon=True, name="zmq-broker")
+        self._thread = threading.Thread(
+            target=self.broker.serve, args=(self._stop,), daemon=True, name="zmq-broker"
+        )
         self._thread.start()
         return self
 

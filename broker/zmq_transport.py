@@ -80,9 +80,13 @@ class ZmqTransport(Transport):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                     if time.monotonic() >= deadline:
-                        raise TransportError(f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s")
+                        raise TransportError(
+                            f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s"
+                        )
                     continue
-                reply_id, status, result, credits = msgspec.msgpack.decode(self._socket.recv(copy=False).buffer)
+                reply_id, status, result, credits = msgspec.msgpack.decode(
+                    self._socket.recv(copy=False).buffer
+                )
                 if credits is not None:  # late replies still tell us our credits
                     stream, count, lease_s = credits
                     self._credits[stream] = (count, time.monotonic() + 0.9 * lease_s)
@@ -133,7 +137,11 @@ class ZmqTransport(Transport):
             raise exc
         wait_s = min(remaining, CREDIT_WAIT_S)
         self._request(
-            "credit", stream, self.credit_batch, self.options.max_len, wait_s,
+            "credit",
+            stream,
+            self.credit_batch,
+            self.options.max_len,
+            wait_s,
             timeout=wait_s + self.request_timeout_s,
         )
 
@@ -142,7 +150,14 @@ class ZmqTransport(Transport):
     ) -> list[Delivery]:
         opts = self.options
         _, entries = self._request(
-            "consume", stream, group, consumer, count, max(0.0, block_s), opts.claim_idle_s, opts.max_deliveries,
+            "consume",
+            stream,
+            group,
+            consumer,
+            max(1, count),
+            max(0.0, block_s),
+            opts.claim_idle_s,
+            opts.max_deliveries,
             timeout=max(0.0, block_s) + self.request_timeout_s,
         )
         return [Delivery(stream, id_, payload, attempts) for id_, payload, attempts in entries]
@@ -152,7 +167,9 @@ class ZmqTransport(Transport):
             self._request("ack", stream, group, list(ids))
 
     def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
-        self._request("dead", delivery.stream, group, delivery.id, delivery.payload, delivery.attempts, reason)
+        self._request(
+            "dead", delivery.stream, group, delivery.id, delivery.payload, delivery.attempts, reason
+        )
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` dead-lettered entries of `stream` (for inspection)."""

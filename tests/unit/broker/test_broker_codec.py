@@ -23,7 +23,14 @@ def _as_dict(msg) -> dict:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"\x92\x01", msgspec.msgpack.encode(5), msgspec.msgpack.encode("rollout_group"), b"{}" * 3],
+    [
+        b"",
+        b"\xc1",
+        b"\x92\x01",
+        msgspec.msgpack.encode(5),
+        msgspec.msgpack.encode("rollout_group"),
+        b"{}" * 3,
+    ],
     ids=["empty", "invalid-byte", "truncated", "int", "string", "json-ish"],
 )
 def test_garbage_is_malformed(data):

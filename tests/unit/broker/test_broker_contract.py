@@ -119,7 +119,9 @@ def test_publish_blocks_at_max_len_then_times_out_and_resumes_after_ack(connect,
     assert producer.backlog(names.rollouts) == 3  # nothing trimmed, nothing lost
 
     result = {}
-    blocked = threading.Thread(target=lambda: result.update(id=producer.publish(names.rollouts, b"m3", timeout=10)))
+    blocked = threading.Thread(
+        target=lambda: result.update(id=producer.publish(names.rollouts, b"m3", timeout=10))
+    )
     blocked.start()
     time.sleep(0.3)
     assert blocked.is_alive() and not result  # still waiting for room

@@ -14,7 +14,9 @@ def test_password_protected_server(redis_server_auth, names):
     with broker.connect(redis_server_auth.url) as t:
         t.ensure_group(names.rollouts, "g")
         t.publish(names.rollouts, b"secret work")
-        assert [d.payload for d in t.consume(names.rollouts, "g", "c", count=1, block_s=0.5)] == [b"secret work"]
+        assert [d.payload for d in t.consume(names.rollouts, "g", "c", count=1, block_s=0.5)] == [
+            b"secret work"
+        ]
 
 
 def test_wrong_password_is_a_transport_error_without_the_password(redis_server_auth):
@@ -43,3 +45,20 @@ def test_redact_hides_passwords_only():
 def test_unsupported_url_scheme():
     with pytest.raises(ValueError, match="unsupported broker url"):
         broker.connect("http://127.0.0.1:1")
+
+
+def test_a_dead_producers_unspent_credits_return_after_the_lease(redis_server, names):
+    import time
+
+    from broker.transport import BackpressureTimeout
+
+    dead = broker.connect(redis_server.url, max_len=4, credit_lease_s=0.5)
+    dead.publish(names.rollouts, b"one")  # reserves all 4 credits, spends 1, then dies holding 3
+    live = broker.connect(redis_server.url, max_len=4, credit_lease_s=0.5)
+    with pytest.raises(BackpressureTimeout):
+        live.publish(names.rollouts, b"two", timeout=0.1)
+    time.sleep(0.6)
+    live.publish(names.rollouts, b"two", timeout=2)
+    assert live.backlog(names.rollouts) == 2
+    live.close()
+    dead._redis.close()
