@@ -1,8 +1,6 @@
-"""Loading the built checkpoint with transformers (and vLLM, marked `vllm`) through policy.loading."""
+"""Loading the built checkpoint with transformers through policy.loading (vLLM: test_policy_vllm.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -39,27 +37,3 @@ def test_bad_paths_and_dtypes_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8")
 
-
-@pytest.mark.vllm
-def test_vllm_loads_the_tiny_model_and_samples_with_an_image(tiny_model_dir, tiny_processor, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    from policy import compat
-
-    compat.install_vllm()
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-              limit_mm_per_prompt={"image": 1, "video": 0})
-    ids = tiny_processor.tokenizer.encode(_image_prompt(tiny_processor))
-    image = Image.new("RGB", (224, 224), (0, 0, 255))
-    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": image}}],
-                       SamplingParams(n=2, max_tokens=6, logprobs=0, seed=1), use_tqdm=False)
-    samples = out[0].outputs
-    assert len(samples) == 2
-    for s in samples:
-        assert len(s.token_ids) == 6 and len(s.logprobs) == 6
-        assert all(next(iter(lp.values())).logprob < 0 for lp in s.logprobs)
-    del llm
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -1,0 +1,214 @@
+"""Packed forward of a Qwen2.5-VL model: per-token logprobs (and entropy) of response tokens.
+
+`PackedPolicy(hf_model)` wraps a transformers `Qwen2_5_VLForConditionalGeneration`; its
+forward takes a `policy.packing.PackedBatch` and returns, for every response token of every
+sample (in pack order), the log-probability of that token and the entropy of the predictive
+distribution, both fp32, at the given temperature. Wrap it (not the bare HF model) as the
+FSDP root, so that the embedding and lm_head are gathered by the root's hooks.
+
+Attention sees sequence boundaries through cu_seqlens (transformers' FlashAttentionKwargs):
+a registered attention function "parallax_varlen" runs flash-attn's varlen kernel when it is
+installed (CUDA, fp16/bf16), else torch's `varlen_attn` on CUDA, else SDPA per sequence (the
+CPU path). Without cu_seqlens (generate, padded batches) it is plain SDPA.
+
+The vocabulary projection runs over response positions only, in chunks of `chunk_size` rows,
+each chunk under activation checkpointing when gradients are on: full-vocabulary fp32 logits
+of a whole pack never exist at once, in forward or backward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from policy.packing import PackedBatch
+
+ATTN_NAME = "parallax_varlen"
+_registered = False
+
+
+def attention_backend(query: torch.Tensor) -> str:
+    """flash_attn | torch_varlen | sdpa_loop, for this query tensor (override: PARALLAX_ATTN_BACKEND)."""
+    forced = os.environ.get("PARALLAX_ATTN_BACKEND")
+    if forced:
+        return forced
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attn"
+        except ImportError:
+            pass
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+            return "torch_varlen"
+        except ImportError:
+            pass
+    return "sdpa_loop"
+
+
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                     cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None,
+                     max_length_k: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal attention within each packed sequence.
+
+    query (1, H, T, D), key/value (1, Hkv, T, D) -> output (1, T, H, D).
+    """
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("packed attention expects batch size 1 (one packed row)")
+    cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+    max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    backend = attention_backend(query)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling,
+                                     causal=True)
+    elif backend == "torch_varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
+                          enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out = _sdpa_per_sequence(query, key, value, cu, dropout, scaling)
+        return out, None
+    return out.unsqueeze(0), None
+
+
+def _sdpa_per_sequence(query, key, value, cu, dropout, scaling) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    bounds = cu.tolist()
+    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
+                                           scale=scaling, is_causal=True)
+            for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def register_packed_attention() -> None:
+    """Register "parallax_varlen" with transformers' attention and mask interfaces (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, varlen_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _registered = True
+
+
+def enable_packed_attention(model: nn.Module) -> None:
+    """Route the text model's attention through "parallax_varlen" (SDPA whenever no cu_seqlens are given)."""
+    register_packed_attention()
+    model.config.text_config._attn_implementation = ATTN_NAME
+    model.model.language_model.config._attn_implementation = ATTN_NAME
+
+
+class PackedPolicy(nn.Module):
+    """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
+
+    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+        self.image_token_id = model.config.image_token_id
+        enable_packed_attention(model)
+
+    def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = True,
+                run_vision_always: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(N,) fp32 logprobs of the response tokens and (N,) fp32 entropies (None unless with_entropy).
+
+        run_vision_always: run the vision tower on a dummy image (times zero) when the pack has no
+        image, so every rank of a sharded model takes part in the same collectives.
+        """
+        hidden = self.hidden_states(batch, run_vision_always)
+        states = hidden[0, batch.target_index.to(hidden.device) - 1]
+        targets = batch.input_ids[0, batch.target_index].to(hidden.device)
+        return chunked_logprobs(self.model.lm_head, states, targets, temperature, self.chunk_size, with_entropy)
+
+    def hidden_states(self, batch: PackedBatch, run_vision_always: bool = False) -> torch.Tensor:
+        """(1, total, hidden) final hidden states of the packed row."""
+        inner = self.model.model
+        input_ids = batch.input_ids.to(self.model.device)
+        embeds = inner.get_input_embeddings()(input_ids)
+        if batch.pixel_values is not None:
+            embeds = self._insert_images(embeds, input_ids, batch)
+        elif run_vision_always:
+            embeds = embeds + 0.0 * self._dummy_vision(embeds)
+        layer_types = set(inner.language_model.config.layer_types)
+        out = inner.language_model(
+            inputs_embeds=embeds, position_ids=batch.position_ids.to(embeds.device),
+            attention_mask={t: None for t in layer_types}, use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens.to(embeds.device), cu_seq_lens_k=batch.cu_seqlens.to(embeds.device),
+            max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+        return out.last_hidden_state
+
+    def _insert_images(self, embeds: torch.Tensor, input_ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        inner = self.model.model
+        pixels = batch.pixel_values.to(embeds.device, inner.visual.dtype)
+        features = inner.get_image_features(pixels, batch.image_grid_thw.to(embeds.device), return_dict=True)
+        image_embeds = torch.cat(features.pooler_output, dim=0).to(embeds.dtype)
+        mask = input_ids == self.image_token_id
+        if int(mask.sum()) != image_embeds.shape[0]:
+            raise ValueError(f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} image features")
+        return embeds.masked_scatter(mask.unsqueeze(-1), image_embeds)
+
+    def _dummy_vision(self, embeds: torch.Tensor) -> torch.Tensor:
+        visual = self.model.model.visual
+        merge = visual.spatial_merge_size
+        cfg = self.model.config.vision_config
+        dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        pixels = torch.zeros(merge * merge, dim, device=embeds.device, dtype=visual.dtype)
+        grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+        out = self.model.model.get_image_features(pixels, grid, return_dict=True)
+        return torch.cat(out.pooler_output).sum().to(embeds.dtype)
+
+
+def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     chunk_size: int = 1024, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of `targets` (and entropies) from hidden `states` (N, d), `chunk_size` rows at a time."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0")
+    logps, ents = [], []
+    use_ckpt = torch.is_grad_enabled() and states.requires_grad
+    for s, t in zip(torch.split(states, chunk_size), torch.split(targets, chunk_size)):
+        if use_ckpt:
+            lp, ent = checkpoint(_chunk, lm_head, s, t, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk(lm_head, s, t, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    logprobs = torch.cat(logps) if logps else states.new_zeros(0, dtype=torch.float32)
+    entropy = torch.cat(ents) if with_entropy and ents else None
+    return logprobs, entropy
+
+
+def _chunk(lm_head, states, targets, temperature, with_entropy):
+    logits = lm_head(states).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(token_logp)
+    return token_logp, entropy
+
+
+def packed_logprobs(model: nn.Module, batch: PackedBatch, temperature: float = 1.0,
+                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convenience: per-response-token (logprobs, entropy) of a PackedPolicy or a bare HF model."""
+    policy = model if isinstance(model, PackedPolicy) else PackedPolicy(model, chunk_size)
+    return policy(batch, temperature=temperature)

@@ -1,0 +1,102 @@
+"""Packed forward numerics: equal to the padded transformers forward (fp32 CPU, <= 1e-5), and its parts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from policy.forward import PackedPolicy, chunked_logprobs, packed_logprobs, varlen_attention
+from policy.packing import pack
+from tests.fixtures.models import make_samples, padded_logprobs, sharpen
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model):
+    """A copy of the tiny model whose logits depend strongly on positions and context."""
+    return sharpen(copy.deepcopy(tiny_model)).eval()
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_processor):
+    tok = tiny_processor.tokenizer
+    return tok.pad_token_id, tok.convert_tokens_to_ids("<|image_pad|>")
+
+
+@pytest.mark.parametrize("counts,temperature", [((0, 1, 2, 2, 1, 0), 1.0), ((1, 1), 0.7), ((0, 0), 1.3)])
+def test_packed_logprobs_equal_padded_forward(tiny_processor, sharp_model, ids, counts, temperature):
+    pad_token, image_token = ids
+    samples = make_samples(tiny_processor, counts, seed=7)
+    with torch.no_grad():
+        ours, entropy = packed_logprobs(sharp_model, pack(samples, image_token), temperature=temperature,
+                                        chunk_size=16)
+    ref = padded_logprobs(sharp_model, samples, pad_token, image_token, temperature)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-5
+    assert ref.std() > 0.1  # the sharpened model's logprobs vary: the comparison can fail
+    assert torch.all(entropy > 0)
+
+
+def test_wrong_positions_would_be_detected(tiny_processor, sharp_model, ids):
+    pad_token, image_token = ids
+    samples = make_samples(tiny_processor, (1, 2), seed=3)
+    batch = pack(samples, image_token)
+    batch.position_ids = torch.arange(batch.num_tokens).view(1, 1, -1).expand(3, 1, -1).contiguous()
+    with torch.no_grad():
+        wrong, _ = packed_logprobs(sharp_model, batch)
+    ref = padded_logprobs(sharp_model, samples, pad_token, image_token)
+    assert (wrong - ref).abs().max().item() > 1e-3
+
+
+def test_chunking_does_not_change_results_and_entropy_is_exact():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    states, targets = torch.randn(37, 8), torch.randint(0, 50, (37,))
+    a, ea = chunked_logprobs(head, states, targets, 0.8, chunk_size=5)
+    b, eb = chunked_logprobs(head, states, targets, 0.8, chunk_size=1000)
+    assert torch.allclose(a, b) and torch.allclose(ea, eb)
+    dist = torch.distributions.Categorical(logits=head(states) / 0.8)
+    assert torch.allclose(a, dist.log_prob(targets), atol=1e-6)
+    assert torch.allclose(ea, dist.entropy(), atol=1e-5)
+    with pytest.raises(ValueError):
+        chunked_logprobs(head, states, targets, 0.0)
+
+
+def test_gradients_flow_through_checkpointed_chunks_and_vision(tiny_processor, tiny_model, ids):
+    _, image_token = ids
+    model = copy.deepcopy(tiny_model).train()
+    policy = PackedPolicy(model, chunk_size=8)
+    batch = pack(make_samples(tiny_processor, (1, 0, 2), seed=1), image_token)
+    logprobs, entropy = policy(batch)
+    (logprobs.sum() + 0.01 * entropy.sum()).backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+    assert model.model.language_model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_text_only_pack_can_still_run_the_vision_tower(tiny_processor, tiny_model, ids):
+    _, image_token = ids
+    model = copy.deepcopy(tiny_model).train()
+    batch = pack(make_samples(tiny_processor, (0, 0), seed=2), image_token)
+    plain, _ = PackedPolicy(model)(batch)
+    logprobs, _ = PackedPolicy(model)(batch, run_vision_always=True)
+    assert torch.allclose(plain, logprobs)
+    logprobs.sum().backward()
+    assert model.model.visual.patch_embed.proj.weight.grad is not None  # took part, with zero gradient
+
+
+def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa():
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
+    cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    out, _ = varlen_attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=6, max_length_k=6)
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor([4, 1, 6]))
+    mask = (seg[:, None] == seg[None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
+    assert out.shape == (1, 11, 4, 8)
+    assert torch.allclose(out, ref, atol=1e-6)
