@@ -1,0 +1,170 @@
+"""One reward worker process: consume RolloutGroups, score every sample, publish ScoredGroups.
+
+Each worker is a consumer of group `Names.REWARD` on `names.rollouts` (so workers on other hosts
+join the same group), grades through its own `SafeGrader` (hard timeout, killable process) and
+publishes a `ScoredGroup` to `names.scored` once per group id (`OnceGate`), acking a delivery
+only after its group was published (or found already published). Malformed entries are
+dead-lettered by `broker.channel.Subscriber`; entries left pending by a dead worker are reclaimed
+by the transport on a later read (XAUTOCLAIM after `claim_idle_s`).
+
+`python -m reward_service.worker` runs one worker whose resolved config arrives as JSON on stdin
+(how `python -m reward_service --workers N` starts its children: no secrets on the command line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from broker.channel import Publisher, Subscriber
+from broker.names import Names
+from broker.schemas import RolloutGroup, ScoredGroup
+from broker.transport import BackpressureTimeout, Delivery, Transport
+from reward_service.config import RewardConfig
+from reward_service.dedupe import Claim, OnceGate
+from reward_service.metrics import RewardMetrics
+from reward_service.pool import SafeGrader
+from reward_service.rewards import DEFAULT_ROUTES
+from reward_service.scoring import GroupScorer
+from runtime.config import from_dict
+from runtime.metrics import start_metrics_server
+
+log = logging.getLogger("reward_service.worker")
+
+
+def consumer_name(cfg: RewardConfig, index: int) -> str:
+    prefix = cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{prefix}-{index}"
+
+
+def connect(cfg: RewardConfig) -> Transport:
+    import broker
+
+    return broker.connect(cfg.broker, claim_idle_s=cfg.claim_idle_s, max_deliveries=cfg.max_deliveries)
+
+
+class RewardWorker:
+    """The consume-score-publish-ack loop of one process; `run()` until `stop()` (or drained in burst)."""
+
+    def __init__(self, cfg: RewardConfig, index: int = 0, transport: Transport | None = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.names = Names(cfg.namespace)
+        self.consumer = consumer_name(cfg, index)
+        sources = tuple(sorted({*DEFAULT_ROUTES, *cfg.routes}))
+        self.metrics = RewardMetrics(data_sources=sources)
+        self.transport = transport if transport is not None else connect(cfg)
+        self.subscriber = Subscriber(self.transport, self.names.rollouts, Names.REWARD, self.consumer,
+                                     expect=RolloutGroup, registry=self.metrics.registry)
+        self.publisher = Publisher(self.transport, self.names.scored)
+        self.grader = SafeGrader(cfg.timeout_s, cfg.memory_mb, spare=cfg.spare_grader, cache_size=cfg.cache_size)
+        self.scorer = GroupScorer(self.grader, cfg.weights, cfg.routes, cfg.default_reward, self.metrics)
+        self.gate = OnceGate(self.transport, self.names, self.consumer, stale_s=cfg.claim_stale_s,
+                             ttl_s=cfg.dedupe_ttl_s)
+        self.published = 0
+        self.duplicates = 0
+        self._stopping = False
+
+    def stop(self, *_signal_args) -> None:
+        """Finish the group in hand, then return from `run`."""
+        self._stopping = True
+
+    def run(self) -> int:
+        """Serve until stopped (or, with `burst`, until the stream is drained); returns groups published."""
+        self.grader.start()
+        port = start_metrics_server(self.cfg.metrics_port + self.index if self.cfg.metrics_port else 0,
+                                    self.metrics.registry)
+        log.info("worker %s consuming %s (metrics port %s)", self.consumer, self.names.rollouts, port or "off")
+        empty_polls = 0
+        try:
+            while not self._stopping:
+                batch = self.subscriber.poll(count=self.cfg.groups_per_read, block_s=self.cfg.block_s)
+                empty_polls = 0 if batch else empty_polls + 1
+                if not batch and self.cfg.burst and self._drained(empty_polls):
+                    break
+                for delivery, group in batch:
+                    if self._stopping:
+                        break  # left pending: reclaimed by another worker after claim_idle_s
+                    self.handle(delivery, group)
+        finally:
+            self.grader.close()
+        log.info("worker %s done: %d published, %d duplicates", self.consumer, self.published, self.duplicates)
+        return self.published
+
+    def handle(self, delivery: Delivery, group: RolloutGroup) -> None:
+        """Score one group and publish it once; ack only when it is (or already was) published."""
+        if self.gate.is_done(group.group_id):
+            return self._duplicate(delivery, group)
+        started = time.monotonic()
+        scores = self.scorer.score_within(group, self.cfg.group_budget_s)
+        group.timings["reward"] = time.monotonic() - started
+        claim = self.gate.claim(group.group_id)
+        if claim is Claim.DONE:
+            return self._duplicate(delivery, group)
+        if claim is Claim.BUSY:
+            log.info("group %s is being published by another worker; leaving it pending", group.group_id)
+            return
+        if not self._publish(ScoredGroup(group=group, scores=scores, scorer_id=self.consumer)):
+            self.gate.release(group.group_id)
+            return
+        self.gate.finish(group.group_id)
+        self.subscriber.ack([delivery])
+        self.published += 1
+        self.metrics.groups.inc()
+
+    def _publish(self, scored: ScoredGroup) -> bool:
+        """Publish, holding on through backpressure; False only when stopped before it went out."""
+        while True:
+            try:
+                self.publisher.publish(scored, timeout=self.cfg.publish_timeout_s)
+                return True
+            except BackpressureTimeout:
+                if self._stopping:
+                    return False
+                log.warning("%s is full; holding group %s until the learner catches up",
+                            self.names.scored, scored.group.group_id)
+
+    def _duplicate(self, delivery: Delivery, group: RolloutGroup) -> None:
+        log.info("group %s already scored; acking delivery %s", group.group_id, delivery.id)
+        self.subscriber.ack([delivery])
+        self.duplicates += 1
+        self.metrics.duplicates.inc()
+
+    def _drained(self, empty_polls: int) -> bool:
+        """Nothing pending and nothing left to read (a poll can be empty because it only held garbage)."""
+        if self.transport.pending(self.names.rollouts, Names.REWARD) > 0:
+            return False
+        return empty_polls >= 3 or self.transport.backlog(self.names.rollouts) == 0
+
+    def close(self) -> None:
+        self.grader.close()
+        self.transport.close()
+
+
+def run_worker(cfg: RewardConfig, index: int = 0) -> int:
+    """Run one worker in this process with SIGTERM/SIGINT stopping it cleanly; returns groups published."""
+    worker = RewardWorker(cfg, index)
+    signal.signal(signal.SIGTERM, worker.stop)
+    signal.signal(signal.SIGINT, worker.stop)
+    try:
+        return worker.run()
+    finally:
+        worker.close()
+
+
+def main() -> int:
+    """Entry of a child started by `python -m reward_service`: {"config": {...}, "index": i} on stdin."""
+    spec = json.load(sys.stdin)
+    cfg = from_dict(RewardConfig, spec["config"])
+    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s reward[{spec['index']}] %(levelname)s %(message)s")
+    run_worker(cfg, int(spec["index"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
