@@ -112,6 +112,8 @@ def _buckets(meaning: str) -> tuple[float, ...]:
     bounds = tuple(float(x) for x in m.group(1).replace(" ", "").strip(",").split(","))
     if list(bounds) != sorted(set(bounds)):
         raise ValueError(f"buckets must increase: {bounds}")
+    if bounds[0] < 0:
+        raise ValueError(f"negative bucket bounds make prometheus-client drop _sum: {bounds}")
     return bounds
 
 

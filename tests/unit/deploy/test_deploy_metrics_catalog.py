@@ -96,3 +96,14 @@ def test_unknown_series_accepts_histogram_parts_and_counters_only_by_their_expor
     assert unknown_series("rate(parallax_generator_tokens[1m])", catalog) == {"parallax_generator_tokens"}
     assert unknown_series("parallax_learner_step_bucket", catalog) == {"parallax_learner_step_bucket"}
     assert unknown_series("parallax:x", catalog, extra={"parallax:x"}) == set()
+
+
+def test_catalog_rejects_negative_bucket_bounds(tmp_path):
+    """prometheus-client drops a histogram's _sum when a bound is negative (and the dashboard's means with it)."""
+    bad = tmp_path / "M.md"
+    bad.write_text("## Reward\n| `parallax_reward_x` | histogram | - | buckets -1, 0, 1 |\n")
+    with pytest.raises(ValueError, match="negative"):
+        load_catalog(bad)
+    bad.write_text("## Reward\n| `parallax_reward_x` | histogram | - | no buckets given |\n")
+    with pytest.raises(ValueError, match="buckets"):
+        load_catalog(bad)

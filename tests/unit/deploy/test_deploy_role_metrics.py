@@ -13,12 +13,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from deploy.catalog import load_catalog
+from runtime.metrics import new_registry
 
 ROLES = {"Reward": "reward_service", "Generator": "generator", "Learner": "learner"}
+# Constructor arguments the metrics classes may need, by parameter name.
+KNOWN_ARGS = {"registry": new_registry, "run_dir": lambda: None, "data_sources": lambda: ("geometry3k",)}
 
 
 def role_registries(package: str) -> list[CollectorRegistry]:
-    """Registries of every metrics class in `<package>.metrics` that builds with defaults."""
+    """Registries of every metrics class in `<package>.metrics` that builds from KNOWN_ARGS."""
     try:
         module = importlib.import_module(f"{package}.metrics")
     except ModuleNotFoundError as exc:
@@ -30,7 +33,7 @@ def role_registries(package: str) -> list[CollectorRegistry]:
         if cls.__module__ != module.__name__:
             continue
         params = inspect.signature(cls).parameters
-        kwargs = {"data_sources": ("geometry3k",)} if "data_sources" in params else {}
+        kwargs = {name: value() for name, value in KNOWN_ARGS.items() if name in params}
         if any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                for n, p in params.items() if n not in kwargs):
             continue
@@ -38,7 +41,7 @@ def role_registries(package: str) -> list[CollectorRegistry]:
         if isinstance(registry, CollectorRegistry):
             found.append(registry)
     if not found:
-        pytest.skip(f"{package}.metrics has no class that builds a registry with defaults")
+        pytest.skip(f"{package}.metrics has no class that builds a registry from {sorted(KNOWN_ARGS)}")
     return found
 
 
