@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -46,6 +47,13 @@ def rejected_counter(registry: CollectorRegistry) -> Counter:
             )
             _counters[registry] = counter
         return counter
+
+
+def _types_of(expect) -> tuple[type, ...]:
+    """(A,) for A, (A, B) for A | B or (A, B)."""
+    if isinstance(expect, types.UnionType):
+        return expect.__args__
+    return tuple(expect) if isinstance(expect, tuple) else (expect,)
 
 
 class Publisher:
@@ -78,14 +86,14 @@ class Subscriber:
         group: str,
         consumer: str,
         *,
-        expect: type | tuple[type, ...] = Message.__args__,
+        expect: type | types.UnionType | tuple[type, ...] = Message,
         registry: CollectorRegistry | None = None,
     ):
         self.transport = transport
         self.stream = stream
         self.group = group
         self.consumer = consumer
-        self.expect = expect if isinstance(expect, tuple) else (expect,)
+        self.expect = _types_of(expect)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.rejected = rejected_counter(self.registry)
         ensure_group = getattr(transport, "ensure_group", None)

@@ -152,8 +152,8 @@ def run_pipeline(
 
 def format_table(results: list[RunResult]) -> str:
     """Side-by-side text table of runs."""
-    header = (
-        f"{'transport':<10} {'mode':<6} {'groups':>7} {'seconds':>8} {'groups/s':>10} {'MB/s':>8} {'KB/group':>9}"
+    header = f"{'transport':<10} {'mode':<6} {'groups':>7} {'seconds':>8} " + (
+        f"{'groups/s':>10} {'MB/s':>8} {'KB/group':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
