@@ -233,3 +233,7 @@ def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory,
     for instance in instances:
         assert wanted - have[instance] == set(), f"{instance}\n{log}"
     assert prom.target_health("reward") == dict.fromkeys(instances, "up"), log
+    broker = required_series("Broker")
+    missing = {i: broker - prom.names("reward", i) for i in instances}
+    if any(missing.values()):
+        pytest.xfail(f"broker series not exported yet (deploy/METRICS.md, Broker): {sorted(set().union(*missing.values()))}")
