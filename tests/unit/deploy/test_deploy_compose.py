@@ -187,7 +187,8 @@ def test_redis_password_and_persistence(raw, compose):
     assert exporter["REDIS_PASSWORD"] == ENV["REDIS_PASSWORD"]
     assert "parallax:rollouts" in exporter["REDIS_EXPORTER_CHECK_STREAMS"]
     for name in ROLES:
-        url = flag(compose["services"][name]["command"], "--broker")
+        command = compose["services"][name]["command"]
+        url = flag(command, "--broker") or flag(command, "--broker-url")
         assert url == f"redis://:{ENV['REDIS_PASSWORD']}@redis:6379/0", name
 
 
