@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.compose import interpolate
 from runtime.config import parse_gpus
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,32 +25,6 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 ENV = {"REDIS_PASSWORD": "s3cret-test-pw", "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
 SERVICES = {"redis", "redis_exporter", "reward_service", "generator", "learner", "prometheus", "grafana"}
 ROLES = {"reward_service": ("reward", 9101), "generator": ("generator", 9201), "learner": ("learner", 9301)}
-_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
-
-
-def interpolate(value, env: dict[str, str]):
-    """Compose's variable interpolation (${X}, ${X:-default}, ${X:?error}, $$) over a loaded file."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def one(m: re.Match) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name, op, arg = m["name"], m["op"], m["arg"]
-        present = name in env and (env[name] != "" or not (op or "").startswith(":"))
-        if present:
-            return env[name]
-        if op and op.endswith("?"):
-            raise KeyError(f"{name}: {arg}")
-        return arg if op and op.endswith("-") else ""
-
-    return _VAR.sub(one, value)
-
-
 @pytest.fixture(scope="module")
 def raw() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
@@ -287,3 +262,21 @@ def _assert_acyclic(graph: dict[str, set[str]]) -> None:
 
     for node in graph:
         visit(node, ())
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        ("${A}", {"A": "1"}, "1"),
+        ("${A}", {}, ""),
+        ("${A:-d}", {"A": ""}, "d"),
+        ("${A-d}", {"A": ""}, ""),
+        ("${A-d}", {}, "d"),
+        ("$${A}", {"A": "1"}, "${A}"),
+        ("x${A:?need A}y", {"A": "1"}, "x1y"),
+    ],
+)
+def test_interpolation_follows_compose(text, env, expected):
+    assert interpolate({"k": [text]}, env) == {"k": [expected]}
+    with pytest.raises(KeyError, match="need A"):
+        interpolate("${A:?need A}", {"A": ""})

@@ -9,13 +9,12 @@ import importlib
 from pathlib import Path
 
 import pytest
-import yaml
 
+from deploy.compose import load_compose
 from runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
-COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 PASSWORD = "s3cret-test-pw"
 BROKER_URL = f"redis://:{PASSWORD}@redis:6379/0"
 # TOML stem -> (compose service, config class); the module is imported only when the test runs.
@@ -41,9 +40,8 @@ def config_class(stem: str) -> type:
 
 def compose_command(service: str) -> tuple[list[str], dict]:
     """The service's arguments after `python -m <module>` and its environment, with test values."""
-    from test_deploy_compose import ENV, interpolate
-
-    svc = interpolate(yaml.safe_load(COMPOSE.read_text()), {**ENV, "REDIS_PASSWORD": PASSWORD})["services"][service]
+    env = {"REDIS_PASSWORD": PASSWORD, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
+    svc = load_compose(env)["services"][service]
     command = svc["command"]
     return command[command.index("-m") + 2:], dict(svc.get("environment") or {})
 
