@@ -81,6 +81,8 @@ def test_compose_command_parses_into_its_role_config(stem, monkeypatch):
         assert cfg.model.startswith("/models/")
     if stem == "reward":
         assert cfg.workers == 4
+    if stem == "learner":
+        assert cfg.weight_sync_host == "learner", "generators in other containers must reach the rendezvous"
 
 
 def test_a_wrong_key_in_a_toml_is_refused(tmp_path):
