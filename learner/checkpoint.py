@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from learner.parallel import distributed
+from learner.parallel import HF_PREFIX, distributed
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Checkpointer:
 def export_hf(model, hf_model, processor, out_dir: str | os.PathLike, rank: int = 0) -> Path | None:
     """Collective: write a Hugging Face checkpoint of the current weights into `out_dir`.
 
-    `model` is the training root (`PolicyModule`), `hf_model` the Hugging Face model inside it
+    `model` is the training root (`PackedPolicy`), `hf_model` the Hugging Face model inside it
     (for its class and config). Rank 0 rebuilds the model on the meta device, assigns the
     gathered tensors and calls `save_pretrained`, so the names and files are exactly what
     transformers writes; the processor files go next to them.
@@ -139,7 +139,7 @@ def export_hf(model, hf_model, processor, out_dir: str | os.PathLike, rank: int 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out_dir)
     if rank == 0:
-        inner = {k.removeprefix("hf."): v for k, v in full.items()}
+        inner = {k.removeprefix(HF_PREFIX): v for k, v in full.items()}
         with torch.device("meta"):
             fresh = type(hf_model)(hf_model.config)
         fresh.load_state_dict(inner, assign=True, strict=True)

@@ -183,6 +183,22 @@ class LearnerConfig:
     """Prometheus port (0 = no server)."""
     consumer: str = "learner-0"
     """Consumer name of the learner in the scored stream's consumer group."""
+    claim_idle_s: float = 600.0
+    """Broker: scored groups pending (unacked) this long are re-delivered. The learner acks only after a
+    checkpoint, so keep this above the time between checkpoints; after a crash, what the dead learner
+    held comes back after this long."""
+    max_deliveries: int = 20
+    """Broker: deliveries of one scored group before it is dead-lettered."""
+    idle_exit_s: float = 0.0
+    """Stop when no scored group arrived for this long (0 = wait forever)."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one device for MFU; 0 = guess from the GPU name (unknown on CPU)."""
+    weight_sync: bool = True
+    """Broadcast weights to the generators (learner/weight_sender.py); False trains offline."""
+    weight_sync_host: str = "127.0.0.1"
+    """Address the generators reach the weight-sync rendezvous at (published on the broker)."""
+    sync_timeout_s: float = 60.0
+    """Weight sync: bound on every rendezvous and bucket; a generator that misses it is dropped."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages, batch composition, staleness."""
     loss: LossConfig = field(default_factory=LossConfig)

@@ -7,9 +7,11 @@ block, and last the root (embeddings, final norm, lm_head). bf16 parameters with
 gradient reduction on GPU; fp32 on CPU. Without an initialised process group the model stays
 a plain module (one process, no sharding).
 
-FSDP's collectives must happen in the same order on every rank: `vision_dummy_loss` runs the
-vision tower on a 4-patch dummy image, times zero, for a micro-batch without images (workload
-pitfall 5), and every rank runs the same number of micro-batches (`agree_max`).
+The root is `policy.forward.PackedPolicy`, so that the root's hooks gather the embeddings and
+lm_head for every packed forward. FSDP's collectives must happen in the same order on every
+rank: the forward runs with `run_vision_always=True` (a micro-batch without images runs the
+vision tower on a dummy image, times zero: workload pitfall 5), and every rank runs the same
+number of micro-batches (`agree_max`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from learner.config import OptimConfig, ParallelConfig
+from policy.forward import PackedPolicy
 
 log = logging.getLogger(__name__)
+
+HF_PREFIX = "model."
+"""Prefix of the Hugging Face model's parameter names inside the training root (`PackedPolicy.model`)."""
 
 
 @dataclass(frozen=True)
@@ -63,34 +69,17 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class PolicyModule(nn.Module):
-    """The root FSDP unit: holds the Hugging Face model and runs a forward function on it.
-
-    FSDP2 gathers the root's own parameters (embeddings, final norm, lm_head) when the root's
-    forward starts, so every forward must enter through here. `forward(fn, *args, vision_dummy=)`
-    first runs `vision_dummy_loss` when asked (a micro-batch without images), then
-    `fn(self.hf, *args, **kwargs)`, and returns (fn's output, the dummy zero or None).
-    """
-
-    def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, fn, *args, vision_dummy: bool = False, **kwargs):
-        zero = vision_dummy_loss(self.hf) if vision_dummy else None
-        return fn(self.hf, *args, **kwargs), zero
-
-
-def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> PolicyModule:
+def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.device,
+                      chunk_size: int = 1024) -> PackedPolicy:
     """Activation checkpointing, then FSDP2 per block, vision tower and root; returns the root.
 
-    `model` is the Hugging Face model; the returned `PolicyModule` wraps it (`.hf`), and its
-    parameters keep their Hugging Face names under `.hf`.
+    `model` is the Hugging Face model; the returned `PackedPolicy` wraps it (`.model`), so its
+    parameters keep their Hugging Face names behind `HF_PREFIX`.
     """
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    root = PolicyModule(model)
+    root = PackedPolicy(model, chunk_size=chunk_size)
     if not distributed():
         return root
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -124,27 +113,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return lm.layers
 
 
-def vision_dummy_loss(model: nn.Module) -> torch.Tensor:
-    """Zero that depends on every vision parameter: run the tower on a 2x2-patch dummy image.
-
-    Add it to the loss of a micro-batch without images, BEFORE the language model runs, so that
-    every rank all-gathers the vision tower's FSDP units in the same order.
-    """
-    visual = vision_tower(model)
-    if visual is None:
-        return torch.zeros(())
-    vcfg = visual.config
-    patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-    merge = vcfg.spatial_merge_size
-    param = next(visual.parameters())
-    pixels = torch.zeros(merge * merge, patch_dim, dtype=torch.float32, device=param.device)
-    grid = torch.tensor([[1, merge, merge]], device=param.device)
-    out = visual(pixels, grid_thw=grid)
-    hidden = getattr(out, "pooler_output", None)
-    hidden = out[0] if hidden is None else hidden
-    return hidden.float().sum() * 0.0
-
-
 def agree_max(value: int) -> int:
     """The maximum of `value` over all ranks (the value itself without a group)."""
     if not distributed():
@@ -161,6 +129,25 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes | None:
+    """Rank `src`'s bytes on every rank (None travels as None); a no-op without a group."""
+    if not distributed():
+        return data
+    device = _collective_device()
+    size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    n = int(size.item())
+    if n < 0:
+        return None
+    if n == 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8, device=device)
+    if dist.get_rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    return buf.cpu().numpy().tobytes()
 
 
 def _collective_device() -> torch.device:

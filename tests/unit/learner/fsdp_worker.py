@@ -1,14 +1,16 @@
-"""One training step of the tiny model, with or without FSDP2; run by test_parallel.py.
+"""One training step of the tiny model on packed batches, with or without FSDP2; run by test_parallel.py.
 
 Usage: python fsdp_worker.py MODEL_DIR OUT.safetensors [CKPT_DIR]         (one process, plain module)
        python -m torch.distributed.run --nproc-per-node 2 fsdp_worker.py MODEL_DIR OUT [CKPT_DIR]  (FSDP2)
-Sample 0 has an image, sample 1 is text-only. One process runs both as two accumulated
-micro-batches; with two ranks, rank r runs sample r (rank 1 runs the vision tower on a dummy).
-The loss is the summed response-token NLL over the global token count. Rank 0 writes the
-updated full parameters. With CKPT_DIR it also saves a checkpoint, scrambles the weights and
-optimizer, loads the checkpoint back and stores `__restored_ok__` = 1 when every shard matches.
+Micro-batch 0 packs two samples with images, micro-batch 1 one text-only sample. One process
+runs both, accumulating gradients; with two ranks, rank r runs micro-batch r (rank 1 runs the
+vision tower on a dummy image). The loss is the summed response-token NLL over the global
+token count. Rank 0 writes the updated full parameters. With CKPT_DIR it also saves a
+checkpoint, scrambles weights and optimizer, loads it back and stores `__restored_ok__` = 1
+when every shard matches.
 """
 
+import io
 import sys
 
 import torch
@@ -19,30 +21,30 @@ from learner.checkpoint import Checkpointer, TrainerState
 from learner.config import OptimConfig, ParallelConfig
 from learner.parallel import apply_parallelism, build_optimizer, clip_grad_norm, distributed, init_distributed
 from policy.loading import load_model, load_processor
+from policy.packing import PixelCache, make_sample, pack
 
 
-def _samples(processor):
-    image = Image.new("RGB", (56, 56), (200, 30, 30))
-    msgs = [
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}],
-        [{"role": "user", "content": [{"type": "text", "text": "count to three"}]}],
-    ]
-    out = []
-    for i, msg in enumerate(msgs):
-        text = processor.apply_chat_template(msg, add_generation_prompt=True) + "one two three"
-        enc = processor(text=[text], images=[image] if i == 0 else None, return_tensors="pt")
-        enc["n_resp"] = 4
-        out.append(enc)
-    return out
+def _png(colour):
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 84), colour).save(buf, format="PNG")
+    return buf.getvalue()
 
 
-def _forward(hf, enc):
-    kwargs = {k: v for k, v in enc.items() if k != "n_resp"}
-    logits = hf(**kwargs).logits[0].float()
-    ids = enc["input_ids"][0]
-    n = enc["n_resp"]
-    logp = torch.log_softmax(logits[-n - 1 : -1], dim=-1)
-    return -logp.gather(-1, ids[-n:, None]).sum()
+def micro_batches(processor, image_token_id):
+    tok = processor.tokenizer
+    cache = PixelCache(processor.image_processor)
+    merge = processor.image_processor.merge_size
+
+    def prompt(text, images):
+        content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+        return tok.encode(processor.apply_chat_template([{"role": "user", "content": content}],
+                                                         add_generation_prompt=True))
+
+    resp = tok.encode("one two three four")
+    a = make_sample(prompt("colour?", 1), resp, [("red", _png((200, 30, 30)))], cache, image_token_id)
+    b = make_sample(prompt("colour?", 1), resp[:3], [("blue", _png((30, 30, 200)))], cache, image_token_id)
+    c = make_sample(prompt("count to three", 0), resp[:2], [], cache, image_token_id)
+    return [pack([a, b], image_token_id, merge), pack([c], image_token_id, merge)]
 
 
 def _local_state(root, optimizer):
@@ -75,22 +77,20 @@ def main(model_dir: str, out_path: str, ckpt_dir: str | None = None) -> None:
     info = init_distributed()
     processor = load_processor(model_dir)
     hf = load_model(model_dir).train()
+    batches = micro_batches(processor, hf.config.image_token_id)
     root = apply_parallelism(hf, ParallelConfig(activation_checkpointing=True), info.device)
     optimizer, scheduler = build_optimizer(root, OptimConfig(lr=1e-4, weight_decay=0.1, grad_clip=0.5))
-    samples = _samples(processor)
-    total_tokens = sum(s["n_resp"] for s in samples)
-    mine = [samples[info.rank]] if distributed() else samples
-    for enc in mine:
-        nll, zero = root(_forward, enc, vision_dummy="pixel_values" not in enc)
-        loss = nll / total_tokens * info.world_size
-        if zero is not None:
-            loss = loss + zero
+    total_tokens = sum(len(b.target_index) for b in batches)
+    mine = [batches[info.rank]] if distributed() else batches
+    for packed in mine:
+        logprobs, _ = root(packed, run_vision_always=distributed())
+        loss = -logprobs.sum() / total_tokens * info.world_size
         loss.backward()
     norm = clip_grad_norm(root, 0.5)
     optimizer.step()
     restored = _round_trip(root, optimizer, scheduler, ckpt_dir, info.rank) if ckpt_dir else False
     state = {}
-    for name, p in root.hf.named_parameters():
+    for name, p in root.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         state[name] = full.detach().clone().contiguous()
     if info.rank == 0:

@@ -23,7 +23,7 @@ def _trained(model_dir, steps=1, seed=0):
 
 def _step(root, opt, sched):
     ids = torch.arange(3, 40).unsqueeze(0)
-    loss = root(lambda hf, x: hf(input_ids=x).logits.float().pow(2).mean(), ids)[0]
+    loss = root.model(input_ids=ids).logits.float().pow(2).mean()
     loss.backward()
     opt.step()
     sched.step()
@@ -68,9 +68,9 @@ def test_keeps_newest_and_ignores_partial(tiny_model_dir, tmp_path):
 
 def test_export_loads_in_transformers_with_trained_weights(tiny_model_dir, tmp_path):
     root, opt, sched = _trained(tiny_model_dir, steps=1)
-    out = export_hf(root, root.hf, load_processor(tiny_model_dir), tmp_path / "hf")
+    out = export_hf(root, root.model, load_processor(tiny_model_dir), tmp_path / "hf")
     reloaded = load_model(out)
-    mine = root.hf.state_dict()
+    mine = root.model.state_dict()
     theirs = reloaded.state_dict()
     assert set(mine) == set(theirs)
     for k in mine:

@@ -1,0 +1,175 @@
+"""From scored groups to packed micro-batches: samples, staleness filter, token-budget batching.
+
+  * `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
+  * `filter_stale` drops samples whose `version_start` is more than K versions behind the
+    learner (counted; normally the generators' admission gate already prevents them).
+  * `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
+    into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
+    alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
+    rank computes the same plan from the same batch, so no plan is communicated.
+  * `PackedMicroBatch.build` turns one micro-batch into a `policy.packing.PackedBatch` plus the
+    per-token tensors the loss needs (behaviour logprobs, advantages, sequence index).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from broker.schemas import ImageRef, ScoredGroup
+from policy.packing import PackedBatch, PixelCache, make_sample, pack
+
+
+@dataclass
+class TrainSample:
+    """One response to train on."""
+
+    group_id: str
+    prompt_ids: list[int]
+    """Prompt ids with ONE image pad per image (as the generator sent them to vLLM)."""
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    version_start: int
+    images: list[ImageRef] = field(default_factory=list)
+    reward: float = 0.0
+    accuracy: float = 0.0
+    data_source: str = ""
+    proximal_logprobs: list[float] | None = None
+    """Filled by the proximal recompute pass when configured."""
+
+
+def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
+    """Every sample of every group, with its advantage (same order as the groups)."""
+    out = []
+    for scored, advs in zip(groups, advantages, strict=True):
+        g = scored.group
+        for sample, score, adv in zip(g.samples, scored.scores, advs, strict=True):
+            out.append(TrainSample(
+                group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=list(sample.response_token_ids),
+                behaviour_logprobs=list(sample.behaviour_logprobs), advantage=float(adv),
+                version_start=sample.version_start, images=list(g.images), reward=score.reward,
+                accuracy=score.accuracy, data_source=g.data_source,
+            ))
+    return out
+
+
+def validate_group(scored: ScoredGroup) -> str | None:
+    """Why this scored group cannot be trained on (None when it can)."""
+    g = scored.group
+    if not g.samples:
+        return "empty"
+    if len(scored.scores) != len(g.samples):
+        return f"{len(scored.scores)} scores for {len(g.samples)} samples"
+    for i, s in enumerate(g.samples):
+        if not s.response_token_ids:
+            return f"sample {i} has no response tokens"
+        if len(s.behaviour_logprobs) != len(s.response_token_ids):
+            return f"sample {i}: {len(s.behaviour_logprobs)} logprobs for {len(s.response_token_ids)} tokens"
+    if not g.prompt_token_ids:
+        return "no prompt tokens"
+    return None
+
+
+def staleness(version: int, sample: TrainSample) -> int:
+    """How many versions behind the learner the sample's policy was when it started."""
+    return version - sample.version_start
+
+
+def filter_stale(samples: Sequence[TrainSample], version: int, max_staleness: int) -> tuple[list[TrainSample], int]:
+    """Samples no more than `max_staleness` versions old, and how many were dropped."""
+    kept = [s for s in samples if staleness(version, s) <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) -> int:
+    """Tokens of the packed sequence: prompt with images expanded, plus the response."""
+    extra = sum(image_tokens(ref) - 1 for ref in sample.images)
+    return len(sample.prompt_ids) + extra + len(sample.response_ids)
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit decreasing)."""
+    if max_tokens <= 0:
+        raise ValueError("max_tokens must be > 0")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def assign_to_ranks(bins: Sequence[list[int]], lengths: Sequence[int], world_size: int) -> list[list[list[int]]]:
+    """Micro-batches per rank, heaviest first onto the least loaded rank (deterministic)."""
+    per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
+    heap = [(0, r) for r in range(world_size)]
+    order = sorted(range(len(bins)), key=lambda b: (-sum(lengths[i] for i in bins[b]), b))
+    for b in order:
+        load, r = heapq.heappop(heap)
+        per_rank[r].append(bins[b])
+        heapq.heappush(heap, (load + sum(lengths[i] for i in bins[b]), r))
+    return per_rank
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed micro-batch and the per-response-token inputs of the loss."""
+
+    packed: PackedBatch
+    samples: list[TrainSample]
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    seq_index: torch.Tensor
+    proximal_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None = None
+    """log π_ref from the reference model's pass (KL penalty), when configured."""
+
+    @property
+    def has_images(self) -> bool:
+        return self.packed.pixel_values is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.packed.num_tokens
+
+    @staticmethod
+    def build(samples: Sequence[TrainSample], image_bytes: Callable[[ImageRef], bytes], cache: PixelCache,
+              image_token_id: int) -> PackedMicroBatch:
+        """Pack `samples` (fetching and processing each image once per cache)."""
+        packed_samples = []
+        for s in samples:
+            for ref in s.images:
+                _warm(cache, ref, image_bytes)
+            images = [(ref.sha256, None) for ref in s.images]
+            packed_samples.append(make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id))
+        packed = pack(packed_samples, image_token_id, cache.image_processor.merge_size)
+        lens = [len(s.response_ids) for s in samples]
+        prox = None
+        if all(s.proximal_logprobs is not None for s in samples):
+            prox = torch.tensor([x for s in samples for x in s.proximal_logprobs], dtype=torch.float32)
+        return PackedMicroBatch(
+            packed=packed,
+            samples=list(samples),
+            behaviour_logprobs=torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float32),
+            advantages=torch.tensor([s.advantage for s, n in zip(samples, lens) for _ in range(n)], dtype=torch.float32),
+            seq_index=torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens)),
+            proximal_logprobs=prox,
+        )
+
+
+def _warm(cache: PixelCache, ref: ImageRef, image_bytes: Callable[[ImageRef], bytes]) -> None:
+    """Make sure the cache holds `ref`'s pixels, fetching its bytes only on a miss."""
+    try:
+        cache.get(ref.sha256)
+    except KeyError:
+        cache.get(ref.sha256, image_bytes(ref))

@@ -1,0 +1,100 @@
+"""The learner's metrics: Prometheus series (deploy/METRICS.md, rank 0) and a JSONL log per step.
+
+`LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` and
+sets the matching gauges; counters and the staleness histogram are fed where the events
+happen. `flops_per_token` / `mfu` estimate model FLOPs utilisation for the language model
+(6·N per token plus causal attention), given the device's peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+_GAUGES = {
+    # JSONL key -> (metric name, help)
+    "step": ("parallax_learner_step", "optimizer steps done"),
+    "version": ("parallax_learner_version", "policy version last published to the generators"),
+    "reward_mean": ("parallax_learner_reward_mean", "mean reward of the last step's samples"),
+    "accuracy": ("parallax_learner_accuracy", "mean accuracy of the last step's samples"),
+    "mismatch_kl": ("parallax_learner_mismatch_kl", "behaviour-vs-learner KL (k3), last step"),
+    "clipped_frac": ("parallax_learner_clip_fraction", "fraction of response tokens clipped, last step"),
+    "masked_frac": ("parallax_learner_masked_fraction", "fraction of response tokens masked by the correction"),
+    "entropy": ("parallax_learner_entropy", "mean token entropy, last step"),
+    "grad_norm": ("parallax_learner_grad_norm", "global gradient norm before clipping, last step"),
+    "mfu": ("parallax_learner_mfu", "model FLOPs utilisation of the last step (0 when unknown)"),
+}
+
+
+class LearnerMetrics:
+    """Prometheus series and the JSONL step log of one learner (only rank 0 writes)."""
+
+    def __init__(self, registry: CollectorRegistry, run_dir: str | Path | None, enabled: bool = True):
+        self.registry = registry
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl" if run_dir else None
+        self.gauges = {key: Gauge(name, doc, registry=registry) for key, (name, doc) in _GAUGES.items()}
+        self.tokens = Counter("parallax_learner_tokens", "tokens through the training forward", registry=registry)
+        self.staleness = Histogram("parallax_learner_staleness", "learner version minus sample version_start",
+                                   buckets=STALENESS_BUCKETS, registry=registry)
+        self.sync_seconds = Histogram("parallax_learner_weight_sync_seconds", "one weight broadcast",
+                                      buckets=SYNC_BUCKETS, registry=registry)
+        self.eval_accuracy = Gauge("parallax_learner_eval_accuracy", "accuracy of the last evaluation",
+                                   ["data_source"], registry=registry)
+        self.skipped = Counter("parallax_learner_skipped_groups", "groups not trained on", ["reason"],
+                               registry=registry)
+        for reason in ("zero_variance", "stale", "duplicate", "empty", "malformed"):
+            self.skipped.labels(reason=reason)
+        if self.path is not None and enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log_step(self, values: dict[str, float]) -> None:
+        """Set the gauges of `values` and append them as one JSON line (with a timestamp)."""
+        if not self.enabled:
+            return
+        for key, gauge in self.gauges.items():
+            if key in values:
+                gauge.set(values[key])
+        for key, value in values.items():
+            if key.startswith("eval/accuracy/"):
+                self.eval_accuracy.labels(data_source=key.removeprefix("eval/accuracy/")).set(value)
+        if self.path is not None:
+            line = {"time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+def _jsonable(value):
+    return float(value) if isinstance(value, (int, float)) else value
+
+
+def lm_param_count(hf_model) -> int:
+    """Parameters of the language model without the input embedding (the 6·N of MFU)."""
+    inner = getattr(hf_model, "model", hf_model)
+    lm = getattr(inner, "language_model", inner)
+    total = sum(p.numel() for p in lm.parameters())
+    embed = getattr(lm, "embed_tokens", None)
+    head = getattr(hf_model, "lm_head", None)
+    total -= embed.weight.numel() if embed is not None else 0
+    total += head.weight.numel() if head is not None else 0
+    return total
+
+
+def train_flops(n_params: int, num_layers: int, hidden: int, seq_lens: list[int]) -> float:
+    """Forward + backward model FLOPs of packed sequences: 6·N·T plus causal attention."""
+    tokens = sum(seq_lens)
+    attention = 6.0 * num_layers * hidden * sum(s * s for s in seq_lens)
+    return 6.0 * n_params * tokens + attention
+
+
+def mfu(flops: float, seconds: float, peak_flops: float, world_size: int = 1) -> float:
+    """Model FLOPs utilisation (0 when the peak is unknown)."""
+    if peak_flops <= 0 or seconds <= 0:
+        return 0.0
+    return flops / (seconds * peak_flops * max(world_size, 1))

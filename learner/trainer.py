@@ -1,0 +1,335 @@
+"""The Learner: scored groups in, GRPO updates, weights out to the generators, checkpoints.
+
+    learner = Learner(cfg)          # joins the torch.distributed group, shards the model, resumes
+    learner.train()                 # until max_steps or the data runs out
+    learner.close()                 # final checkpoint, acks, HF export, sockets
+
+One `train_step(groups)` (every rank, same groups):
+  1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples; samples older than
+     the staleness bound are dropped (counted); staleness observed per sample;
+  2. per PPO mini-batch: token-budget packed micro-batches spread over the ranks (the same
+     plan on every rank; ranks with fewer micro-batches run zero-weighted dummies so FSDP's
+     collectives line up);
+  3. optionally a no-grad pass for π_prox (proximal = recompute) and for π_ref (KL);
+  4. loss per micro-batch with the step's global denominator, gradient accumulation, clipping,
+     AdamW; a non-finite gradient norm skips the update (counted);
+  5. every `sync_every` steps the weights go to the generators and the new version is announced;
+     every `checkpoint.every` steps a checkpoint, then the consumed groups are acked.
+Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
+step's groups to the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import torch
+
+import broker
+from broker import codec
+from broker.images import ImageStore
+from broker.names import Names
+from broker.schemas import ScoredGroup, WeightVersion
+from learner.advantages import batch_advantages
+from learner.batching import PackedMicroBatch, TrainSample, assign_to_ranks, filter_stale, plan_microbatches, \
+    sample_length, staleness, to_samples
+from learner.checkpoint import Checkpointer, TrainerState, export_hf
+from learner.config import LearnerConfig
+from learner.losses import TokenBatch, loss_denominator, policy_loss
+from learner.metrics import LearnerMetrics, lm_param_count, mfu, train_flops
+from learner.parallel import all_reduce_sum, apply_parallelism, broadcast_bytes, build_optimizer, clip_grad_norm, \
+    distributed, init_distributed
+from learner.session import build_inbox, build_sender, guess_peak_flops
+from policy.loading import load_model, load_processor
+from policy.packing import PixelCache
+from runtime.config import write_resolved
+from runtime.metrics import new_registry, start_metrics_server
+from tasks.prompt import num_image_tokens
+
+log = logging.getLogger(__name__)
+
+_SUMMED = ("mismatch_kl", "mismatch_kl_k1", "mismatch_abs_logprob_diff", "clipped_frac", "dual_clipped_frac",
+           "masked_frac", "is_weight_mean", "ratio_mean", "entropy", "kl_ref")
+
+
+class Learner:
+    """See the module docstring."""
+
+    def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
+        cfg.validate()
+        self.cfg = cfg
+        self.info = init_distributed(cfg.parallel.backend)
+        torch.manual_seed(cfg.seed)
+        self.run_dir = Path(cfg.run_dir)
+        self.processor = load_processor(cfg.model)
+        self.hf = load_model(cfg.model, dtype="float32", device=self.info.device).train()
+        self.image_token_id = self.hf.config.image_token_id
+        self.n_lm_params = lm_param_count(self.hf)
+        self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
+        self.ref = self._reference() if cfg.loss.kl_coef > 0 else None
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+        self.names = Names(cfg.namespace)
+        self.transport = transport or broker.connect(cfg.broker, claim_idle_s=cfg.claim_idle_s,
+                                                     max_deliveries=cfg.max_deliveries)
+        self.images = ImageStore(self.transport, self.names)
+        self.pixels = PixelCache(self.processor.image_processor)
+        self.registry = registry if registry is not None else new_registry()
+        self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
+        self.sender = sender if sender is not None else build_sender(self)
+        self.state = TrainerState()
+        self.inbox = build_inbox(self) if self.info.is_main else None
+        self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
+        self.nonfinite_steps = 0
+        self._last_ckpt_step = 0
+        self._resume()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest() if self.cfg.checkpoint.resume else None
+        if latest is not None:
+            self.state = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
+            self._last_ckpt_step = self.state.step
+        if self.inbox is not None:
+            self.inbox.restore(self.state.consumed, int(self.state.extra.get("received", 0)))
+            if self.inbox.feeder is not None:
+                self.inbox.feeder.load_state(self.state.cursor or None)
+        if self.state.version > 0:
+            self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
+        self._announce()
+
+    def train(self) -> None:
+        """Train until `max_steps` optimizer steps or until the data runs out."""
+        while self.state.step < self.cfg.max_steps:
+            t0 = time.perf_counter()
+            groups = self._next_groups()
+            if groups is None:
+                break
+            wait_s = time.perf_counter() - t0
+            self.train_step(groups, wait_s=wait_s)
+
+    def close(self) -> None:
+        """Final checkpoint and acks, Hugging Face export, release sockets and the process group."""
+        if self.state.step > self._last_ckpt_step:
+            self._checkpoint()
+        export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+        self.sender.close()
+        self.transport.close()
+        if distributed():
+            torch.distributed.destroy_process_group()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, groups: list[ScoredGroup], wait_s: float = 0.0) -> dict[str, float]:
+        """One optimizer step (or `mini_batches` of them) on these groups; returns the step's metrics."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        advantages = batch_advantages([[s.reward for s in g.scores] for g in groups], cfg.algo.estimator,
+                                      cfg.algo.adv_eps)
+        samples = to_samples(groups, advantages)
+        for s in samples:
+            self.metrics.staleness.observe(staleness(self.state.step, s))
+        samples, n_stale = filter_stale(samples, self.state.step, cfg.algo.max_staleness)
+        values: dict[str, float] = defaultdict(float)
+        if samples:
+            self._optimize(samples, values)
+        self._record_consumed(groups)
+        self.state.step += 1
+        values.update(self._rollout_stats(groups, samples, n_stale))
+        values["train_s"] = time.perf_counter() - t0
+        values["sync_s"] = self._maybe_sync()
+        values["wait_s"] = wait_s
+        values["step"], values["version"] = float(self.state.step), float(self.state.version)
+        values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
+        values["mfu"] = mfu(values.pop("flops", 0.0), values["train_s"], self.peak_flops, self.info.world_size)
+        if self.inbox is not None:
+            for ev in self.inbox.eval_metrics:
+                values.update(ev)
+            self.inbox.eval_metrics.clear()
+        if cfg.checkpoint.every > 0 and self.state.step % cfg.checkpoint.every == 0:
+            values["checkpoint_s"] = self._checkpoint()
+        if cfg.checkpoint.export_hf_every > 0 and self.state.step % cfg.checkpoint.export_hf_every == 0:
+            export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+        self.metrics.tokens.inc(values["tokens"])
+        self.metrics.log_step(dict(values))
+        return dict(values)
+
+    def _optimize(self, samples: list[TrainSample], values: dict[str, float]) -> None:
+        cfg = self.cfg
+        lengths = [sample_length(s, self._image_tokens) for s in samples]
+        chunks = _split(len(samples), cfg.algo.mini_batches)
+        plans = [self._plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+        if cfg.algo.proximal == "recompute":
+            self._no_grad_pass(plans, self.model, "proximal_logprobs")
+        if self.ref is not None:
+            self._no_grad_pass(plans, self.ref, "ref_logprobs")
+        weights = defaultdict(float)
+        for mine, n_micro, denom in plans:
+            for i in range(n_micro):
+                mb = mine[i] if i < len(mine) else None
+                self._micro_step(mb, denom, weights)
+            norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:
+                self.nonfinite_steps += 1
+                log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            values["grad_norm"] = norm
+        totals = all_reduce_sum([weights[k] for k in ("n", "tokens", "flops", *_SUMMED)])
+        n = max(totals[0], 1.0)
+        values["tokens"], values["flops"] = totals[1], totals[2]
+        for key, total in zip(_SUMMED, totals[3:]):
+            values[key] = total / n
+        values["lr"] = self.scheduler.get_last_lr()[0]
+        values["nonfinite_steps"] = float(self.nonfinite_steps)
+
+    def _plan(self, samples: list[TrainSample], lengths: list[int]):
+        """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
+        bins = plan_microbatches(lengths, self.cfg.batching.max_tokens_per_microbatch)
+        per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
+        mine = [self._build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
+        n_resp = sum(len(s.response_ids) for s in samples)
+        denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
+        return mine, max(len(r) for r in per_rank), denom
+
+    def _build(self, samples: list[TrainSample]) -> PackedMicroBatch:
+        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id)
+
+    def _forward(self, module, mb: PackedMicroBatch):
+        packed = mb.packed.to(self.info.device)
+        return module(packed, temperature=self.cfg.algo.temperature, with_entropy=True,
+                      run_vision_always=distributed())
+
+    def _no_grad_pass(self, plans, module, attr: str) -> None:
+        with torch.no_grad():
+            for mine, n_micro, _ in plans:
+                for i in range(n_micro):
+                    mb = mine[i] if i < len(mine) else self._dummy()
+                    logprobs, _ = self._forward(module, mb)
+                    setattr(mb, attr, logprobs.float().cpu())
+
+    def _micro_step(self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float]) -> None:
+        real = mb is not None
+        mb = mb if real else self._dummy()
+        logprobs, entropy = self._forward(self.model, mb)
+        dev = logprobs.device
+        prox = mb.proximal_logprobs
+        if self.cfg.algo.proximal == "detached":
+            prox = logprobs.detach()
+        batch = TokenBatch(
+            logprobs=logprobs, behaviour_logprobs=mb.behaviour_logprobs.to(dev), advantages=mb.advantages.to(dev),
+            seq_index=mb.seq_index.to(dev), num_seqs=len(mb.samples),
+            proximal_logprobs=None if prox is None else prox.to(dev),
+            ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+            entropy=entropy,
+        )
+        loss, m = policy_loss(self.cfg.loss, batch, denom)
+        scale = float(self.info.world_size) if real else 0.0
+        (loss * scale).backward()
+        if real:
+            n = m["num_tokens"]
+            weights["n"] += n
+            weights["tokens"] += mb.num_tokens
+            seq_lens = (mb.packed.cu_seqlens[1:] - mb.packed.cu_seqlens[:-1]).tolist()
+            text = self.hf.config.text_config
+            weights["flops"] += train_flops(self.n_lm_params, text.num_hidden_layers, text.hidden_size, seq_lens)
+            for key in _SUMMED:
+                weights[key] += m.get(key, 0.0) * n
+
+    def _dummy(self) -> PackedMicroBatch:
+        """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
+        tok = int(self.processor.tokenizer.pad_token_id or 0)
+        sample = TrainSample(group_id="", prompt_ids=[tok], response_ids=[tok], behaviour_logprobs=[0.0],
+                             advantage=0.0, version_start=0)
+        return self._build([sample])
+
+    def _image_tokens(self, ref) -> int:
+        if ref.width and ref.height:
+            return num_image_tokens(self.processor.image_processor, ref.width, ref.height)
+        pixels, grid = self.pixels.get(ref.sha256, self.images.get(ref))
+        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size ** 2
+
+    # ------------------------------------------------------------------ groups, sync, checkpoints
+    def _next_groups(self) -> list[ScoredGroup] | None:
+        """Rank 0 collects one step's groups and broadcasts them; None means stop."""
+        payload = None
+        if self.inbox is not None:
+            groups = self.inbox.collect(self.state.version, self.cfg.idle_exit_s)
+            payload = None if groups is None else msgspec.msgpack.encode(groups)
+        payload = broadcast_bytes(payload)
+        return None if payload is None else msgspec.msgpack.decode(payload, type=list[ScoredGroup])
+
+    def _record_consumed(self, groups: list[ScoredGroup]) -> None:
+        if self.inbox is not None:
+            self.state.consumed = sorted(self.inbox.consumed)
+            self.state.extra["received"] = self.inbox.received
+            if self.inbox.feeder is not None:
+                self.state.cursor = self.inbox.feeder.state.to_dict()
+
+    def _maybe_sync(self) -> float:
+        if self.state.step % max(self.cfg.sync_every, 1) != 0:
+            return 0.0
+        t0 = time.perf_counter()
+        self.state.version = self.state.step
+        self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
+        seconds = time.perf_counter() - t0
+        self.metrics.sync_seconds.observe(seconds)
+        self._announce(seconds)
+        return seconds
+
+    def _announce(self, seconds: float = 0.0) -> None:
+        if self.info.is_main:
+            msg = WeightVersion(version=self.state.version, step=self.state.step, source="learner",
+                                seconds=seconds, timestamp=time.time())
+            self.transport.set_value(self.names.learner_version, codec.encode(msg))
+
+    def _checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
+        self._last_ckpt_step = self.state.step
+        if self.inbox is not None:
+            self.inbox.ack_durable()
+        return time.perf_counter() - t0
+
+    def _rollout_stats(self, groups, samples, n_stale) -> dict[str, float]:
+        scores = [s for g in groups for s in g.scores]
+        out = {"groups": float(len(groups)), "samples": float(len(samples)), "stale_samples": float(n_stale),
+               "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
+               "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
+               "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1)}
+        if self.inbox is not None:
+            for reason, count in self.inbox.skipped.items():
+                out[f"skipped/{reason}"] = float(count)
+        return out
+
+    def _reference(self):
+        from learner.config import ParallelConfig
+
+        ref = load_model(self.cfg.model, dtype="float32", device=self.info.device).eval().requires_grad_(False)
+        pcfg = ParallelConfig(activation_checkpointing=False, mixed_precision=self.cfg.parallel.mixed_precision)
+        return apply_parallelism(ref, pcfg, self.info.device)
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous, nearly equal chunks (empty chunks dropped)."""
+    size = math.ceil(n / max(parts, 1))
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)] if n else []
+
+
+def run(cfg: LearnerConfig) -> None:
+    """Entry point of every rank (`python -m learner`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    learner = Learner(cfg)
+    if learner.info.is_main:
+        write_resolved(cfg, cfg.run_dir, "learner")
+        start_metrics_server(cfg.metrics_port, learner.registry)
+    try:
+        learner.train()
+    finally:
+        learner.close()

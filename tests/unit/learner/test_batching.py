@@ -1,0 +1,73 @@
+"""Token-budget micro-batching, rank assignment, staleness filter, group validation, packing."""
+
+import pytest
+import torch
+
+import broker
+from broker.images import ImageStore
+from learner.advantages import batch_advantages
+from learner.batching import PackedMicroBatch, assign_to_ranks, filter_stale, plan_microbatches, sample_length, \
+    to_samples, validate_group
+from policy.packing import PixelCache
+from tests.unit.learner.groups import make_group
+
+
+def test_microbatches_respect_the_budget_and_keep_every_sample():
+    lengths = [50, 10, 90, 40, 30, 200, 60]
+    bins = plan_microbatches(lengths, 100)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b in bins:
+        assert sum(lengths[i] for i in b) <= 100 or len(b) == 1  # only an over-long sample exceeds it, alone
+    assert [5] in bins
+    assert len(bins) == 4  # 200 | 90+10 | 60+40 | 50+30: first-fit decreasing packs tightly
+    with pytest.raises(ValueError):
+        plan_microbatches([1], 0)
+
+
+def test_rank_assignment_balances_tokens_and_is_deterministic():
+    lengths = [100, 90, 80, 70, 60, 50]
+    bins = [[i] for i in range(6)]
+    per_rank = assign_to_ranks(bins, lengths, 2)
+    loads = [sum(lengths[b[0]] for b in r) for r in per_rank]
+    assert abs(loads[0] - loads[1]) <= 30 and sum(loads) == sum(lengths)
+    assert per_rank == assign_to_ranks(bins, lengths, 2)
+    assert assign_to_ranks(bins[:1], lengths, 3)[1:] == [[], []]  # idle ranks get nothing (they run dummies)
+
+
+@pytest.fixture
+def store(redis_server, names):
+    t = broker.connect(redis_server.url)
+    yield ImageStore(t, names)
+    t.close()
+
+
+def test_samples_carry_group_advantages_and_pack(tiny_processor, store):
+    groups = [make_group(tiny_processor, store, [1.0, 0.0, 0.5], seed=1),
+              make_group(tiny_processor, store, [0.0, 1.0], seed=2, image=False, version=3)]
+    advs = batch_advantages([[s.reward for s in g.scores] for g in groups], "drgrpo")
+    samples = to_samples(groups, advs)
+    assert [s.advantage for s in samples] == pytest.approx([0.5, -0.5, 0.0, -0.5, 0.5])
+    kept, dropped = filter_stale(samples, version=4, max_staleness=2)
+    assert dropped == 3 and all(s.version_start == 3 for s in kept)
+    cache = PixelCache(tiny_processor.image_processor)
+    image_token = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    mb = PackedMicroBatch.build(samples, store.get, cache, image_token)
+    assert mb.has_images and mb.packed.num_tokens == sum(
+        sample_length(s, lambda ref: 4) for s in samples)  # a 56x56 image is 4 tokens on the tiny processor
+    n = sum(len(s.response_ids) for s in samples)
+    assert mb.behaviour_logprobs.shape == (n,) and mb.advantages.shape == (n,)
+    assert mb.seq_index.tolist() == [i for i, s in enumerate(samples) for _ in s.response_ids]
+    assert torch.equal(mb.advantages[mb.seq_index == 1], torch.full(((mb.seq_index == 1).sum(),), -0.5))
+
+
+def test_validate_group_names_the_problem(tiny_processor, store):
+    good = make_group(tiny_processor, store, [1.0, 0.0])
+    assert validate_group(good) is None
+    bad = make_group(tiny_processor, store, [1.0, 0.0])
+    bad.group.samples[1].behaviour_logprobs.pop()
+    assert "logprobs" in validate_group(bad)
+    short = make_group(tiny_processor, store, [1.0, 0.0])
+    short.scores.pop()
+    assert "scores" in validate_group(short)
+    empty = make_group(tiny_processor, store, [])
+    assert validate_group(empty) == "empty"

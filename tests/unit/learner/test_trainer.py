@@ -1,0 +1,143 @@
+"""The Learner end to end on the tiny model with a real Redis: steps, filters, acks, metrics."""
+
+import json
+
+import pytest
+import torch
+
+import broker
+from broker import codec
+from broker.channel import Publisher
+from broker.images import ImageStore
+from broker.names import Names
+from learner.config import LearnerConfig
+from learner.session import NullSender
+from learner.trainer import Learner
+from tests.unit.learner.groups import make_group
+
+
+def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
+    cfg = LearnerConfig(model=str(tiny_model_dir), broker=redis_server.url, namespace=names.namespace,
+                        run_dir=str(run_dir), max_steps=2, weight_sync=False, idle_exit_s=3.0)
+    cfg.algo.groups_per_step = 2
+    cfg.optim.lr = 1e-3
+    cfg.checkpoint.every = 1
+    cfg.batching.max_tokens_per_microbatch = 160
+    cfg.parallel.activation_checkpointing = True
+    for key, value in kw.items():
+        obj = cfg
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+@pytest.fixture
+def publish(redis_server, names, tiny_processor):
+    transport = broker.connect(redis_server.url)
+    pub = Publisher(transport, names.scored)
+    store = ImageStore(transport, names)
+
+    def send(rewards, **kw):
+        group = make_group(tiny_processor, store, rewards, **kw)
+        pub.publish(group)
+        return group
+
+    yield send
+    transport.close()
+
+
+def _lines(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, publish, tmp_path):
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path)
+    publish([1.0, 0.0, 0.5], seed=1)
+    publish([0.3, 0.3, 0.3], seed=2)                    # zero variance: skipped
+    dup = publish([0.0, 1.0], seed=3, image=False)      # text-only group
+    publish([0.0, 1.0], seed=3, group_id=dup.group.group_id)  # redelivered id: skipped
+    publish([1.0, 0.0], seed=4, version=0)              # step 1 trains at step 1: staleness 1 (kept, K = 1)
+    publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)   # wrong temperature: dead-lettered
+    publish([1.0, 0.0], seed=6)
+
+    learner = Learner(cfg, sender=NullSender())
+    before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    learner.train()
+    assert learner.state.step == 2 and learner.state.version == 2
+    after = learner.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    skipped = learner.inbox.skipped
+    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 1
+    assert len(learner.inbox.consumed) == 6
+    version = codec.decode(learner.transport.get_value(learner.names.learner_version))
+    assert version.version == 2 and version.source == "learner"
+    lines = _lines(tmp_path)
+    assert [x["step"] for x in lines] == [1.0, 2.0]
+    for key in ("mismatch_kl", "clipped_frac", "masked_frac", "entropy", "grad_norm", "reward_mean", "accuracy",
+                "tokens_per_s", "mfu"):
+        assert key in lines[0], key
+    assert lines[0]["mismatch_kl"] > 0  # behaviour logprobs were made up: the learner disagrees
+    assert learner.transport.pending(names.scored, Names.LEARNER) == 0  # acked after each checkpoint
+    learner.close()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    hist = learner.registry.get_sample_value("parallax_learner_staleness_count")
+    assert hist == 9.0  # every sample of the trained groups observed once (3 + 2, then 2 + 2)
+
+
+def test_samples_beyond_the_staleness_bound_are_dropped(tiny_model_dir, redis_server, names, publish, tmp_path):
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"algo.max_staleness": 0})
+    for seed in range(4):
+        publish([1.0, 0.0], seed=seed, version=0)  # all sampled at version 0; step 2 trains at version 1
+    learner = Learner(cfg, sender=NullSender())
+    learner.train()
+    lines = _lines(tmp_path)
+    assert [x["stale_samples"] for x in lines] == [0.0, 4.0]
+    assert lines[0]["samples"] == 4.0 and lines[1]["samples"] == 0.0
+    assert learner.state.step == 2
+    learner.close()
+
+
+def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redis_server, names, publish, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    sent = [publish([1.0, 0.0], seed=i).group.group_id for i in range(6)]  # three steps' worth
+    cmd = [sys.executable, "-m", "learner", "--model", str(tiny_model_dir), "--broker", redis_server.url,
+           "--namespace", names.namespace, "--run-dir", str(tmp_path), "--no-weight-sync", "--max-steps", "100",
+           "--idle-exit-s", "120", "--claim-idle-s", "1", "--checkpoint.every", "2",
+           "--algo.groups-per-step", "2", "--batching.max-tokens-per-microbatch", "160"]
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while not ((tmp_path / "metrics.jsonl").is_file() and len(_lines(tmp_path)) >= 3):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the learner did not reach step 3"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    ckpt = json.loads((tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert ckpt["step"] == 2 and len(ckpt["consumed"]) == 4 and set(ckpt["consumed"]) < set(sent)
+    assert not (tmp_path / "checkpoints" / "step-00000003").exists()  # step 3 died with the process
+
+    sent += [publish([0.0, 1.0], seed=10 + i).group.group_id for i in range(2)]
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, max_steps=4, claim_idle_s=1.0, idle_exit_s=20.0,
+               **{"checkpoint.every": 2})
+    learner = Learner(cfg, sender=NullSender())
+    assert learner.state.step == 2 and learner.inbox.consumed == set(ckpt["consumed"])
+    learner.train()  # step 3 again (re-delivered groups) and step 4 (new ones)
+    assert learner.state.step == 4
+    assert learner.inbox.consumed == set(sent)
+    assert learner.inbox.skipped["duplicate"] == 0  # nothing trained twice
+    assert learner.transport.pending(names.scored, Names.LEARNER) == 0
+    learner.close()
+    final = json.loads((tmp_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert sorted(final["consumed"]) == sorted(sent)
