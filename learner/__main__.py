@@ -2,13 +2,18 @@
 
 Parses the config and sets CUDA_VISIBLE_DEVICES before torch is imported; with several GPUs
 (or `--nproc N` > 1 on CPU) it re-launches itself under `torch.distributed.run`, one process
-per GPU (NCCL) or per CPU rank (gloo). Each rank then runs `learner.trainer.run(cfg)`.
+per GPU (NCCL) or per CPU rank (gloo). The ranks get the resolved config through a JSON file
+named by $PARALLAX_LEARNER_CONFIG (torchrun's own parser would swallow flags like --nproc).
+Each rank then runs `learner.trainer.run(cfg)`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+
+CONFIG_ENV = "PARALLAX_LEARNER_CONFIG"
 
 
 def world_size_wanted(gpus: list[int], nproc: int) -> int:
@@ -16,22 +21,34 @@ def world_size_wanted(gpus: list[int], nproc: int) -> int:
     return len(gpus) if gpus else max(nproc, 1)
 
 
-def relaunch_command(nproc: int, argv: list[str]) -> list[str]:
+def relaunch_command(nproc: int) -> list[str]:
     """The torch.distributed.run command line that runs this module on `nproc` local ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "learner", *argv]
+            "-m", "learner"]
+
+
+def resolve(argv: list[str]):
+    """The LearnerConfig of this process: from $PARALLAX_LEARNER_CONFIG in a re-launched rank, else flags."""
+    from learner.config import LearnerConfig
+    from runtime.config import from_dict, load_config
+
+    path = os.environ.get(CONFIG_ENV)
+    if path and "RANK" in os.environ:
+        with open(path) as f:
+            return from_dict(LearnerConfig, json.load(f))
+    return load_config(LearnerConfig, argv, description=__doc__)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from learner.config import LearnerConfig
-    from runtime.config import apply_gpus, load_config
+    from runtime.config import apply_gpus, write_resolved
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(LearnerConfig, argv, description=__doc__)
+    cfg = resolve(argv)
     gpus = apply_gpus(cfg.gpus)  # before torch is imported
     nproc = world_size_wanted(gpus, cfg.nproc)
     if nproc > 1 and "RANK" not in os.environ:
-        cmd = relaunch_command(nproc, argv)
+        os.environ[CONFIG_ENV] = str(write_resolved(cfg, cfg.run_dir, "learner").resolve())
+        cmd = relaunch_command(nproc)
         os.execv(cmd[0], cmd)
     from learner.trainer import run
 

@@ -16,10 +16,24 @@ def test_world_size_from_gpus_or_nproc():
 
 
 def test_relaunch_runs_this_module_under_torch_distributed():
-    cmd = relaunch_command(2, ["--model", "m", "--nproc", "2"])
+    cmd = relaunch_command(2)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc-per-node=2" in cmd
-    assert cmd[-5:] == ["learner", "--model", "m", "--nproc", "2"]
+    assert cmd[-2:] == ["-m", "learner"]  # flags travel in a JSON file, not through torchrun's parser
+
+
+def test_relaunched_rank_reads_the_resolved_config(tmp_path, monkeypatch):
+    from learner.__main__ import CONFIG_ENV, resolve
+    from learner.config import LearnerConfig
+    from runtime.config import write_resolved
+
+    cfg = LearnerConfig(model="/m", nproc=2)
+    cfg.loss.correction = "icepop"
+    cfg.optim.betas = (0.8, 0.9)
+    monkeypatch.setenv(CONFIG_ENV, str(write_resolved(cfg, tmp_path, "learner")))
+    monkeypatch.setenv("RANK", "1")
+    got = resolve(["--model", "ignored"])
+    assert got.model == "/m" and got.loss.correction == "icepop" and tuple(got.optim.betas) == (0.8, 0.9)
 
 
 def test_config_resolves_without_importing_torch(tmp_path):
