@@ -69,10 +69,10 @@ class ZmqTransport(Transport):
     # ---- request/reply ---------------------------------------------------------------------------
     def _request(self, op: str, *args, timeout: float | None = None, status_ok=("ok",)):
         """Send one request and wait for its reply; returns (status, result)."""
-        if self._closed:
-            raise TransportError("transport is closed")
         timeout = self.request_timeout_s if timeout is None else timeout
         with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
             rid = next(self._ids)
             self._socket.send(msgspec.msgpack.encode([rid, op, *args]), copy=False)
             deadline = time.monotonic() + timeout
@@ -196,12 +196,14 @@ class ZmqTransport(Transport):
         return self._request("get_value", key)[1]
 
     def close(self) -> None:
-        if self._closed:
-            return
-        for stream in [s for s in self._credits if self._credits_left(s)]:
-            try:  # hand unused credits back; the lease would expire anyway
-                self._socket.send(msgspec.msgpack.encode([0, "release", stream]), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
-        self._closed = True
-        self._socket.close(linger=100)
+        """Hand unused credits back and close the socket (after any request in flight)."""
+        with self._lock:
+            if self._closed:
+                return
+            for stream in [s for s in self._credits if self._credits_left(s)]:
+                try:  # best effort: the lease would expire anyway
+                    self._socket.send(msgspec.msgpack.encode([0, "release", stream]), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+            self._closed = True
+            self._socket.close(linger=100)

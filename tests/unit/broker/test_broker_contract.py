@@ -54,8 +54,10 @@ def test_publish_consume_ack(connect, names):
 def test_blocking_consume_wakes_on_publish(connect, names):
     consumer, producer = connect(), connect()
     consumer.ensure_group(names.rollouts, "g")
-    threading.Timer(0.2, producer.publish, args=(names.rollouts, b"late")).start()
+    timer = threading.Timer(0.2, producer.publish, args=(names.rollouts, b"late"))
+    timer.start()
     got = consumer.consume(names.rollouts, "g", "c1", count=1, block_s=5.0)
+    timer.join(timeout=5)
     assert [d.payload for d in got] == [b"late"]
 
 
@@ -79,9 +81,10 @@ def test_unacked_entry_of_a_dead_consumer_is_reclaimed(connect, names):
     assert len(taken) == 2
     dead.close()  # the consumer dies without acking
 
-    live = connect(claim_idle_s=IDLE)
-    assert live.consume(names.rollouts, "g", "lives", count=5, block_s=0) == []  # not idle long enough yet
+    patient = connect(claim_idle_s=30)
+    assert patient.consume(names.rollouts, "g", "patient", count=5, block_s=0) == []  # not idle for 30 s
     time.sleep(IDLE * 1.5)
+    live = connect(claim_idle_s=IDLE)
     got = live.consume(names.rollouts, "g", "lives", count=5, block_s=0.1)
     assert sorted(d.payload for d in got) == [b"job0", b"job1"]
     assert all(d.attempts == 2 for d in got)

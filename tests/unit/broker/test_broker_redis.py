@@ -52,12 +52,12 @@ def test_a_dead_producers_unspent_credits_return_after_the_lease(redis_server, n
 
     from broker.transport import BackpressureTimeout
 
-    dead = broker.connect(redis_server.url, max_len=4, credit_lease_s=0.5)
+    dead = broker.connect(redis_server.url, max_len=4, credit_lease_s=1.5)
     dead.publish(names.rollouts, b"one")  # reserves all 4 credits, spends 1, then dies holding 3
-    live = broker.connect(redis_server.url, max_len=4, credit_lease_s=0.5)
+    live = broker.connect(redis_server.url, max_len=4, credit_lease_s=1.5)
     with pytest.raises(BackpressureTimeout):
         live.publish(names.rollouts, b"two", timeout=0.1)
-    time.sleep(0.6)
+    time.sleep(1.6)
     live.publish(names.rollouts, b"two", timeout=2)
     assert live.backlog(names.rollouts) == 2
     live.close()
