@@ -16,6 +16,7 @@ Password and user come from the URL: redis://[user]:password@host:port/db.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -65,6 +66,7 @@ class RedisTransport(Transport):
         self.credit_lease_s = credit_lease_s
         self._token = uuid.uuid4().hex  # this producer's name in the credit hashes
         self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, spend before)
+        self._publish_lock = threading.Lock()
         self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
         self._reserve_script = self._redis.register_script(redis_scripts.RESERVE)
         self._ack = self._redis.register_script(redis_scripts.ACK)
@@ -105,6 +107,10 @@ class RedisTransport(Transport):
     ) -> list[str]:
         """Publish in order, blocking while the stream is full; all ids, or BackpressureTimeout
         (whose `published` attribute lists the ids that did go out)."""
+        with self._publish_lock:  # threads sharing this transport share its credits
+            return self._publish_locked(stream, payloads, timeout)
+
+    def _publish_locked(self, stream: str, payloads: Sequence[bytes], timeout: float | None) -> list[str]:
         deadline = None if timeout is None else time.monotonic() + timeout
         ids: list[str] = []
         backoff = Backoff()
