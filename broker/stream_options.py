@@ -23,7 +23,8 @@ class StreamOptions:
     blob_ttl_s: float | None = 24 * 3600.0
     """Expiry of blobs stored with `ttl_s=None`; None keeps them forever."""
     dead_max_len: int = 100_000
-    """Dead-letter streams keep about this many of the newest entries (they are not work)."""
+    """Dead-letter streams keep about this many of the newest entries (they are not work); the
+    ZeroMQ broker keeps a fixed 100,000 per stream."""
 
     def __post_init__(self) -> None:
         if self.max_len < 1:
