@@ -50,6 +50,8 @@ class MetricSpec:
     """True when a process may leave it out."""
     buckets: tuple[float, ...] = ()
     """Histogram bucket upper bounds (without +Inf) that every exporter must use."""
+    lazy: bool = False
+    """True when the series appears only with its first value (label values unknown before)."""
 
     def series(self) -> tuple[str, ...]:
         """Names as they appear on /metrics (histograms: bucket, sum and count)."""
@@ -79,7 +81,9 @@ def load_catalog(path: Path = METRICS_MD) -> dict[str, MetricSpec]:
         buckets = _buckets(row["meaning"])
         if (mtype == "histogram") != bool(buckets):
             raise ValueError(f"{path}: {name}: histograms, and only histograms, list their buckets")
-        catalog[name] = MetricSpec(name, mtype, labels, section, "*(optional)*" in row["meaning"], buckets)
+        meaning = row["meaning"]
+        catalog[name] = MetricSpec(name, mtype, labels, section, "*(optional)*" in meaning, buckets,
+                                   "*(once observed)*" in meaning)
     return catalog
 
 

