@@ -53,11 +53,19 @@ def _best(runs: list[RunResult]) -> RunResult:
 def run(config: BenchConfig) -> dict:
     runs: dict[tuple[str, str], list[RunResult]] = {}
     with LocalRedis() as redis_server, BrokerProcess() as zmq_broker:
-        urls = {"redis": redis_server.url, "zmq": zmq_broker.url}
+        servers = {"redis": redis_server, "zmq": zmq_broker}
         for _ in range(config.repeats):
             for mode in config.modes:
-                for label, url in urls.items():
-                    result = run_pipeline(url, label, mode, config.groups, config.batch, config.max_len)
+                for label, server in servers.items():
+                    result = run_pipeline(
+                        server.url,
+                        label,
+                        mode,
+                        config.groups,
+                        config.batch,
+                        config.max_len,
+                        server.process.pid,
+                    )
                     print(f"  {label:<5} {mode:<5} {result.groups_per_s:8.0f} groups/s", flush=True)
                     runs.setdefault((label, mode), []).append(result)
     best = [_best(rs) for rs in runs.values()]

@@ -39,13 +39,22 @@ def run_demo(config: DemoConfig) -> int:
     from broker.zmq_broker import BrokerProcess
 
     with contextlib.ExitStack() as stack:
-        redis_url = config.redis_url or stack.enter_context(LocalRedis()).url
-        zmq_url = config.zmq_url or stack.enter_context(BrokerProcess()).url
+        servers = {}  # label -> (url, pid of the server we started, or None)
+        for label, url, start in (
+            ("redis", config.redis_url, LocalRedis),
+            ("zmq", config.zmq_url, BrokerProcess),
+        ):
+            server = None if url else stack.enter_context(start())
+            servers[label] = (url or server.url, server.process.pid if server else None)
         results = []
         for mode in config.modes:
-            for label, url in (("redis", redis_url), ("zmq", zmq_url)):
+            for label, (url, pid) in servers.items():
                 print(f"... {label} {mode}: {config.groups} groups", flush=True)
-                results.append(run_pipeline(url, label, mode, config.groups, config.batch, config.max_len))
+                results.append(
+                    run_pipeline(
+                        url, label, mode, config.groups, config.batch, config.max_len, server_pid=pid
+                    )
+                )
     print(format_table(results))
     return 0
 

@@ -2,12 +2,14 @@
 
 Run it with `python -m broker zmq-broker --bind tcp://127.0.0.1:5555`, or in a thread with
 `BrokerThread().start()` (tests). Clients (`broker.zmq_transport.ZmqTransport`) talk to it over
-DEALER sockets, one msgpack frame per request and per reply (no pickle):
+DEALER sockets; a message is a msgpack header frame plus raw payload frames (no pickle):
 
-    request  [request_id, op, *args]
-    reply    [request_id, status ("ok" | "err" | "nocredit"), result, credits]
+    request  [request_id, op, *args]                                     + payload frames
+    reply    [request_id, status ("ok" | "err" | "nocredit"), result, credits] + payload frames
 
 `credits` is [stream, count, lease_s] on replies that change a client's credits, else nil.
+Payloads (entries, blobs) travel as their own frames: the broker keeps the frames it received
+and sends them on to consumers without copying or re-encoding them.
 Requests that cannot be answered yet are parked: a blocking `consume` until an entry arrives or
 its `block_s` ends, a `credit` request until the backlog drops below `max_len` or its `wait_s`
 ends. That parking is the back-pressure: a slow consumer holds producers at the broker instead
@@ -44,7 +46,11 @@ class ZmqBrokerConfig:
 
 
 class ZmqBroker:
-    """The socket loop; `bind()` then `serve(stop)` from one thread."""
+    """The socket loop; `bind()` then `serve(stop)` from one thread.
+
+    Handlers take (client, rid, frames, *args) and return (status, result, credits[, frames])
+    or None when the request is parked (answered later by `_reply`).
+    """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:5555", context: zmq.Context | None = None):
         self.bind_address = bind[:-2] + ":*" if bind.endswith(":0") else bind
@@ -53,26 +59,23 @@ class ZmqBroker:
         self.socket: zmq.Socket | None = None
         self._waiting_consume: dict[str, list] = {}
         self._waiting_credit: dict[str, deque] = {}
+        state = self.state
         self._ops = {
-            "ping": lambda client, rid: ("ok", "pong", None),
+            "ping": lambda c, r, f: ("ok", "pong", None),
             "credit": self._credit,
             "publish": self._publish,
             "release": self._release,
             "consume": self._consume,
             "ack": self._ack,
             "dead": self._dead,
-            "dead_letters": lambda c, r, stream, count: (
-                "ok",
-                list(self.state.stream(stream).dead)[:count],
-                None,
-            ),
-            "pending": lambda c, r, stream, group: ("ok", self.state.pending(stream, group), None),
-            "backlog": lambda c, r, stream: ("ok", self.state.backlog(stream), None),
+            "dead_letters": self._dead_letters,
+            "pending": lambda c, r, f, stream, group: ("ok", state.pending(stream, group), None),
+            "backlog": lambda c, r, f, stream: ("ok", state.backlog(stream), None),
             "ensure_group": self._ensure_group,
-            "put_blob": lambda c, r, key, data, ttl: ("ok", self.state.put_blob(key, data, ttl), None),
-            "get_blob": lambda c, r, key: ("ok", self.state.get_blob(key), None),
-            "set_value": lambda c, r, key, value: ("ok", self.state.values.__setitem__(key, value), None),
-            "get_value": lambda c, r, key: ("ok", self.state.values.get(key), None),
+            "put_blob": lambda c, r, f, key, ttl: ("ok", state.put_blob(key, f[0], ttl), None),
+            "get_blob": self._get_blob,
+            "set_value": lambda c, r, f, key, value: ("ok", state.values.__setitem__(key, value), None),
+            "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
         }
 
     def bind(self) -> str:
@@ -100,19 +103,18 @@ class ZmqBroker:
     def _drain(self, limit: int = 1000) -> None:
         for _ in range(limit):
             try:
-                client, body = self.socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:
-                continue  # not [identity, body]: not one of our clients
-            self._handle(client, body)
+            if len(frames) >= 2:
+                self._handle(frames[0].bytes, frames[1], frames[2:])
 
-    def _handle(self, client: bytes, body: bytes) -> None:
+    def _handle(self, client: bytes, header: zmq.Frame, frames: list[zmq.Frame]) -> None:
         rid = None
         try:
-            request = msgspec.msgpack.decode(body)
+            request = msgspec.msgpack.decode(header.buffer)
             rid, op, args = request[0], request[1], request[2:]
-            reply = self._ops[op](client, rid, *args)
+            reply = self._ops[op](client, rid, frames, *args)
         except KeyError as exc:
             reply = ("err", f"unknown op or stream/key: {exc}", None)
         except Exception as exc:  # a bad request never takes the broker down
@@ -121,11 +123,13 @@ class ZmqBroker:
         if reply is not None:
             self._reply(client, rid, *reply)
 
-    def _reply(self, client: bytes, rid, status: str, result, credits) -> None:
-        self.socket.send_multipart([client, msgspec.msgpack.encode([rid, status, result, credits])])
+    def _reply(self, client: bytes, rid, status: str, result, credits, frames=()) -> None:
+        """Header frame plus payload frames; stored frames are re-sent without copying."""
+        header = msgspec.msgpack.encode([rid, status, result, credits])
+        self.socket.send_multipart([client, header, *frames], copy=False)
 
     # ---- flow control --------------------------------------------------------------------------
-    def _credit(self, client, rid, stream, want, max_len, wait_s):
+    def _credit(self, client, rid, frames, stream, want, max_len, wait_s):
         count, lease = self.state.grant(client, stream, want, max_len)
         if count > 0 or wait_s <= 0:
             return "ok", count, [stream, count, lease]
@@ -143,25 +147,27 @@ class ZmqBroker:
             waiters.popleft()
             self._reply(client, rid, "ok", count, [stream, count, lease])
 
-    def _publish(self, client, rid, stream, payloads):
-        ids = self.state.publish(client, stream, payloads)
+    def _publish(self, client, rid, frames, stream):
+        ids = self.state.publish(client, stream, frames)  # entries keep the received frames
         credits = [stream, *self.state.credits_of(client, stream)]
         if ids is None:
-            return "nocredit", f"{stream}: publish of {len(payloads)} entries needs credits", credits
+            return "nocredit", f"{stream}: publish of {len(frames)} entries needs credits", credits
         self._serve_consumers(stream, time.monotonic())
         return "ok", ids, credits
 
-    def _release(self, client, rid, stream):
+    def _release(self, client, rid, frames, stream):
         self.state.release(client, stream)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", None, [stream, 0, 0.0]
 
     # ---- consuming -------------------------------------------------------------------------------
-    def _consume(self, client, rid, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries):
+    def _consume(
+        self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries
+    ):
         out = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
         self._serve_credit_waiters(stream, time.monotonic())  # reclaim may have dead-lettered some
         if out or block_s <= 0:
-            return "ok", out, None
+            return _deliveries_reply(out)
         args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries)
         self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
         return None
@@ -177,22 +183,30 @@ class ZmqBroker:
                 keep.append((client, rid, args, deadline))
                 continue
             out = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
-            self._reply(client, rid, "ok", out, None)
+            self._reply(client, rid, *_deliveries_reply(out))
         self._waiting_consume[stream] = keep
 
-    def _ensure_group(self, client, rid, stream, group):
+    def _ensure_group(self, client, rid, frames, stream, group):
         self.state.ensure_group(stream, group)
         return "ok", None, None
 
-    def _ack(self, client, rid, stream, group, ids):
+    def _ack(self, client, rid, frames, stream, group, ids):
         n = self.state.ack(stream, group, ids)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", n, None
 
-    def _dead(self, client, rid, stream, group, id_, payload, attempts, reason):
-        n = self.state.dead_letter(stream, group, id_, payload, attempts, reason)
+    def _dead(self, client, rid, frames, stream, group, id_, attempts, reason):
+        n = self.state.dead_letter(stream, group, id_, frames[0], attempts, reason)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", n, None
+
+    def _dead_letters(self, client, rid, frames, stream, count):
+        rows = list(self.state.stream(stream).dead)[:count]
+        return "ok", [[i, r, g, a] for i, _, r, g, a in rows], None, [p for _, p, _, _, _ in rows]
+
+    def _get_blob(self, client, rid, frames, key):
+        data = self.state.get_blob(key)
+        return ("ok", False, None) if data is None else ("ok", True, None, [data])
 
     # ---- timers ----------------------------------------------------------------------------------
     def _on_tick(self) -> None:
@@ -202,6 +216,11 @@ class ZmqBroker:
         for stream in list(self._waiting_credit):
             self._serve_credit_waiters(stream, now)  # leases may have expired, deadlines passed
         self.state.expire_blobs()
+
+
+def _deliveries_reply(out: list) -> tuple:
+    """Reply to a consume: [[id, attempts], ...] in the header, one payload frame per entry."""
+    return "ok", [[id_, attempts] for id_, _, attempts in out], None, [payload for _, payload, _ in out]
 
 
 class BrokerThread:

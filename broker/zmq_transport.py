@@ -67,14 +67,17 @@ class ZmqTransport(Transport):
             raise
 
     # ---- request/reply ---------------------------------------------------------------------------
-    def _request(self, op: str, *args, timeout: float | None = None, status_ok=("ok",)):
-        """Send one request and wait for its reply; returns (status, result)."""
+    def _request(
+        self, op: str, *args, frames: Sequence[bytes] = (), timeout: float | None = None, status_ok=("ok",)
+    ):
+        """Send one request (header + payload `frames`) and wait for its reply;
+        returns (status, result, payload frames of the reply as bytes)."""
         timeout = self.request_timeout_s if timeout is None else timeout
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
             rid = next(self._ids)
-            self._socket.send(msgspec.msgpack.encode([rid, op, *args]), copy=False)
+            self._socket.send_multipart([msgspec.msgpack.encode([rid, op, *args]), *frames], copy=False)
             deadline = time.monotonic() + timeout
             while True:
                 remaining = deadline - time.monotonic()
@@ -84,16 +87,15 @@ class ZmqTransport(Transport):
                             f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s"
                         )
                     continue
-                reply_id, status, result, credits = msgspec.msgpack.decode(
-                    self._socket.recv(copy=False).buffer
-                )
+                header, *payloads = self._socket.recv_multipart(copy=False)
+                reply_id, status, result, credits = msgspec.msgpack.decode(header.buffer)
                 if credits is not None:  # late replies still tell us our credits
                     stream, count, lease_s = credits
                     self._credits[stream] = (count, time.monotonic() + 0.9 * lease_s)
                 if reply_id != rid:
                     continue
                 if status in status_ok:
-                    return status, result
+                    return status, result, [p.bytes for p in payloads]
                 raise TransportError(f"zmq broker refused {op!r}: {result}")
 
     # ---- streams --------------------------------------------------------------------------------
@@ -117,7 +119,7 @@ class ZmqTransport(Transport):
                 self._wait_for_credit(stream, deadline, timeout, ids, len(payloads))
                 continue
             chunk = list(payloads[len(ids) : len(ids) + min(have, PUBLISH_CHUNK)])
-            status, result = self._request("publish", stream, chunk, status_ok=("ok", "nocredit"))
+            status, result, _ = self._request("publish", stream, frames=chunk, status_ok=("ok", "nocredit"))
             if status == "ok":
                 ids.extend(result)
         return ids
@@ -149,18 +151,22 @@ class ZmqTransport(Transport):
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
     ) -> list[Delivery]:
         opts = self.options
-        _, entries = self._request(
+        block_s = max(0.0, block_s)
+        _, entries, payloads = self._request(
             "consume",
             stream,
             group,
             consumer,
             max(1, count),
-            max(0.0, block_s),
+            block_s,
             opts.claim_idle_s,
             opts.max_deliveries,
-            timeout=max(0.0, block_s) + self.request_timeout_s,
+            timeout=block_s + self.request_timeout_s,
         )
-        return [Delivery(stream, id_, payload, attempts) for id_, payload, attempts in entries]
+        return [
+            Delivery(stream, id_, payload, attempts)
+            for (id_, attempts), payload in zip(entries, payloads, strict=True)
+        ]
 
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if ids:
@@ -168,13 +174,16 @@ class ZmqTransport(Transport):
 
     def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
         self._request(
-            "dead", delivery.stream, group, delivery.id, delivery.payload, delivery.attempts, reason
+            "dead", delivery.stream, group, delivery.id, delivery.attempts, reason, frames=[delivery.payload]
         )
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` dead-lettered entries of `stream` (for inspection)."""
-        _, rows = self._request("dead_letters", stream, count)
-        return [DeadLetter(id=i, payload=p, reason=r, group=g, attempts=a) for i, p, r, g, a in rows]
+        _, rows, payloads = self._request("dead_letters", stream, count)
+        return [
+            DeadLetter(id=i, payload=p, reason=r, group=g, attempts=a)
+            for (i, r, g, a), p in zip(rows, payloads, strict=True)
+        ]
 
     def pending(self, stream: str, group: str) -> int:
         return self._request("pending", stream, group)[1]
@@ -184,10 +193,12 @@ class ZmqTransport(Transport):
 
     # ---- blobs and values -------------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
-        self._request("put_blob", key, data, ttl_s if ttl_s is not None else self.options.blob_ttl_s)
+        ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
+        self._request("put_blob", key, ttl, frames=[data])
 
     def get_blob(self, key: str) -> bytes | None:
-        return self._request("get_blob", key)[1]
+        _, found, payloads = self._request("get_blob", key)
+        return payloads[0] if found else None
 
     def set_value(self, key: str, value: bytes) -> None:
         self._request("set_value", key, value)
