@@ -201,3 +201,54 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
     assert groups == ["p0", "p1", "p3"] and published == 3  # kept serving version 0; p2 needs version 1
     assert worker.engine.version == 0 and worker.receiver.stats.joins == 0
     assert transport.pending(names.prompts, Names.GENERATORS) == 1  # p2 is held, unacked: never lost
+
+
+def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, transport, names, tiny_model_dir,
+                                                                     tiny_processor):
+    """Learner (WeightSender, gloo) -> generator (WeightReceiver -> engine): a prompt that needs version 1
+    waits for it, then the generator's greedy output is the learner model's, token for token."""
+    import torch
+    from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
+    from policy.loading import load_model
+    from tasks.prompt import render_prompt_text
+
+    learner_model = load_model(tiny_model_dir)
+    with torch.no_grad():  # "training" changed every weight
+        gen = torch.Generator().manual_seed(7)
+        for p in learner_model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.float().std().clamp(min=0.02))
+    store = ImageStore(transport, names)
+    rec = record(store, 5, min_version=1, split="test")
+    image = store.open(rec.images[0])
+    enc = tiny_processor(text=[render_prompt_text(tiny_processor, rec.problem, 1)], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        expected = learner_model.generate(**enc, max_new_tokens=8, do_sample=False,
+                                          suppress_tokens=engine.banned_token_ids)[0, enc["input_ids"].shape[1]:]
+    sender = WeightSender(SenderConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
+    sender.start()
+    worker = worker_for(engine, transport, names, generator_id="gen-sync", weight_sync_address="", idle_exit_s=0,
+                        max_groups=1, weight_sync_timeout_s=20.0)
+    Publisher(transport, names.prompts).publish(rec)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "gen-sync" not in sender.members() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = sender.sync(learner_model, version=1, step=1)
+        assert report.sent_to == ["gen-sync"]
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        (group,) = rollouts(transport, names)
+        sample = group.samples[0]
+        assert sample.version_start == 1 and engine.version == 1
+        assert sample.response_token_ids == expected.tolist()
+        assert worker.metrics.value("parallax_generator_weight_load_seconds_count") == 1
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+        worker.receiver.close()
+        sender.close()
+        from safetensors.torch import load_file
+
+        engine.apply_weights(load_file(str(tiny_model_dir / "model.safetensors")).items(), version=0)
