@@ -141,7 +141,7 @@ class ZmqTransport(Transport):
         self._request(
             "credit",
             stream,
-            self.credit_batch,
+            max(self.credit_batch, total - len(ids)),
             self.options.max_len,
             wait_s,
             timeout=wait_s + self.request_timeout_s,
