@@ -201,7 +201,12 @@ class Engine:
         """Drop everything computed with the old weights: cached prefixes and image embeddings."""
         if not self._llm.reset_prefix_cache():
             log.warning("vLLM refused to reset its prefix cache (requests still running?)")
-        self._llm.llm_engine.reset_encoder_cache()
+        reset_encoder = getattr(self._llm.llm_engine, "reset_encoder_cache", None)
+        if reset_encoder is not None:  # scheduler's encoder-cache manager and the model runner's cache
+            reset_encoder()
+        else:  # older vLLM: drop the model runner's cached embeddings directly
+            self._llm.collective_rpc(_reset_encoder_cache_in_worker)
+        self._llm.reset_mm_cache()
 
     def close(self) -> None:
         """Release the engine (vLLM frees its memory when the LLM object is collected)."""
@@ -219,3 +224,12 @@ def _completion(output) -> Completion:
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
     return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text,
                       finish_reason=str(output.finish_reason or "abort"))
+
+
+def _reset_encoder_cache_in_worker(worker) -> None:
+    """Runs inside vLLM's worker: forget cached image embeddings (fallback for vLLM without the engine API)."""
+    runner = worker.model_runner
+    if hasattr(runner, "reset_encoder_cache"):
+        runner.reset_encoder_cache()
+    elif hasattr(runner, "encoder_cache"):
+        runner.encoder_cache.clear()
