@@ -57,7 +57,7 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
     return out
 
 
-def validate_group(scored: ScoredGroup) -> str | None:
+def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | None:
     """Why this scored group cannot be trained on (None when it can)."""
     g = scored.group
     if not g.samples:
@@ -71,6 +71,10 @@ def validate_group(scored: ScoredGroup) -> str | None:
             return f"sample {i}: {len(s.behaviour_logprobs)} logprobs for {len(s.response_token_ids)} tokens"
     if not g.prompt_token_ids:
         return "no prompt tokens"
+    if vocab_size is not None:
+        ids = [*g.prompt_token_ids, *(t for s in g.samples for t in s.response_token_ids)]
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            return f"token ids outside the vocabulary [0, {vocab_size})"
     return None
 
 

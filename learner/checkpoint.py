@@ -15,6 +15,7 @@ config) plus the processor files, which transformers and vLLM load directly.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -140,8 +141,8 @@ def export_hf(model, hf_model, processor, out_dir: str | os.PathLike, rank: int 
     out = Path(out_dir)
     if rank == 0:
         inner = {k.removeprefix(HF_PREFIX): v for k, v in full.items()}
-        with torch.device("meta"):
-            fresh = type(hf_model)(hf_model.config)
+        with torch.device("meta"):  # plain SDPA: the training model's attention hook is not for export
+            fresh = type(hf_model)._from_config(copy.deepcopy(hf_model.config), attn_implementation="sdpa")
         fresh.load_state_dict(inner, assign=True, strict=True)
         if getattr(hf_model.config, "tie_word_embeddings", False):
             fresh.tie_weights()

@@ -135,8 +135,9 @@ class FeederConfig:
     """Prompt records of the training split (a file written by tasks/)."""
     test_data: str = ""
     """Prompt records of the test split, for periodic evaluation."""
-    prompts_ahead: int = 16
-    """Prompts published but not yet consumed back as scored groups that the feeder keeps in flight."""
+    prompts_ahead: int = 0
+    """Prompts kept in flight (published, not yet back as scored groups); 0 = groups_per_step x (max_staleness + 1),
+    the most for which the admission rule can bound staleness (more prompts in flight start on older weights)."""
     epochs: int = 1
     """Passes over the training prompts."""
     shuffle: bool = True

@@ -2,8 +2,8 @@
 
 The feeder walks the training prompts epoch by epoch (a seeded permutation per epoch), puts
 each prompt's images into the broker's blob store and publishes the record to `names.prompts`.
-It keeps `ahead` prompts in flight: published but not yet come back to the learner as scored
-groups (trained or dropped).
+It keeps `ahead` prompts in flight, counted from the first slot of the step being collected:
+published and not yet come back as scored groups, plus those already taken into that step.
 
 Staleness by admission (AReaL's rule, async-rl.md): a prompt at queue position q (0 = the next
 group the learner will consume) published while the learner is at version v will be trained at
@@ -104,7 +104,12 @@ class PromptFeeder:
                  self.state.published)
 
     def top_up(self, consumed: int, version: int) -> int:
-        """Publish until `ahead` prompts are in flight (`consumed` came back so far); returns how many."""
+        """Publish until `ahead` prompts are in flight; returns how many were published.
+
+        `consumed` counts the groups that came back and hold no slot of the step being collected
+        (received minus those already taken into its batch), so that queue position 0 is the
+        first slot of the step the learner at `version` is collecting.
+        """
         batch: list[PromptRecord] = []
         while not self.exhausted and self.state.published + len(batch) - consumed < self.ahead:
             position = self.state.published + len(batch) - consumed

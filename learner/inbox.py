@@ -5,7 +5,8 @@ worth (`groups_per_step`) of trainable groups is in hand:
   * evaluation groups (split != "train") go to the evaluator and are acked at once;
   * a group id already consumed (trained on or skipped, before or after the last checkpoint)
     is a redelivery: skipped and counted as `duplicate`;
-  * malformed groups (sample/score/logprob counts disagree, wrong temperature) are
+  * malformed groups (sample/score/logprob counts disagree, token ids outside the vocabulary,
+    wrong temperature) are
     dead-lettered with the reason and counted;
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
@@ -38,8 +39,9 @@ class Inbox:
     """Consumes `names.scored` as the learner's consumer; see the module docstring."""
 
     def __init__(self, transport: Transport, names: Names, cfg: LearnerConfig, *, feeder: PromptFeeder | None = None,
-                 evaluator: Evaluator | None = None, registry=None, on_skip=None):
+                 evaluator: Evaluator | None = None, registry=None, on_skip=None, vocab_size: int | None = None):
         self.cfg = cfg
+        self.vocab_size = vocab_size
         self.sub = Subscriber(transport, names.scored, Names.LEARNER, cfg.consumer, expect=ScoredGroup,
                               registry=registry)
         self.feeder, self.evaluator = feeder, evaluator
@@ -62,7 +64,7 @@ class Inbox:
         want = self.cfg.algo.groups_per_step
         idle_since = time.monotonic()
         while len(batch) < want:
-            self._feed(version)
+            self._feed(version, taken=len(batch))
             if self._finished():
                 return None
             got = self.sub.poll(count=want - len(batch), block_s=0.5)
@@ -84,9 +86,14 @@ class Inbox:
             self.unacked = []
         return n
 
-    def _feed(self, version: int) -> None:
+    def _feed(self, version: int, taken: int = 0) -> None:
+        """Top up the feeder; the `taken` groups of this step's batch still occupy their slots."""
         if self.feeder is not None:
-            self.feeder.top_up(consumed=self.received, version=version)
+            self.feeder.top_up(consumed=self.received - taken, version=version)
+        self._poll_eval()
+
+    def _poll_eval(self) -> None:
+        """Collect the metrics of an evaluation round that just finished (complete or timed out)."""
         if self.evaluator is not None:
             metrics = self.evaluator.poll()
             if metrics is not None:
@@ -101,14 +108,14 @@ class Inbox:
         """Bookkeeping for one delivery; True when the group should be trained on."""
         group = scored.group
         if group.split != "train":
-            if self.evaluator is not None:
-                self.evaluator.add(scored)
+            if self.evaluator is not None and self.evaluator.add(scored):
+                self._poll_eval()
             self.sub.ack([delivery])
             return False
         if group.group_id in self.consumed:
             self._skip("duplicate", delivery, durable=True)
             return False
-        problem = validate_group(scored)
+        problem = validate_group(scored, self.vocab_size)
         if problem is None and abs(group.temperature - self.cfg.algo.temperature) > 1e-6:
             problem = f"sampled at temperature {group.temperature}, learner uses {self.cfg.algo.temperature}"
         if problem is not None and problem != "empty":

@@ -79,7 +79,8 @@ def build_inbox(learner) -> Inbox:
         if cfg.eval.every > 0 and tests:
             evaluator = Evaluator(feeder, tests, cfg.eval)
     return Inbox(learner.transport, learner.names, cfg, feeder=feeder, evaluator=evaluator,
-                 registry=learner.registry, on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc())
+                 registry=learner.registry, vocab_size=learner.hf.config.text_config.vocab_size,
+                 on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc())
 
 
 def _either(first, second):

@@ -146,10 +146,7 @@ class Learner:
         values["step"], values["version"] = float(self.state.step), float(self.state.version)
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
         values["mfu"] = mfu(values.pop("flops", 0.0), values["train_s"], self.peak_flops, self.info.world_size)
-        if self.inbox is not None:
-            for ev in self.inbox.eval_metrics:
-                values.update(ev)
-            self.inbox.eval_metrics.clear()
+        self._evaluate(values)
         if cfg.checkpoint.every > 0 and self.state.step % cfg.checkpoint.every == 0:
             values["checkpoint_s"] = self._checkpoint()
         if cfg.checkpoint.export_hf_every > 0 and self.state.step % cfg.checkpoint.export_hf_every == 0:
@@ -264,6 +261,17 @@ class Learner:
             payload = None if groups is None else msgspec.msgpack.encode(groups)
         payload = broadcast_bytes(payload)
         return None if payload is None else msgspec.msgpack.decode(payload, type=list[ScoredGroup])
+
+    def _evaluate(self, values: dict[str, float]) -> None:
+        """Start an evaluation round when one is due; report the rounds that finished."""
+        if self.inbox is None:
+            return
+        evaluator = self.inbox.evaluator
+        if evaluator is not None and evaluator.due(self.state.step):
+            evaluator.start(self.state.step, self.state.version)
+        for metrics in self.inbox.eval_metrics:
+            values.update(metrics)
+        self.inbox.eval_metrics.clear()
 
     def _record_consumed(self, groups: list[ScoredGroup]) -> None:
         if self.inbox is not None:

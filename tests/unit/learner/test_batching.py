@@ -69,5 +69,8 @@ def test_validate_group_names_the_problem(tiny_processor, store):
     short = make_group(tiny_processor, store, [1.0, 0.0])
     short.scores.pop()
     assert "scores" in validate_group(short)
+    oov = make_group(tiny_processor, store, [1.0, 0.0])
+    oov.group.samples[0].response_token_ids[0] = 10**6
+    assert validate_group(oov) is None and "vocabulary" in validate_group(oov, vocab_size=1000)
     empty = make_group(tiny_processor, store, [])
     assert validate_group(empty) == "empty"

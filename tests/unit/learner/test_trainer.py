@@ -39,8 +39,10 @@ def publish(redis_server, names, tiny_processor):
     pub = Publisher(transport, names.scored)
     store = ImageStore(transport, names)
 
-    def send(rewards, **kw):
+    def send(rewards, mutate=None, **kw):
         group = make_group(tiny_processor, store, rewards, **kw)
+        if mutate is not None:
+            mutate(group)
         pub.publish(group)
         return group
 
@@ -60,8 +62,8 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     publish([0.0, 1.0], seed=3, group_id=dup.group.group_id)  # redelivered id: skipped
     publish([1.0, 0.0], seed=4, version=0)              # step 1 trains at step 1: staleness 1 (kept, K = 1)
     publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)   # wrong temperature: dead-lettered
+    publish([1.0, 0.0], seed=7, mutate=lambda g: g.group.samples[0].response_token_ids.__setitem__(0, 10**6))  # OOV
     publish([1.0, 0.0], seed=6)
-
     learner = Learner(cfg, sender=NullSender())
     before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     learner.train()
@@ -69,8 +71,8 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     after = learner.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     skipped = learner.inbox.skipped
-    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 1
-    assert len(learner.inbox.consumed) == 6
+    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 2
+    assert len(learner.inbox.consumed) == 7
     version = codec.decode(learner.transport.get_value(learner.names.learner_version))
     assert version.version == 2 and version.source == "learner"
     lines = _lines(tmp_path)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -31,6 +32,7 @@ def _publish(url, namespace, processor):
     t.close()
 
 
+@pytest.mark.slow  # three learner processes start (torchrun + 2 ranks): 15-60 s on 2 shared cores
 def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_server, tmp_path):
     common = ["--model", str(tiny_model_dir), "--broker", redis_server.url, "--no-weight-sync", "--max-steps", "1",
               "--idle-exit-s", "5", "--algo.groups-per-step", "3", "--batching.max-tokens-per-microbatch", "64",
