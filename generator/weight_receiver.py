@@ -8,7 +8,8 @@ learner sends the current version to a (re)joining generator.
 
 Two ways to consume versions (protocol: `policy/weight_transfer.py`):
   * `apply(named_tensors, version)` callback, run on the receiver thread right after a version
-    is verified (the engine must tolerate being called from another thread);
+    is verified (the engine must tolerate being called from another thread; the tensors are
+    views into reused buffers, valid only during the call: copy them, as load_weights does);
   * no callback: the newest verified version waits in a mailbox; the engine loop calls
     `take()` between generation steps and applies it itself (no threading inside the engine).
 
@@ -30,6 +31,7 @@ import datetime
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -96,7 +98,8 @@ class ReceivedWeights:
         return self.manifest.total_bytes
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor) views into the buckets; valid as long as this object is."""
+        """(checkpoint name, tensor) views into the buckets; valid only while this object is referenced
+        (its buffers are reused for a later version once it is garbage)."""
         return unpack(self.manifest, self.buffers)
 
 
@@ -112,6 +115,32 @@ class ReceiverStats:
     last_error: str = ""
     history: list[int] = field(default_factory=list)
     """Versions delivered, in order (last 100)."""
+
+
+class _BufferPool:
+    """Host buffers of versions nobody holds any more, reused by size (on CPU, page faults of fresh
+    memory cost several times the copy itself). GPU buffers are left to torch's caching allocator."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def put(self, buffers: list[torch.Tensor]) -> None:
+        if self.device.type != "cpu":
+            return
+        with self._lock:
+            for buf in buffers:
+                free = self._free.setdefault(buf.numel(), [])
+                if len(free) < 2:
+                    free.append(buf)
 
 
 class _SessionEnded(Exception):
@@ -149,6 +178,7 @@ class WeightReceiver:
         self._cond = threading.Condition()
         self._mailbox: ReceivedWeights | None = None
         self._thread: threading.Thread | None = None
+        self._pool = _BufferPool(torch.device(config.device))
 
     @property
     def version(self) -> int:
@@ -258,20 +288,21 @@ class WeightReceiver:
     def _receive(self, group, accept: JoinAccept, manifest: Manifest) -> ReceivedWeights:
         """Receive every bucket and the trailer; raise (delivering nothing) unless all verify."""
         t0 = time.perf_counter()
-        device = torch.device(self.config.device)
+        buffers = [self._pool.get(n) for n in manifest.bucket_nbytes]
         try:
-            buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in manifest.bucket_nbytes]
-            tail = torch.empty(len(buffers) + 1, dtype=torch.int64, device=device)
+            tail = torch.empty(len(buffers) + 1, dtype=torch.int64, device=self._pool.device)
             works = [group.broadcast(buf, 0) for buf in [*buffers, tail]]
             for work in works:
                 wait_work(work, accept.backend, accept.timeout_s)
             verify(manifest, buffers, tail)
         except Exception:
             self.stats.failures += 1
+            self._pool.put(buffers)
             raise
         return ReceivedWeights(manifest, buffers, time.perf_counter() - t0)
 
     def _deliver(self, received: ReceivedWeights) -> None:
+        """Hand a verified version over; its buffers return to the pool once nobody holds it."""
         if self._apply is not None:
             try:
                 self._apply(received.named_tensors(), received.version)
@@ -281,6 +312,10 @@ class WeightReceiver:
                 log.error("weight receiver %s: apply of version %d failed: %s",
                           self.config.generator_id, received.version, e)
                 return
+            finally:
+                self._pool.put(received.buffers)
+        else:
+            weakref.finalize(received, self._pool.put, received.buffers)
         self.stats.versions += 1
         self.stats.bytes += received.num_bytes
         self.stats.last_seconds = received.seconds

@@ -134,6 +134,7 @@ class WeightSender:
         self._names: dict[str, str] | None = None
         self._cache: _Cache | None = None
         self._staging: list[torch.Tensor] = []
+        """Bucket buffers reused across syncs (all buckets with keep_last, else two that alternate)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str | None:
@@ -198,10 +199,14 @@ class WeightSender:
             buffers: list[torch.Tensor] = []
 
             def produce(b: int) -> tuple[torch.Tensor, int]:
-                buf = self._bucket_buffer(b, manifest.bucket_nbytes[b])
                 idx = self._layout.bucket_members(b)
-                pack_bucket(buf, [manifest.tensors[i] for i in idx], (_full(tensors[i]) for i in idx))
-                buffers.append(buf)
+                specs, full = [manifest.tensors[i] for i in idx], [_full(tensors[i]) for i in idx]
+                nbytes = manifest.bucket_nbytes[b]
+                buf = None if self.config.keep_last else _unpacked(full, specs, nbytes, self._device)
+                if buf is None:
+                    buf = self._bucket_buffer(b, nbytes)
+                    pack_bucket(buf, specs, full)
+                    buffers.append(buf)
                 return buf, checksum(buf) if self.config.checksums else 0
 
             sums = self._stream(members, manifest, produce)
@@ -226,10 +231,9 @@ class WeightSender:
         )
 
     def _bucket_buffer(self, b: int, nbytes: int) -> torch.Tensor:
-        """A fresh buffer per bucket when the version is kept, else one of two reused staging buffers."""
-        if self.config.keep_last:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        slot = b % 2
+        """One buffer per bucket when the version is kept, else one of two staging buffers; both are
+        reused from sync to sync (fresh host memory costs page faults that outweigh the copy)."""
+        slot = b if self.config.keep_last else b % 2
         while len(self._staging) <= slot:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self._device))
         if self._staging[slot].numel() < nbytes:
@@ -248,12 +252,12 @@ class WeightSender:
         sums = []
         for b in range(len(manifest.bucket_nbytes)):
             if len(inflight) == 2:
-                self._settle(inflight.popleft())
+                self._settle(inflight.popleft()[1])
             buf, total = produce(b)
             sums.append(total)
-            inflight.append(self._launch(members, buf))
+            inflight.append((buf, self._launch(members, buf)))  # buf stays referenced until settled
         while inflight:
-            self._settle(inflight.popleft())
+            self._settle(inflight.popleft()[1])
         tail = torch.tensor([manifest.version, *sums], dtype=torch.int64, device=self._device)
         self._settle(self._launch(members, tail))
         return sums
@@ -347,6 +351,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _unpacked(full: list[torch.Tensor], specs: list, nbytes: int,
+              device: torch.device) -> torch.Tensor | None:
+    """A bucket that holds one big tensor goes out as that tensor's own bytes (no packing copy) when
+    nothing needs converting: same device and dtype, contiguous, and a size that needs no padding."""
+    if len(full) != 1:
+        return None
+    tensor, spec = full[0].detach(), specs[0]
+    if (tensor.device != device or str(tensor.dtype).removeprefix("torch.") != spec.dtype
+            or not tensor.is_contiguous() or spec.nbytes != nbytes):
+        return None
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _default_rank() -> int:
