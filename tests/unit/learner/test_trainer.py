@@ -1,6 +1,7 @@
 """The Learner end to end on the tiny model with a real Redis: steps, filters, acks, metrics."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -106,7 +107,6 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redi
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
@@ -143,3 +143,33 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redi
     learner.close()
     final = json.loads((tmp_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert sorted(final["consumed"]) == sorted(sent)
+
+
+def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server, names, publish, tmp_path):
+    """The learner's real weight sender: a receiver joining through the broker gets every version."""
+    from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver, module_loader
+    from policy.loading import load_model
+
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, weight_sync=True, max_steps=2, sync_timeout_s=20.0)
+    for seed in range(4):
+        publish([1.0, 0.0], seed=seed)
+    learner = Learner(cfg)  # builds the WeightSender and publishes its rendezvous on the broker
+    replica = load_model(tiny_model_dir)
+    transport = broker.connect(redis_server.url)
+    receiver = WeightReceiver(ReceiverConfig(generator_id="gen-test", timeout_s=20.0),
+                              apply=module_loader(replica), resolve=broker_resolver(transport, names)).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not learner.sender.members() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert learner.sender.members(), "the receiver did not join"
+        learner.train()
+        assert receiver.wait_for(2, timeout_s=20)
+        mine = learner.hf.state_dict()
+        theirs = replica.state_dict()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        assert receiver.stats.history[-2:] == [1, 2]
+    finally:
+        receiver.close()
+        transport.close()
+        learner.close()
