@@ -28,6 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from policy.packing import PackedBatch
 
 ATTN_NAME = "parallax_varlen"
+VISION_ATTN_NAME = "parallax_flash_varlen"
+"""The vision tower's name for the same function: "flash" in it makes transformers' vision attention
+pass its window/image cu_seqlens in one call instead of looping over windows with SDPA."""
 _registered = False
 
 
@@ -55,7 +58,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
                      cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None,
                      max_length_k: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: causal attention within each packed sequence.
+    """transformers attention function: attention within each packed sequence (causal unless is_causal=False).
 
     query (1, H, T, D), key/value (1, Hkv, T, D) -> output (1, T, H, D).
     """
@@ -66,6 +69,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                       is_causal=is_causal, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("packed attention expects batch size 1 (one packed row)")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
     max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
@@ -74,26 +78,43 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling,
-                                     causal=True)
+                                     causal=causal)
     elif backend == "torch_varlen":
-        from torch.nn.attention.varlen import varlen_attn
-
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                          enable_gqa=q.shape[1] != k.shape[1])
+        out = _torch_varlen(q, k, v, cu, max_len, scaling, causal)
     else:
-        out = _sdpa_per_sequence(query, key, value, cu, dropout, scaling)
-        return out, None
+        return _sdpa_per_sequence(query, key, value, cu, dropout, scaling, causal), None
     return out.unsqueeze(0), None
 
 
-def _sdpa_per_sequence(query, key, value, cu, dropout, scaling) -> torch.Tensor:
+def _torch_varlen(q, k, v, cu, max_len, scaling, causal) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn; GQA by repeating heads where the kernel cannot."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scaling}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _sdpa_per_sequence(query, key, value, cu, dropout, scaling, causal) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     bounds = cu.tolist()
     outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                           scale=scaling, is_causal=True)
+                                           scale=scaling, is_causal=causal)
             for s, e in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
@@ -106,27 +127,40 @@ def register_packed_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTN_NAME, varlen_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    for name in (ATTN_NAME, VISION_ATTN_NAME):
+        AttentionInterface.register(name, varlen_attention)
+        AttentionMaskInterface.register(name, sdpa_mask)
     _registered = True
 
 
-def enable_packed_attention(model: nn.Module) -> None:
-    """Route the text model's attention through "parallax_varlen" (SDPA whenever no cu_seqlens are given)."""
+def enable_packed_attention(model: nn.Module, vision: bool = True) -> None:
+    """Route the text model's attention through "parallax_varlen" (SDPA whenever no cu_seqlens are given).
+
+    With `vision`, the vision tower's attention too (one varlen call per block instead of one
+    SDPA call per window); numerically the same.
+    """
     register_packed_attention()
     model.config.text_config._attn_implementation = ATTN_NAME
     model.model.language_model.config._attn_implementation = ATTN_NAME
+    if vision:
+        set_vision_attention(model, VISION_ATTN_NAME)
+
+
+def set_vision_attention(model: nn.Module, name: str) -> None:
+    """Set the vision tower's attention implementation ("sdpa", VISION_ATTN_NAME, ...)."""
+    model.config.vision_config._attn_implementation = name
+    model.model.visual.config._attn_implementation = name
 
 
 class PackedPolicy(nn.Module):
     """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+    def __init__(self, model: nn.Module, chunk_size: int = 1024, vision_varlen: bool = True):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.image_token_id = model.config.image_token_id
-        enable_packed_attention(model)
+        enable_packed_attention(model, vision=vision_varlen)
 
     def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = True,
                 run_vision_always: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

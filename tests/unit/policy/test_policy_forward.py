@@ -86,16 +86,19 @@ def test_text_only_pack_can_still_run_the_vision_tower(tiny_processor, tiny_mode
     assert model.model.visual.patch_embed.proj.weight.grad is not None  # took part, with zero gradient
 
 
-def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa():
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa(causal):
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
     cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
-    out, _ = varlen_attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                              max_length_q=6, max_length_k=6)
+    out, _ = varlen_attention(module, q, k, v, None, scaling=0.3, is_causal=causal, cu_seq_lens_q=cu,
+                              cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
     seg = torch.repeat_interleave(torch.arange(3), torch.tensor([4, 1, 6]))
-    mask = (seg[:, None] == seg[None, :]) & torch.ones(11, 11, dtype=torch.bool).tril()
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask &= torch.ones(11, 11, dtype=torch.bool).tril()
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
     assert out.shape == (1, 11, 4, 8)
