@@ -65,6 +65,8 @@ class RewardConfig:
     """A publish claim older than this, by a worker that never finished, is taken over."""
     dedupe_ttl_s: float = 7 * 24 * 3600.0
     """How long group ids are remembered as scored (with transports that support expiry)."""
+    publish_thread: bool = True
+    """Publish and ack on a second thread (own broker connection) while the next group is graded."""
     burst: bool = False
     """Drain the rollouts stream, then exit (tests, batch re-scoring)."""
     consumer: str = ""

@@ -21,13 +21,14 @@ import socket
 import sys
 import time
 
-from broker.channel import Publisher, Subscriber
+from broker.channel import Subscriber
 from broker.names import Names
-from broker.schemas import RolloutGroup, ScoredGroup
-from broker.transport import BackpressureTimeout, Delivery, Transport
+from broker.schemas import RolloutGroup
+from broker.transport import Delivery, Transport
 from reward_service.config import RewardConfig
-from reward_service.dedupe import Claim, OnceGate
+from reward_service.dedupe import OnceGate
 from reward_service.metrics import RewardMetrics
+from reward_service.outbox import Outbox
 from reward_service.pool import SafeGrader
 from reward_service.rewards import DEFAULT_ROUTES
 from reward_service.scoring import GroupScorer
@@ -61,14 +62,23 @@ class RewardWorker:
         self.transport = transport if transport is not None else connect(cfg)
         self.subscriber = Subscriber(self.transport, self.names.rollouts, Names.REWARD, self.consumer,
                                      expect=RolloutGroup, registry=self.metrics.registry)
-        self.publisher = Publisher(self.transport, self.names.scored)
         self.grader = SafeGrader(cfg.timeout_s, cfg.memory_mb, spare=cfg.spare_grader, cache_size=cfg.cache_size)
         self.scorer = GroupScorer(self.grader, cfg.weights, cfg.routes, cfg.default_reward, self.metrics)
-        self.gate = OnceGate(self.transport, self.names, self.consumer, stale_s=cfg.claim_stale_s,
-                             ttl_s=cfg.dedupe_ttl_s)
-        self.published = 0
-        self.duplicates = 0
+        threaded = cfg.publish_thread and transport is None
+        self.outbox = Outbox(connect(cfg) if threaded else self.transport, self.names, self.consumer,
+                             self.metrics, stopping=lambda: self._stopping,
+                             publish_timeout_s=cfg.publish_timeout_s, claim_stale_s=cfg.claim_stale_s,
+                             dedupe_ttl_s=cfg.dedupe_ttl_s, threaded=threaded, close_transport=threaded)
+        self.gate = OnceGate(self.transport, self.names, self.consumer, stale_s=cfg.claim_stale_s)
         self._stopping = False
+
+    @property
+    def published(self) -> int:
+        return self.outbox.published
+
+    @property
+    def duplicates(self) -> int:
+        return self.outbox.duplicates
 
     def stop(self, *_signal_args) -> None:
         """Finish the group in hand, then return from `run`."""
@@ -93,47 +103,18 @@ class RewardWorker:
                     self.handle(delivery, group)
         finally:
             self.grader.close()
+            self.outbox.close()
         log.info("worker %s done: %d published, %d duplicates", self.consumer, self.published, self.duplicates)
         return self.published
 
     def handle(self, delivery: Delivery, group: RolloutGroup) -> None:
-        """Score one group and publish it once; ack only when it is (or already was) published."""
-        if self.gate.is_done(group.group_id):
-            return self._duplicate(delivery, group)
+        """Score one group and hand it to the outbox (publish once, then ack)."""
+        if delivery.attempts > 1 and self.gate.is_done(group.group_id):
+            return self.outbox.ack_duplicate(delivery, group)  # redelivered after it was published: skip
         started = time.monotonic()
         scores = self.scorer.score_within(group, self.cfg.group_budget_s)
         group.timings["reward"] = time.monotonic() - started
-        claim = self.gate.claim(group.group_id)
-        if claim is Claim.DONE:
-            return self._duplicate(delivery, group)
-        if claim is Claim.BUSY:
-            log.info("group %s is being published by another worker; leaving it pending", group.group_id)
-            return
-        if not self._publish(ScoredGroup(group=group, scores=scores, scorer_id=self.consumer)):
-            self.gate.release(group.group_id)
-            return
-        self.gate.finish(group.group_id)
-        self.subscriber.ack([delivery])
-        self.published += 1
-        self.metrics.groups.inc()
-
-    def _publish(self, scored: ScoredGroup) -> bool:
-        """Publish, holding on through backpressure; False only when stopped before it went out."""
-        while True:
-            try:
-                self.publisher.publish(scored, timeout=self.cfg.publish_timeout_s)
-                return True
-            except BackpressureTimeout:
-                if self._stopping:
-                    return False
-                log.warning("%s is full; holding group %s until the learner catches up",
-                            self.names.scored, scored.group.group_id)
-
-    def _duplicate(self, delivery: Delivery, group: RolloutGroup) -> None:
-        log.info("group %s already scored; acking delivery %s", group.group_id, delivery.id)
-        self.subscriber.ack([delivery])
-        self.duplicates += 1
-        self.metrics.duplicates.inc()
+        self.outbox.submit(delivery, group, scores)
 
     def _drained(self, empty_polls: int) -> bool:
         """Nothing pending and nothing left to read (a poll can be empty because it only held garbage)."""
@@ -143,6 +124,7 @@ class RewardWorker:
 
     def close(self) -> None:
         self.grader.close()
+        self.outbox.close()
         self.transport.close()
 
 

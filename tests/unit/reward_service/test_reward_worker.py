@@ -84,10 +84,10 @@ def test_worker_scores_every_sample_and_publishes(broker_url, names):
         assert transport.pending(names.rollouts, Names.REWARD) == 0
 
 
-def test_weights_and_routes_are_configurable(redis_server, names):
+def test_weights_and_routes_are_configurable_and_publishing_inline_works(redis_server, names):
     publish(redis_server.url, names, [make_group("g1", ["\\boxed{red}"], "red", data_source="colours")])
     run_worker(config(redis_server.url, names, accuracy_weight=1.0, format_weight=0.5,
-                      routes={"colours": "synthetic"}))
+                      routes={"colours": "synthetic"}, publish_thread=False))
     [group] = scored(redis_server.url, names)
     assert (group.scores[0].accuracy, group.scores[0].reward) == (1.0, 1.0)
 
@@ -124,9 +124,9 @@ def test_publish_once_survives_a_crash_between_publish_and_ack(redis_server, nam
     cfg = config(redis_server.url, names, claim_idle_s=0.5, group_budget_s=0.4, timeout_s=0.4)
     a = RewardWorker(cfg, index=0)
     [(delivery, group)] = a.subscriber.poll(count=1, block_s=1.0)
-    assert a.gate.claim(group.group_id).value == "mine"
-    a.publisher.publish(ScoredGroup(group=group, scores=a.scorer.score(group), scorer_id="A"))
-    a.gate.finish(group.group_id)
+    assert a.outbox.gate.claim(group.group_id).value == "mine"
+    a.outbox.publisher.publish(ScoredGroup(group=group, scores=a.scorer.score(group), scorer_id="A"))
+    a.outbox.gate.finish(group.group_id)
     a.close()  # no ack: the entry stays pending on A
     time.sleep(0.6)
     b = run_worker(cfg, index=1)
