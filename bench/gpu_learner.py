@@ -1,0 +1,320 @@
+"""Learner step on one GPU: packed + varlen attention + chunked logprobs vs the padded transformers baseline.
+
+    python -m bench.gpu_learner                    # 7B then 3B on the H200, ~5 minutes
+    python -m bench.gpu_learner --tiny             # CPU smoke test of the script (toy shapes)
+
+Per model (random weights from the published Qwen2.5-VL-7B/3B configs, bf16 parameters, fused
+AdamW with bf16 states, 16 samples of 96 text + 256 image (448x448) + 256-1024 response tokens),
+on the same weights and the same samples, in this order:
+  padded    transformers forward on right-padded (16, Lmax) batches with SDPA and an attention mask,
+            full activation checkpointing, full-vocabulary logits of every position, fp32 log-softmax;
+  packed-*  policy.forward.PackedPolicy on padding-free packs (policy.packing.pack) with varlen
+            attention in the language model and the vision tower, logprob/entropy computed in
+            1024-row chunks under checkpointing; "full" recomputes every block, "selective"
+            keeps matmul/attention outputs (policy/checkpointing.py).
+The loss is the learner's own (learner.losses.policy_loss, PPO-clip with decoupled correction).
+Before timing, the packed and padded logprobs of the same tokens are compared (no grad).
+One step = forward + backward of every micro-batch + optimizer step. Reported: tokens/s (all
+prompt+image+response tokens), LM-MFU = 6 * N_LM * tokens / (seconds * 989 TFLOP/s) with N_LM the
+language model's parameters without the input embedding (learner.metrics.lm_param_count), peak
+memory, and each variant's speed-up over the padded baseline. Writes bench/results/gpu_learner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.gpu_models import build_model, lm_params, padded_batch, qwen_config, synthetic_samples
+
+PEAK_TFLOPS = 989.0
+"""Dense bf16 peak of an H100/H200 SXM (the MFU denominator)."""
+
+DEFAULT_VARIANTS = ("padded", "packed-full", "packed-selective")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["7b", "3b"], help="model sizes, in order")
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                   help="padded | packed-full | packed-selective | packed-selective:<k> | packed-none"
+                        " (suffix @<tokens> sets the micro-batch token budget, default 16384)")
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per packed variant")
+    p.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the padded baseline")
+    p.add_argument("--chunk", type=int, default=1024, help="rows per logprob chunk")
+    p.add_argument("--tiny", action="store_true", help="toy shapes on CPU (checks the script, not the speed)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/gpu_learner.json"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        args.models, args.samples = ["tiny"], 3
+    report = {"command": "python -m bench.gpu_learner " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": machine(device), "models": {}, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for size in args.models:
+        report["models"][size] = run_model(size, args, device)
+        write(report, args.out)
+    print(format_table(report))
+    write(report, args.out)
+    return 0
+
+
+def machine(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+    return info
+
+
+def write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run_model(size: str, args: argparse.Namespace, device: torch.device) -> dict:
+    config = qwen_config(size)
+    t0 = time.perf_counter()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build_model(config, device, dtype, seed=0).train()
+    counts = lm_params(model)
+    side = 112 if args.tiny else 448
+    samples = synthetic_samples(config, n=args.samples, seed=1, image_side=side,
+                                response=(3, 12) if args.tiny else (256, 1024))
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    out = {"params": counts, "tokens_per_step": tokens, "samples": len(samples),
+           "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
+    print(f"[{size}] built in {out['build_s']} s: N_LM {counts['n_lm'] / 1e9:.2f} B, {tokens} tokens/step", flush=True)
+    out["numerics"] = guarded(lambda: compare_logprobs(model, config, samples, device, args.chunk))
+    print(f"[{size}] packed vs padded logprobs: {out['numerics']}", flush=True)
+    for variant in args.variants:
+        res = guarded(lambda: run_variant(model, config, samples, variant, args, device))
+        if "seconds" in res:
+            res.update(rates(res["seconds"], tokens, counts["n_lm"]))
+        out["variants"][variant] = res
+        print(f"[{size}] {variant}: {summary(res)}", flush=True)
+    base = out["variants"].get("padded", {}).get("tokens_per_s")
+    for res in out["variants"].values():
+        if base and "tokens_per_s" in res:
+            res["speedup_vs_padded"] = round(res["tokens_per_s"] / base, 2)
+    del model
+    cleanup(device)
+    return out
+
+
+def guarded(fn) -> dict:
+    """Run one measurement; an out-of-memory or other failure is recorded, not fatal."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError as e:
+        return {"error": "out of memory", "detail": str(e).splitlines()[0][:200]}
+    except Exception as e:  # report and go on with the next variant
+        import traceback
+
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        cleanup(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def rates(seconds: list[float], tokens: int, n_lm: int) -> dict:
+    step = statistics.median(seconds)
+    tps = tokens / step
+    return {"step_s": round(step, 3), "tokens_per_s": round(tps), "lm_mfu": round(6 * n_lm * tps / (PEAK_TFLOPS * 1e12), 4)}
+
+
+def summary(res: dict) -> str:
+    if "error" in res:
+        return res["error"]
+    if "tokens_per_s" in res:
+        return (f"{res['tokens_per_s']} tok/s, LM-MFU {100 * res['lm_mfu']:.1f}%, step {res['step_s']} s, "
+                f"peak {res.get('peak_gb', 0)} GB")
+    return json.dumps(res)
+
+
+# ---------------------------------------------------------------------------------------------- steps
+def use_sdpa(model) -> None:
+    """Back to transformers' own SDPA attention everywhere (PackedPolicy switches it to varlen)."""
+    for cfg in (model.config.text_config, model.model.language_model.config, model.config.vision_config,
+                model.model.visual.config, model.config):
+        cfg._attn_implementation = "sdpa"
+
+
+def compare_logprobs(model, config, samples, device, chunk) -> dict:
+    """Max/mean |packed - padded| of the response-token logprobs, same weights, no grad."""
+    from policy.forward import PackedPolicy
+    from policy.packing import pack
+
+    model.eval()
+    with torch.no_grad():
+        use_sdpa(model)
+        padded = padded_batch(samples, config, device)
+        ref = padded_logprobs(model, padded)
+        policy = PackedPolicy(model, chunk_size=chunk)
+        got, _ = policy(pack(samples, config.image_token_id).to(device), with_entropy=False)
+    model.train()
+    diff = (got.float() - ref.float()).abs()
+    return {"max_abs_diff": round(float(diff.max()), 4), "mean_abs_diff": round(float(diff.mean()), 5),
+            "tokens": int(diff.numel()), "mean_logprob": round(float(ref.float().mean()), 3)}
+
+
+def padded_logprobs(model, batch: dict) -> torch.Tensor:
+    """Response-token logprobs of the padded batch in sample order (flattened), fp32."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], pixel_values=batch["pixel_values"],
+                image_grid_thw=batch["image_grid_thw"], use_cache=False)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    token = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return token[batch["response_mask"][:, 1:]]
+
+
+def run_variant(model, config, samples, variant: str, args, device) -> dict:
+    """Warm up, then time `steps` optimizer steps of one variant; returns seconds per step and memory."""
+    from policy.checkpointing import apply_checkpointing
+
+    name, _, budget = variant.partition("@")
+    max_tokens = int(budget) if budget else 16384
+    if name == "padded":
+        use_sdpa(model)
+        apply_checkpointing(model, "full", "full")
+        steps = args.baseline_steps
+        inputs = [padded_batch(samples, config, device)]
+        forward = _padded_forward(model)
+    elif name.startswith("packed-"):
+        mode = name.removeprefix("packed-")
+        from policy.forward import PackedPolicy
+
+        policy = PackedPolicy(model, chunk_size=args.chunk)
+        apply_checkpointing(model, mode, "full" if mode != "none" else "none")
+        steps = args.steps
+        inputs = packs(samples, config, max_tokens, device)
+        forward = _packed_forward(policy)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01,
+                                  fused=device.type == "cuda", foreach=device.type != "cuda")
+    cleanup(device)
+    times, opt_times = [], []
+    for i in range(args.warmup + steps):
+        step_s, opt_s = train_step(model, optimizer, forward, inputs, device)
+        if i >= args.warmup:
+            times.append(step_s)
+            opt_times.append(opt_s)
+    res = {"seconds": [round(t, 4) for t in times], "optimizer_s": round(statistics.median(opt_times), 4),
+           "micro_batches": len(inputs), "max_tokens_per_microbatch": max_tokens if name != "padded" else None}
+    if device.type == "cuda":
+        res["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
+        res["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 1e9, 1)
+    del optimizer
+    model.zero_grad(set_to_none=True)
+    return res
+
+
+def packs(samples, config, max_tokens: int, device) -> list:
+    """Token-budgeted packed micro-batches (the learner's first-fit-decreasing plan), on `device`."""
+    from learner.batching import plan_microbatches
+    from policy.packing import pack
+
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    return [pack([samples[i] for i in b], config.image_token_id).to(device)
+            for b in plan_microbatches(lengths, max_tokens)]
+
+
+def train_step(model, optimizer, forward, inputs, device) -> tuple[float, float]:
+    """One optimizer step over all micro-batches; (step seconds, optimizer seconds)."""
+    sync(device)
+    t0 = time.perf_counter()
+    n_total = sum(forward.count(x) for x in inputs)
+    for x in inputs:
+        loss = forward(x, n_total)
+        loss.backward()
+    sync(device)
+    t1 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    t2 = time.perf_counter()
+    return t2 - t0, t2 - t1
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss(logprobs: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, denom: float, entropy=None):
+    """The learner's PPO-clip loss on these tokens with synthetic behaviour logprobs and advantages."""
+    from learner.config import LossConfig
+    from learner.losses import TokenBatch, policy_loss
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    adv = (torch.randn(num_seqs, generator=gen)).to(logprobs.device)[seq_index]
+    behaviour = logprobs.detach() + 0.01
+    batch = TokenBatch(logprobs=logprobs, behaviour_logprobs=behaviour, advantages=adv, seq_index=seq_index,
+                       num_seqs=num_seqs, entropy=entropy)
+    loss, _ = policy_loss(LossConfig(), batch, denom)
+    return loss
+
+
+def _padded_forward(model):
+    def forward(batch: dict, n_total: int) -> torch.Tensor:
+        logprobs = padded_logprobs(model, batch)
+        resp = batch["response_mask"][:, 1:]
+        seq_index = torch.arange(resp.shape[0], device=resp.device).unsqueeze(1).expand_as(resp)[resp]
+        return _loss(logprobs, seq_index, resp.shape[0], float(n_total))
+
+    forward.count = lambda batch: int(batch["response_mask"].sum())
+    return forward
+
+
+def _packed_forward(policy):
+    def forward(batch, n_total: int) -> torch.Tensor:
+        logprobs, entropy = policy(batch, with_entropy=True)
+        lens = torch.tensor(batch.response_lens, device=logprobs.device)
+        seq_index = torch.repeat_interleave(torch.arange(len(batch.response_lens), device=logprobs.device), lens)
+        return _loss(logprobs, seq_index, len(batch.response_lens), float(n_total), entropy)
+
+    forward.count = lambda batch: int(batch.target_index.numel())
+    return forward
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'model':<5} {'variant':<24} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'opt s':>6} {'peak GB':>8} "
+             f"{'x padded':>8}"]
+    for size, m in report["models"].items():
+        for variant, r in m["variants"].items():
+            if "error" in r:
+                lines.append(f"{size:<5} {variant:<24} {r['error']}")
+                continue
+            lines.append(f"{size:<5} {variant:<24} {r['tokens_per_s']:>8} {100 * r['lm_mfu']:>6.1f}% "
+                         f"{r['step_s']:>7.3f} {r['optimizer_s']:>6.3f} {r.get('peak_gb', 0):>8} "
+                         f"{r.get('speedup_vs_padded', ''):>8}")
+        lines.append(f"{size:<5} numerics (packed vs padded logprobs): {m.get('numerics')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
