@@ -153,7 +153,7 @@ class PackedMicroBatch:
         packed_samples = []
         for s in samples:
             for ref in s.images:
-                _warm(cache, ref, image_bytes)
+                warm_pixels(cache, ref, image_bytes)
             images = [(ref.sha256, None) for ref in s.images]
             packed_samples.append(make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id))
         packed = pack(packed_samples, image_token_id, cache.image_processor.merge_size)
@@ -171,8 +171,8 @@ class PackedMicroBatch:
         )
 
 
-def _warm(cache: PixelCache, ref: ImageRef, image_bytes: Callable[[ImageRef], bytes]) -> None:
-    """Make sure the cache holds `ref`'s pixels, fetching its bytes only on a miss."""
+def warm_pixels(cache: PixelCache, ref: ImageRef, image_bytes: Callable[[ImageRef], bytes]) -> None:
+    """Make sure the cache holds `ref`'s pixels, fetching its bytes only on a miss (raises when unusable)."""
     try:
         cache.get(ref.sha256)
     except KeyError:

@@ -6,7 +6,7 @@ worth (`groups_per_step`) of trainable groups is in hand:
   * a group id already consumed (trained on or skipped, before or after the last checkpoint)
     is a redelivery: skipped and counted as `duplicate`;
   * malformed groups (sample/score/logprob counts disagree, token ids outside the vocabulary,
-    wrong temperature) are
+    wrong temperature, an image missing from the blob store or undecodable) are
     dead-lettered with the reason and counted;
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
@@ -39,9 +39,12 @@ class Inbox:
     """Consumes `names.scored` as the learner's consumer; see the module docstring."""
 
     def __init__(self, transport: Transport, names: Names, cfg: LearnerConfig, *, feeder: PromptFeeder | None = None,
-                 evaluator: Evaluator | None = None, registry=None, on_skip=None, vocab_size: int | None = None):
+                 evaluator: Evaluator | None = None, registry=None, on_skip=None, vocab_size: int | None = None,
+                 check_image=None):
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.check_image = check_image
+        """`ref -> None`, raising when the image cannot be fetched or decoded (it also warms rank 0's cache)."""
         self.sub = Subscriber(transport, names.scored, Names.LEARNER, cfg.consumer, expect=ScoredGroup,
                               registry=registry)
         self.feeder, self.evaluator = feeder, evaluator
@@ -118,6 +121,8 @@ class Inbox:
         problem = validate_group(scored, self.vocab_size)
         if problem is None and abs(group.temperature - self.cfg.algo.temperature) > 1e-6:
             problem = f"sampled at temperature {group.temperature}, learner uses {self.cfg.algo.temperature}"
+        if problem is None:
+            problem = self._image_problem(group)
         if problem is not None and problem != "empty":
             self.sub.reject(delivery, "malformed", f"group {group.group_id}: {problem}")
             self.skipped["malformed"] += 1
@@ -133,6 +138,16 @@ class Inbox:
             self._skip("zero_variance")
             return False
         return True
+
+    def _image_problem(self, group) -> str | None:
+        if self.check_image is None:
+            return None
+        for ref in group.images:
+            try:
+                self.check_image(ref)
+            except Exception as exc:  # noqa: BLE001 - missing blob, bad bytes, processor errors
+                return f"image {ref.sha256[:16]}... unusable: {exc}"
+        return None
 
     def _consume(self, group_id: str) -> None:
         self.consumed.add(group_id)

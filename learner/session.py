@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from broker.schemas import ImageRef
+from learner.batching import warm_pixels
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
 from learner.inbox import Inbox
@@ -80,6 +81,7 @@ def build_inbox(learner) -> Inbox:
             evaluator = Evaluator(feeder, tests, cfg.eval)
     return Inbox(learner.transport, learner.names, cfg, feeder=feeder, evaluator=evaluator,
                  registry=learner.registry, vocab_size=learner.hf.config.text_config.vocab_size,
+                 check_image=lambda ref: warm_pixels(learner.pixels, ref, learner.images.get),
                  on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc())
 
 

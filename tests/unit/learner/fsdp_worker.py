@@ -76,7 +76,7 @@ def main(model_dir: str, out_path: str, ckpt_dir: str | None = None) -> None:
     torch.manual_seed(0)
     info = init_distributed()
     processor = load_processor(model_dir)
-    hf = load_model(model_dir).train()
+    hf = load_model(model_dir, device=info.device).train()
     batches = micro_batches(processor, hf.config.image_token_id)
     root = apply_parallelism(hf, ParallelConfig(activation_checkpointing=True), info.device)
     optimizer, scheduler = build_optimizer(root, OptimConfig(lr=1e-4, weight_decay=0.1, grad_clip=0.5))
@@ -92,7 +92,7 @@ def main(model_dir: str, out_path: str, ckpt_dir: str | None = None) -> None:
     state = {}
     for name, p in root.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        state[name] = full.detach().clone().contiguous()
+        state[name] = full.detach().cpu().clone().contiguous()
     if info.rank == 0:
         state["__grad_norm__"] = torch.tensor([norm])
         state["__restored_ok__"] = torch.tensor([float(restored)])

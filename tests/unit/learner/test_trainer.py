@@ -51,6 +51,12 @@ def publish(redis_server, names, tiny_processor):
     transport.close()
 
 
+def _lose_image(scored):
+    from broker.schemas import ImageRef
+
+    scored.group.images = [ImageRef(sha256="0" * 64, width=56, height=56)]
+
+
 def _lines(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -64,6 +70,7 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     publish([1.0, 0.0], seed=4, version=0)              # step 1 trains at step 1: staleness 1 (kept, K = 1)
     publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)   # wrong temperature: dead-lettered
     publish([1.0, 0.0], seed=7, mutate=lambda g: g.group.samples[0].response_token_ids.__setitem__(0, 10**6))  # OOV
+    publish([0.0, 1.0], seed=8, mutate=_lose_image)  # image not in the blob store: dead-lettered
     publish([1.0, 0.0], seed=6)
     learner = Learner(cfg, sender=NullSender())
     before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
@@ -72,8 +79,8 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     after = learner.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     skipped = learner.inbox.skipped
-    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 2
-    assert len(learner.inbox.consumed) == 7
+    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 3
+    assert len(learner.inbox.consumed) == 8
     version = codec.decode(learner.transport.get_value(learner.names.learner_version))
     assert version.version == 2 and version.source == "learner"
     lines = _lines(tmp_path)
