@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from learner.config import OptimConfig, ParallelConfig
 from policy.forward import PackedPolicy
@@ -156,7 +157,7 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, LRScheduler]:
     """AdamW over the trainable parameters, with linear warm-up then a constant rate."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(

@@ -74,7 +74,8 @@ def build_inbox(learner) -> Inbox:
         feeder = PromptFeeder(
             learner.transport, learner.names, task_records(cfg.feeder.train_data, "train"), images,
             groups_per_step=cfg.algo.groups_per_step, max_staleness=cfg.algo.max_staleness,
-            ahead=cfg.feeder.prompts_ahead, epochs=cfg.feeder.epochs, shuffle=cfg.feeder.shuffle, seed=cfg.seed,
+            ahead=cfg.feeder.prompts_ahead, epochs=cfg.feeder.epochs, shuffle=cfg.feeder.shuffle,
+            seed=cfg.seed,
         )
         tests = task_records(test_dir, "test") if (Path(test_dir) / "test.jsonl").is_file() else []
         if cfg.eval.every > 0 and tests:
@@ -105,7 +106,7 @@ def build_sender(learner):
     from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
 
     backend = "nccl" if learner.info.device.type == "cuda" else "gloo"
-    sender = WeightSender(SenderConfig(host=cfg.weight_sync_host, backend=backend, timeout_s=cfg.sync_timeout_s),
-                          publish=broker_publisher(learner.transport, learner.names))
+    sender_cfg = SenderConfig(host=cfg.weight_sync_host, backend=backend, timeout_s=cfg.sync_timeout_s)
+    sender = WeightSender(sender_cfg, publish=broker_publisher(learner.transport, learner.names))
     sender.start()
     return sender

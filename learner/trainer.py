@@ -36,14 +36,29 @@ from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
 from learner.advantages import batch_advantages
-from learner.batching import PackedMicroBatch, TrainSample, assign_to_ranks, filter_stale, plan_microbatches, \
-    sample_length, staleness, to_samples
+from learner.batching import (
+    PackedMicroBatch,
+    TrainSample,
+    assign_to_ranks,
+    filter_stale,
+    plan_microbatches,
+    sample_length,
+    staleness,
+    to_samples,
+)
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
 from learner.losses import TokenBatch, loss_denominator, policy_loss
 from learner.metrics import LearnerMetrics, lm_param_count, mfu, train_flops
-from learner.parallel import all_reduce_sum, apply_parallelism, broadcast_bytes, build_optimizer, clip_grad_norm, \
-    distributed, init_distributed
+from learner.parallel import (
+    all_reduce_sum,
+    apply_parallelism,
+    broadcast_bytes,
+    build_optimizer,
+    clip_grad_norm,
+    distributed,
+    init_distributed,
+)
 from learner.session import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
@@ -145,7 +160,8 @@ class Learner:
         values["wait_s"] = wait_s
         values["step"], values["version"] = float(self.state.step), float(self.state.version)
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
-        values["mfu"] = mfu(values.pop("flops", 0.0), values["train_s"], self.peak_flops, self.info.world_size)
+        flops = values.pop("flops", 0.0)
+        values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
         self._evaluate(values)
         if cfg.checkpoint.every > 0 and self.state.step % cfg.checkpoint.every == 0:
             values["checkpoint_s"] = self._checkpoint()
@@ -220,7 +236,8 @@ class Learner:
         if self.cfg.algo.proximal == "detached":
             prox = logprobs.detach()
         batch = TokenBatch(
-            logprobs=logprobs, behaviour_logprobs=mb.behaviour_logprobs.to(dev), advantages=mb.advantages.to(dev),
+            logprobs=logprobs, behaviour_logprobs=mb.behaviour_logprobs.to(dev),
+            advantages=mb.advantages.to(dev),
             seq_index=mb.seq_index.to(dev), num_seqs=len(mb.samples),
             proximal_logprobs=None if prox is None else prox.to(dev),
             ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
@@ -235,7 +252,8 @@ class Learner:
             weights["tokens"] += mb.num_tokens
             seq_lens = (mb.packed.cu_seqlens[1:] - mb.packed.cu_seqlens[:-1]).tolist()
             text = self.hf.config.text_config
-            weights["flops"] += train_flops(self.n_lm_params, text.num_hidden_layers, text.hidden_size, seq_lens)
+            layers, hidden = text.num_hidden_layers, text.hidden_size
+            weights["flops"] += train_flops(self.n_lm_params, layers, hidden, seq_lens)
             for key in _SUMMED:
                 weights[key] += m.get(key, 0.0) * n
 
@@ -319,8 +337,10 @@ class Learner:
     def _reference(self):
         from learner.config import ParallelConfig
 
-        ref = load_model(self.cfg.model, dtype="float32", device=self.info.device).eval().requires_grad_(False)
-        pcfg = ParallelConfig(activation_checkpointing=False, mixed_precision=self.cfg.parallel.mixed_precision)
+        ref = load_model(self.cfg.model, dtype="float32", device=self.info.device)
+        ref.eval().requires_grad_(False)
+        pcfg = ParallelConfig(activation_checkpointing=False,
+                              mixed_precision=self.cfg.parallel.mixed_precision)
         return apply_parallelism(ref, pcfg, self.info.device)
 
 

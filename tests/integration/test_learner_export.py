@@ -34,12 +34,13 @@ def exported(tiny_model_dir, tmp_path_factory):
 
 
 def test_vllm_and_transformers_agree_on_the_export(exported, tiny_model_dir):
+    from safetensors.torch import load_file
+
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
     from policy.loading import load_model, load_processor
     from tasks.prompt import render_prompt_ids, render_prompt_text
-    from safetensors.torch import load_file
 
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     mine = load_file(str(exported / "model.safetensors"))

@@ -6,8 +6,15 @@ import torch
 import broker
 from broker.images import ImageStore
 from learner.advantages import batch_advantages
-from learner.batching import PackedMicroBatch, assign_to_ranks, filter_stale, plan_microbatches, sample_length, \
-    to_samples, validate_group
+from learner.batching import (
+    PackedMicroBatch,
+    assign_to_ranks,
+    filter_stale,
+    plan_microbatches,
+    sample_length,
+    to_samples,
+    validate_group,
+)
 from policy.packing import PixelCache
 from tests.unit.learner.groups import make_group
 
