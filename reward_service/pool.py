@@ -10,6 +10,7 @@ identical items are graded once per batch and cached (LRU), so a group of identi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import select
 import subprocess
@@ -63,6 +64,15 @@ def _encode(items: list[tuple[str, str, str]], todo: list[int]) -> bytes:
         return encode_batch([GradeRequest(i, *items[i]) for i in todo])
     except UnicodeEncodeError:
         return encode_batch([GradeRequest(i, *map(_valid_utf8, items[i])) for i in todo])
+
+
+def _digest(item: tuple[str, str, str]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in item:
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
 
 
 def _valid_utf8(text: str) -> str:
@@ -147,7 +157,7 @@ class SafeGrader:
         self.restarts = 0
         self._active: GraderProcess | None = None
         self._spare: GraderProcess | None = None
-        self._cache: OrderedDict[tuple[str, str, str], Outcome] = OrderedDict()
+        self._cache: OrderedDict[bytes, Outcome] = OrderedDict()  # keyed by digest: bounded memory
 
     def start(self) -> None:
         """Start (and wait for) the active grader and, if enabled, the spare."""
@@ -217,28 +227,36 @@ class SafeGrader:
         return []
 
     def _cached(self, item: tuple[str, str, str]) -> Outcome | None:
-        outcome = self._cache.get(item)
+        if self.cache_size <= 0:
+            return None
+        key = _digest(item)
+        outcome = self._cache.get(key)
         if outcome is None:
             return None
-        self._cache.move_to_end(item)
+        self._cache.move_to_end(key)
         return replace(outcome, seconds=0.0, cached=True)
 
     def _remember(self, item: tuple[str, str, str], outcome: Outcome) -> Outcome:
         if self.cache_size > 0:
-            self._cache[item] = outcome
+            self._cache[_digest(item)] = outcome
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return outcome
 
     def _ensure_active(self) -> GraderProcess:
         if self._active is None:
-            self._active = self._spare or self._spawn()
+            candidates = [self._spare, None] if self._spare is not None else [None]
             self._spare = None
-            try:
-                self._active.wait_ready(self.startup_timeout_s)
-            except GraderDied as exc:
-                self._discard_active()
-                raise GraderUnavailable(str(exc)) from exc
+            for candidate in candidates:  # a spare that died while idle gets one fresh replacement
+                self._active = candidate or self._spawn()
+                try:
+                    self._active.wait_ready(self.startup_timeout_s)
+                    break
+                except GraderDied as exc:
+                    self._discard_active()
+                    error = exc
+            else:
+                raise GraderUnavailable(str(error)) from error
         if self.spare and self._spare is None:
             self._spare = self._spawn()
         return self._active

@@ -118,3 +118,12 @@ def test_a_batch_budget_bounds_many_different_hanging_answers(grader):
     assert outcomes[0].accuracy == 1.0
     assert all(o.timed_out and o.accuracy == 0.0 for o in outcomes[1:])
     _still_works(grader)
+
+
+def test_a_spare_that_died_idle_is_replaced():
+    with SafeGrader(timeout_s=TIMEOUT_S, spare=True) as g:
+        g.start()
+        os.kill(g._spare.proc.pid, signal.SIGKILL)
+        [outcome] = g.grade([("math", T + "\\boxed{9**9**9}", IRRATIONAL)])  # swaps the dead spare in
+        assert outcome.timed_out
+        _still_works(g)
