@@ -175,7 +175,16 @@ class GeneratorWorker:
         return Request(ids, images, split=record.split)
 
     def _reject(self, delivery: Delivery, record: PromptRecord, reason: str, detail: str = "") -> None:
+        """Dead-letter the prompt with its reason and publish an EMPTY group for it, so that the learner's
+        feeder sees the prompt come back (counted as consumed) instead of waiting for it forever."""
         log.warning("prompt %s rejected (%s): %s", record.prompt_id, reason, detail)
+        empty = RolloutGroup(
+            group_id=f"{record.prompt_id}@{delivery.id}", prompt_id=record.prompt_id,
+            data_source=record.data_source, prompt_token_ids=[], images=list(record.images),
+            ground_truth=record.ground_truth, samples=[], generator_id=self.generator_id, split=record.split,
+            timings={"rejected": 1.0})
+        if not self._publish([empty]):
+            return None  # stopping: leave the prompt unacked so that it is redelivered
         self.transport.dead_letter(delivery, Names.GENERATORS, f"{reason}: {detail}" if detail else reason)
         self.metrics.rejected.labels(reason).inc()
         return None
