@@ -50,19 +50,31 @@ class BenchConfig:
     """`python -m bench.weight_sync`: bucketed vs per-parameter weight sync, side by side."""
 
     hidden: int = 512
-    """Hidden size of the synthetic model (MLP is 2.75x, vocabulary 8x)."""
+    """Hidden size of the synthetic model (hidden 512 x 20 layers is ~280 MB in fp32;
+    Qwen2.5-7B's language model: --hidden 3584 --layers 28 --ffn 18944 --vocab 152064 --kv-dim 512)."""
     layers: int = 20
-    """Decoder layers of the synthetic model (hidden 512 x 20 layers is ~280 MB in fp32)."""
+    """Decoder layers of the synthetic model."""
+    ffn: int = 0
+    """MLP width (0: 2.75 x hidden)."""
+    vocab: int = 0
+    """Vocabulary (0: 8 x hidden); embeddings and lm_head are untied."""
+    kv_dim: int = 0
+    """Output width of k_proj/v_proj (0: hidden; grouped-query attention makes it smaller)."""
     dtype: str = "float32"
     """Parameter dtype."""
     bucket_mb: tuple[float, ...] = (16.0, 64.0, 256.0)
     """Bucket sizes to measure (MiB), each with keep_last; the last is also measured without it."""
+    paths: tuple[str, ...] = ("bucketed", "bucketed-nokeep", "per-parameter", "per-param+rpc")
+    """Which paths to run."""
     repeats: int = 3
     """Syncs per path and bucket size (interleaved); best and median are reported."""
     backend: str = "gloo"
-    """"gloo" (CPU) or "nccl" (two GPUs)."""
+    """"gloo" (host buffers) or "nccl" (GPU buffers; a receiver on the same GPU gets CUDA IPC)."""
     device: str = "cpu"
-    """Learner-side tensor device; the receiver uses the next GPU with nccl."""
+    """Where the learner's model lives."""
+    remote_device: str = "cpu"
+    """Where the receiver puts what it receives ("cuda:0" with --backend nccl: same GPU, CUDA IPC;
+    "cuda:1": NCCL between two GPUs)."""
     out: Path = Path("bench/results/weight_sync.json")
     """Where the JSON results go."""
 
@@ -70,21 +82,21 @@ class BenchConfig:
 class SyntheticLM(nn.Module):
     """Parameters shaped like a decoder-only LM (Qwen2-style names), random values."""
 
-    def __init__(self, hidden: int, layers: int, dtype: torch.dtype, device: str):
+    def __init__(self, config: BenchConfig):
         super().__init__()
+        dtype, device, hidden = dtype_from_name(config.dtype), config.device, config.hidden
 
         def p(*shape):
-            return nn.Parameter(torch.randn(*shape, device=device).to(dtype), requires_grad=False)
+            return nn.Parameter(torch.randn(*shape, device=device, dtype=dtype), requires_grad=False)
 
-        ffn, vocab = int(hidden * 2.75), hidden * 8
+        ffn, vocab, kv = config.ffn or int(hidden * 2.75), config.vocab or hidden * 8, config.kv_dim or hidden
         self.embed_tokens = p(vocab, hidden)
         self.layers = nn.ModuleList()
-        for _ in range(layers):
+        for _ in range(config.layers):
             layer = nn.Module()
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(layer, f"{name}_weight", p(hidden, hidden))
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(layer, f"{name}_bias", p(hidden))
+            layer.q_proj_weight, layer.o_proj_weight = p(hidden, hidden), p(hidden, hidden)
+            layer.k_proj_weight, layer.v_proj_weight = p(kv, hidden), p(kv, hidden)
+            layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias = p(hidden), p(kv), p(kv)
             layer.gate_proj_weight, layer.up_proj_weight = p(ffn, hidden), p(ffn, hidden)
             layer.down_proj_weight = p(hidden, ffn)
             layer.input_layernorm, layer.post_attention_layernorm = p(hidden), p(hidden)
@@ -168,30 +180,35 @@ def _row(key: tuple[str, float | None], runs: list[tuple[float, float]], num_byt
     }
 
 
+def _keys(config: BenchConfig) -> list[tuple[str, float | None]]:
+    keys = [("bucketed", mb) for mb in config.bucket_mb]
+    keys += [("bucketed-nokeep", config.bucket_mb[-1]), ("per-parameter", None), ("per-param+rpc", None)]
+    return [key for key in keys if key[0] in config.paths]
+
+
 def run(config: BenchConfig) -> dict:
     ctx = mp.get_context("spawn")
-    model = SyntheticLM(config.hidden, config.layers, dtype_from_name(config.dtype), config.device)
+    model = SyntheticLM(config)
     tensors = [t for _, t in named_tensors(model)]
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    remote = "cuda:1" if config.backend == "nccl" else "cpu"
+    remote, keys = config.remote_device, _keys(config)
+    naive = any(path.startswith("per-param") for path, _ in keys)
     print(f"model: {len(tensors)} tensors, {num_bytes / 2**20:.0f} MiB; backend {config.backend}", flush=True)
 
     sender = WeightSender(SenderConfig(backend=config.backend, timeout_s=300.0))
-    naive_store = _store("127.0.0.1:0", is_master=True)
-    naive_address = f"127.0.0.1:{naive_store.port}"
-    specs = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]
-    children = [
-        ctx.Process(target=bucketed_receiver, args=(sender.start(), remote), daemon=True),
-        ctx.Process(target=naive_receiver, args=(naive_address, specs, remote, config.backend), daemon=True),
-    ]
+    children = [ctx.Process(target=bucketed_receiver, args=(sender.start(), remote), daemon=True)]
+    if naive:
+        naive_store = _store("127.0.0.1:0", is_master=True)
+        specs = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]
+        args = (f"127.0.0.1:{naive_store.port}", specs, remote, config.backend)
+        children.append(ctx.Process(target=naive_receiver, args=args, daemon=True))
     for p in children:
         p.start()
     try:
-        naive_group = pair_group(config.backend, naive_store, NAIVE_SESSION, 0, 300.0, "127.0.0.1")
+        if naive:
+            naive_group = pair_group(config.backend, naive_store, NAIVE_SESSION, 0, 300.0, "127.0.0.1")
         while "bench" not in sender.members():
             time.sleep(0.01)
-        keys = [("bucketed", mb) for mb in config.bucket_mb]
-        keys += [("bucketed-nokeep", config.bucket_mb[-1]), ("per-parameter", None), ("per-param+rpc", None)]
         runs: dict[tuple, list] = {key: [] for key in keys}
         version, naive_version = 0, 0
         for _ in range(config.repeats):
@@ -215,15 +232,23 @@ def run(config: BenchConfig) -> dict:
     best = {(r["path"], r["bucket_mb"]): r["e2e_s_best"] for r in rows}
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "loadavg_1m": os.getloadavg()[0]},
+        "machine": _machine(),
         "results": rows,
         "ratios_e2e_best": {
-            f"{naive} / {path} {mb:.0f} MiB": best[(naive, None)] / best[(path, mb)]
-            for naive in ("per-parameter", "per-param+rpc") for (path, mb) in keys if mb is not None
+            f"{ref} / {path} {mb:.0f} MiB": best[(ref, None)] / best[(path, mb)]
+            for ref in ("per-parameter", "per-param+rpc") if (ref, None) in best
+            for (path, mb) in keys if mb is not None
         },
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _machine() -> dict:
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_1m": os.getloadavg()[0]}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
 
 
 def format_table(rows: list[dict]) -> str:

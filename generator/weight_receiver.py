@@ -1,10 +1,11 @@
 """Generator side of weight sync: join the learner's weights group and receive whole versions.
 
 A background thread joins the learner's rendezvous (an explicit "host:port", or one read from
-the broker by `broker_resolver`), then loops: wait for the next manifest, receive its buckets
-and checksum trailer, verify, and only then deliver the version. A transfer that fails or times
-out delivers nothing (the engine keeps its last good weights); the thread then rejoins, and the
-learner sends the current version to a (re)joining generator.
+the broker by `broker_resolver`), then loops: wait for the next manifest (a blocking TCPStore
+wait, woken by the learner; no polling), receive its buckets and checksum trailer, verify, and
+only then deliver the version. A transfer that fails or times out delivers nothing (the engine
+keeps its last good weights); the thread then rejoins, and the learner sends the current version
+to a (re)joining generator. A learner that is down is retried every `retry_s`, quietly.
 
 Two ways to consume versions (protocol: `policy/weight_transfer.py`):
   * `apply(named_tensors, version)` callback, run on the receiver thread right after a version
@@ -45,6 +46,7 @@ from policy.weight_transfer import (
     WeightTransferError,
     checkpoint_names,
     decode,
+    device_uuid,
     encode,
     local_host_towards,
     named_tensors,
@@ -76,8 +78,8 @@ class ReceiverConfig:
     """Bound on one attempt to reach the rendezvous (a learner that is down is retried, not waited for)."""
     retry_s: float = 1.0
     """Pause before rejoining after a failure."""
-    poll_s: float = 0.005
-    """How often to look for the next manifest (it is a TCPStore key, polled)."""
+    idle_wait_s: float = 3600.0
+    """How long one blocking wait for the next manifest lasts before it is simply renewed."""
 
 
 @dataclass
@@ -208,12 +210,20 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._stop.set()
+        waiting = self._waiting
+        if waiting is not None:  # wake the thread's blocking wait through a second connection
+            try:
+                waiting[0].clone().set(waiting[1], Keys.ENDED + b"generator closing")
+            except Exception:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 5)
             self._thread = None
 
     # ------------------------------------------------------------------ thread
     _delivered = -1
+    _waiting: tuple | None = None
+    """(store, key) while the thread blocks waiting for its next manifest."""
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -225,14 +235,13 @@ class WeightReceiver:
                 log.debug("weight receiver %s: %s", self.config.generator_id, e)
             except _SessionEnded as e:
                 log.info("weight receiver %s: session ended (%s); rejoining", self.config.generator_id, e)
-                session = (None, *session[1:]) if session else None  # the learner ended it: nothing to tell
             except Exception as e:
                 self.stats.last_error = f"{type(e).__name__}: {e}"
                 log.warning("weight receiver %s: %s; rejoining",
                             self.config.generator_id, self.stats.last_error)
             finally:
                 if session is not None:
-                    _leave(*session)
+                    _abort(session[1])
             self._stop.wait(self.config.retry_s)
 
     def _join(self):
@@ -251,7 +260,8 @@ class WeightReceiver:
         store.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
         ticket = store.add(Keys.JOIN_SEQ, 1)
         request = JoinRequest(
-            generator_id=self.config.generator_id, version=self._version, host=local_host_towards(host)
+            generator_id=self.config.generator_id, version=self._version, host=local_host_towards(host),
+            device_uuid=device_uuid(self.config.device),
         )
         store.set(Keys.join(ticket), encode(request))
         accept = decode(store.get(Keys.accept(ticket)), JoinAccept)
@@ -267,20 +277,29 @@ class WeightReceiver:
             manifest = self._next_manifest(store, accept.session, transfer)
             if manifest is None:
                 return
-            transfer += 1
             received = self._receive(group, accept, manifest)
+            transfer += 1
             self._deliver(received)
             store.set(Keys.served(accept.session), str(self._version))
 
     def _next_manifest(self, store, session: int, transfer: int) -> Manifest | None:
-        key, closed = Keys.manifest(session, transfer), Keys.closed(session)
-        while not store.check([key]):
-            if store.check([closed]):
-                raise _SessionEnded(store.get(closed).decode(errors="replace"))
-            if self._stop.wait(self.config.poll_s):
-                return None
+        """Block (event-driven, no polling) until the learner writes the next manifest or ends the session."""
+        key = Keys.manifest(session, transfer)
+        self._waiting = (store, key)
+        try:
+            while not self._stop.is_set() and not store.check([key]):
+                try:
+                    store.wait([key], datetime.timedelta(seconds=self.config.idle_wait_s))
+                except Exception:
+                    store.check([key])  # raises if the learner is gone; else the wait just expired
+        finally:
+            self._waiting = None
+        if self._stop.is_set():
+            return None
         data = store.get(key)
         store.delete_key(key)
+        if data.startswith(Keys.ENDED):
+            raise _SessionEnded(data[len(Keys.ENDED):].decode(errors="replace"))
         manifest = decode(data, Manifest)
         validate_manifest(manifest)
         return manifest
@@ -328,15 +347,11 @@ class WeightReceiver:
             self._cond.notify_all()
 
 
-def _leave(store, group, accept: JoinAccept) -> None:
-    """Best effort: tell the learner this session is over and release the group."""
+def _abort(group) -> None:
+    """Release a session's group (its sockets close, so a learner sending to it fails at once)."""
     try:
-        if store is not None:
-            store.set(Keys.closed(accept.session), "generator left")
-    except Exception:
-        pass
-    try:
-        group.abort()
+        if group is not None:
+            group.abort()
     except Exception:
         pass
 

@@ -20,8 +20,14 @@ Use (every training rank calls `sync`, collectively; rank 0 does the sending):
     report = sender.sync(model, version=step, step=step)
     sender.close()
 
-With an FSDP2 model the full tensors are gathered (`DTensor.full_tensor()`) one bucket at a
-time, so the extra memory is two buckets (plus the `keep_last` copy on rank 0's host).
+Pass the Hugging Face model itself (e.g. `PackedPolicy.model`): names on the wire are the
+checkpoint names `save_pretrained` writes. With an FSDP2 model the full tensors are gathered
+(`DTensor.full_tensor()`) one bucket at a time, so the extra memory is two buckets (plus the
+`keep_last` copy on rank 0). Without `keep_last`, a bucket holding one big tensor is sent from
+the tensor's own memory (no packing copy).
+
+A generator on the learner's own GPU cannot pair with it over NCCL; it is served over gloo
+through host memory (correct, slow); policy/weight_ipc.py is the CUDA IPC path for that case.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from policy.weight_transfer import (
     checkpoint_names,
     checksum,
     decode,
+    device_uuid,
     dtype_from_name,
     encode,
     named_tensors,
@@ -101,6 +108,7 @@ class _Member:
     generator_id: str
     session: int
     group: object
+    backend: str
     transfers: int = 0
     alive: bool = True
 
@@ -126,12 +134,13 @@ class WeightSender:
         self._rank = config.rank if config.rank is not None else _default_rank()
         nccl = config.backend == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._uuid = device_uuid(self._device)
         self._store = None
         self._members: list[_Member] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._names: dict[str, str] | None = None
+        self._names: tuple[torch.nn.Module, dict[str, str]] | None = None
         self._cache: _Cache | None = None
         self._staging: list[torch.Tensor] = []
         """Bucket buffers reused across syncs (all buckets with keep_last, else two that alternate)."""
@@ -217,11 +226,12 @@ class WeightSender:
         return SyncReport(version, step, manifest.total_bytes, time.perf_counter() - t0, sent, dropped)
 
     def _manifest(self, model, tensors: list[torch.Tensor], version: int, step: int) -> Manifest:
-        if self._names is None:
-            self._names = checkpoint_names(model)
+        if self._names is None or self._names[0] is not model:
+            self._names = (model, checkpoint_names(model))
         cast = dtype_from_name(self.config.send_dtype) if self.config.send_dtype else None
+        names = self._names[1]
         entries = [
-            (self._names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
+            (names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
             for (n, _), t in zip(named_tensors(model), tensors)
         ]
         self._layout: Layout = plan_layout(entries, int(self.config.bucket_mb * 2**20))
@@ -231,8 +241,8 @@ class WeightSender:
         )
 
     def _bucket_buffer(self, b: int, nbytes: int) -> torch.Tensor:
-        """One buffer per bucket when the version is kept, else one of two staging buffers; both are
-        reused from sync to sync (fresh host memory costs page faults that outweigh the copy)."""
+        """One buffer per bucket when the version is kept, else one of two alternating staging buffers;
+        both are reused from sync to sync (fresh host memory costs page faults that outweigh the copy)."""
         slot = b if self.config.keep_last else b % 2
         while len(self._staging) <= slot:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self._device))
@@ -285,7 +295,7 @@ class WeightSender:
             if not m.alive:
                 continue
             try:
-                wait_work(work, self.config.backend, self.config.timeout_s)
+                wait_work(work, m.backend, self.config.timeout_s)
             except Exception as e:
                 self._drop(m, f"transfer failed: {e}")
 
@@ -298,9 +308,10 @@ class WeightSender:
                 member.generator_id, member.session, reason)
         if member in self._members:
             self._members.remove(member)
-        try:
+        try:  # wakes a receiver waiting for its next manifest; one mid-transfer fails on the aborted group
             if self._store is not None:
-                self._store.set(Keys.closed(member.session), reason[:200])
+                key = Keys.manifest(member.session, member.transfers)
+                self._store.set(key, Keys.ENDED + reason[:200].encode())
         except Exception:
             pass
         _abort(member.group)
@@ -327,14 +338,15 @@ class WeightSender:
         except Exception as e:
             log.warning("weight sync: join request %d rejected: %s", ticket, e)
             return
-        accept = JoinAccept(session=ticket, backend=self.config.backend, timeout_s=self.config.timeout_s)
+        backend = self._backend_for(request)
+        accept = JoinAccept(session=ticket, backend=backend, timeout_s=self.config.timeout_s)
         try:
             store.set(Keys.accept(ticket), encode(accept))
-            group = pair_group(self.config.backend, store, ticket, 0, self.config.timeout_s, self.config.host)
+            group = pair_group(backend, store, ticket, 0, self.config.timeout_s, self.config.host)
         except Exception as e:
             log.warning("weight sync: generator %s did not complete its join: %s", request.generator_id, e)
             return
-        member = _Member(request.generator_id, ticket, group)
+        member = _Member(request.generator_id, ticket, group, backend)
         with self._lock:
             for old in [m for m in self._members if m.generator_id == request.generator_id]:
                 self._drop(old, "replaced by a new session of the same generator")
@@ -344,6 +356,17 @@ class WeightSender:
             if member.alive:
                 self._members.append(member)
                 log.info("weight sync: generator %s joined (session %d)", request.generator_id, ticket)
+
+
+    def _backend_for(self, request: JoinRequest) -> str:
+        """The configured backend, except gloo for a generator on this learner's own GPU: NCCL cannot
+        pair two ranks on one device, and gloo stages the CUDA buffers through host memory (correct
+        but slow; policy/weight_ipc.py is the fast path for a shared GPU)."""
+        if self.config.backend == "nccl" and request.device_uuid and request.device_uuid == self._uuid:
+            log.warning("weight sync: generator %s shares this learner's GPU; NCCL cannot pair them, sending "
+                        "through gloo (use policy/weight_ipc.py on a shared GPU)", request.generator_id)
+            return "gloo"
+        return self.config.backend
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,8 @@ class JoinRequest(msgspec.Struct, kw_only=True):
     """Version the generator serves now (-1: none); the learner skips a catch-up send of that version."""
     host: str = ""
     """Address of this generator's side of the group (gloo binds to it)."""
+    device_uuid: str = ""
+    """UUID of the GPU the generator receives on ("" on CPU): NCCL cannot pair two ranks on one GPU."""
     wire_version: int = WIRE_VERSION
 
 
@@ -116,7 +118,12 @@ def decode(data: bytes, kind: type[msgspec.Struct]):
 
 
 class Keys:
-    """Key names inside the weight-sync TCPStore (the learner hosts it; generators are clients)."""
+    """Key names inside the weight-sync TCPStore (the learner hosts it; generators are clients).
+
+    A receiver blocks on the key of its next manifest; writing `ENDED + reason` there instead of
+    a manifest ends the session (the learner dropping it, or the receiver's own `close`)."""
+
+    ENDED = b"\x00ended:"
 
     JOIN_SEQ = "join/seq"
 
@@ -142,10 +149,6 @@ class Keys:
         """Last version the generator received and validated (written by the receiver)."""
         return f"s/{session}/served"
 
-    @staticmethod
-    def closed(session: int) -> str:
-        """Set by whichever side ends the session (the learner dropped it, or the generator left)."""
-        return f"s/{session}/closed"
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -291,6 +294,15 @@ def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     return mapping
 
 
+def device_uuid(device: torch.device | str) -> str:
+    """The GPU's UUID for a CUDA device, "" otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def local_host_towards(host: str) -> str:
     """The local address that routes to `host` (what our side of a gloo pair binds to)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -321,7 +333,9 @@ def pair_group(backend: str, store, session: int, rank: int, timeout_s: float, h
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # wait_work() polls with `timeout_s` and aborts the group; NCCL's own watchdog (which would
+        # tear the whole process down) gets a later deadline so that ours always fires first.
+        opts._timeout = 2 * timeout + datetime.timedelta(seconds=30)
         return ProcessGroupNCCL(prefixed, rank, 2, opts)
     raise ValueError(f"unknown weight-sync backend {backend!r} (gloo or nccl)")
 

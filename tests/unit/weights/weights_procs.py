@@ -52,7 +52,7 @@ def digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(named_tensors(model), key=lambda kv: names[kv[0]]):
         h.update(f"{names[name]}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -164,3 +164,23 @@ def fsdp_learner_main(rank: int, init_port: int, model_dir: str, address_file: s
     dist.barrier()
     sender.close()
     dist.destroy_process_group()
+
+
+def gpu_generator_main(address: str, generator_id: str, out_dir: str, device: str) -> None:
+    """A generator receiving onto `device` (mailbox mode); appends {version, digest} per version."""
+    receiver = WeightReceiver(ReceiverConfig(generator_id, address=address, device=device, timeout_s=60.0))
+    receiver.start()
+    out = Path(out_dir) / f"{generator_id}.jsonl"
+    while not (Path(out_dir) / "stop").exists():
+        received = receiver.take()
+        if received is None:
+            time.sleep(0.01)
+            continue
+        h = hashlib.sha256()
+        for name, t in sorted(received.named_tensors(), key=lambda kv: kv[0]):
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        with out.open("a") as f:
+            f.write(json.dumps({"version": received.version, "digest": h.hexdigest(),
+                                "device": str(received.buffers[0].device)}) + "\n")
+    receiver.close()
