@@ -155,11 +155,18 @@ def set_vision_attention(model: nn.Module, name: str) -> None:
 class PackedPolicy(nn.Module):
     """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024, vision_varlen: bool = True):
+    def __init__(self, model: nn.Module, chunk_size: int = 1024, vision_varlen: bool = True,
+                 banned_token_ids: list[int] | None = None):
+        """banned_token_ids: tokens the generator never samples (default: the image and video pad tokens,
+        which Parallax's vLLM sampler bans); their logits are masked out before the softmax so that the
+        learner's distribution is exactly the one the behaviour logprobs came from. Pass [] to disable."""
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.image_token_id = model.config.image_token_id
+        if banned_token_ids is None:
+            banned_token_ids = [model.config.image_token_id, getattr(model.config, "video_token_id", None)]
+        self.banned_token_ids = sorted({int(t) for t in banned_token_ids if t is not None})
         enable_packed_attention(model, vision=vision_varlen)
 
     def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = True,
@@ -172,7 +179,8 @@ class PackedPolicy(nn.Module):
         hidden = self.hidden_states(batch, run_vision_always)
         states = hidden[0, batch.target_index.to(hidden.device) - 1]
         targets = batch.input_ids[0, batch.target_index].to(hidden.device)
-        return chunked_logprobs(self.model.lm_head, states, targets, temperature, self.chunk_size, with_entropy)
+        return chunked_logprobs(self.model.lm_head, states, targets, temperature, self.chunk_size, with_entropy,
+                                self.banned_token_ids)
 
     def hidden_states(self, batch: PackedBatch, run_vision_always: bool = False) -> torch.Tensor:
         """(1, total, hidden) final hidden states of the packed row."""
@@ -213,17 +221,21 @@ class PackedPolicy(nn.Module):
 
 
 def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk_size: int = 1024, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprobs of `targets` (and entropies) from hidden `states` (N, d), `chunk_size` rows at a time."""
+                     chunk_size: int = 1024, with_entropy: bool = True,
+                     banned_token_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs of `targets` (and entropies) from hidden `states` (N, d), `chunk_size` rows at a time.
+
+    Tokens in `banned_token_ids` get no probability mass (as in a sampler that bans them)."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
     logps, ents = [], []
     use_ckpt = torch.is_grad_enabled() and states.requires_grad
     for s, t in zip(torch.split(states, chunk_size), torch.split(targets, chunk_size)):
         if use_ckpt:
-            lp, ent = checkpoint(_chunk, lm_head, s, t, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk, lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids),
+                                 use_reentrant=False)
         else:
-            lp, ent = _chunk(lm_head, s, t, temperature, with_entropy)
+            lp, ent = _chunk(lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids))
         logps.append(lp)
         ents.append(ent)
     logprobs = torch.cat(logps) if logps else states.new_zeros(0, dtype=torch.float32)
@@ -231,10 +243,13 @@ def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Te
     return logprobs, entropy
 
 
-def _chunk(lm_head, states, targets, temperature, with_entropy):
+def _chunk(lm_head, states, targets, temperature, with_entropy, banned=()):
     logits = lm_head(states).float()
     if temperature != 1.0:
         logits = logits / temperature
+    if banned:
+        # a finite minimum (not -inf) keeps p*log(p) at 0 instead of NaN in the entropy
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), torch.finfo(logits.dtype).min)
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(token_logp)
@@ -242,7 +257,10 @@ def _chunk(lm_head, states, targets, temperature, with_entropy):
 
 
 def packed_logprobs(model: nn.Module, batch: PackedBatch, temperature: float = 1.0,
-                    chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk_size: int = 1024, banned_token_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Convenience: per-response-token (logprobs, entropy) of a PackedPolicy or a bare HF model."""
-    policy = model if isinstance(model, PackedPolicy) else PackedPolicy(model, chunk_size)
+    if isinstance(model, PackedPolicy):
+        policy = model
+    else:
+        policy = PackedPolicy(model, chunk_size, banned_token_ids=banned_token_ids)
     return policy(batch, temperature=temperature)

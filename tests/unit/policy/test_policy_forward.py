@@ -63,6 +63,23 @@ def test_chunking_does_not_change_results_and_entropy_is_exact():
         chunked_logprobs(head, states, targets, 0.0)
 
 
+def test_banned_tokens_get_no_mass_like_a_sampler_that_bans_them():
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 50, bias=False)
+    states, targets = torch.randn(21, 8), torch.randint(2, 50, (21,))
+    banned = [0, 1]
+    lp, ent = chunked_logprobs(head, states, targets, 0.9, chunk_size=4, banned_token_ids=banned)
+    logits = head(states) / 0.9
+    logits[:, banned] = float("-inf")
+    dist = torch.distributions.Categorical(logits=logits)
+    assert torch.allclose(lp, dist.log_prob(targets), atol=1e-6)
+    probs = dist.probs
+    ref_entropy = -(probs[:, 2:] * probs[:, 2:].log()).sum(-1)
+    assert torch.isfinite(ent).all() and torch.allclose(ent, ref_entropy, atol=1e-5)
+    unmasked, _ = chunked_logprobs(head, states, targets, 0.9)
+    assert (lp - unmasked).min() > 0  # the mass of the banned tokens moved onto the others
+
+
 def test_gradients_flow_through_checkpointed_chunks_and_vision(tiny_processor, tiny_model, ids):
     _, image_token = ids
     model = copy.deepcopy(tiny_model).train()
