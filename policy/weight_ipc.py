@@ -105,6 +105,7 @@ def share(tensor: torch.Tensor) -> IpcHandle:
 
 def open_shared(h: IpcHandle, nbytes: int) -> torch.Tensor:
     """A uint8 view of another process's shared buffer (mapped into this process)."""
+    torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         h.device, h.handle, h.storage_bytes, h.storage_offset, h.ref_counter_handle, h.ref_counter_offset,
         h.event_handle, h.event_sync_required)
@@ -146,7 +147,7 @@ class IpcWeightSender:
     def sync(self, model: torch.nn.Module, version: int, step: int = 0) -> IpcSyncReport:
         """Pack `model`'s weights into the shared buffer as `version`; returns once generators can read it."""
         t0 = time.perf_counter()
-        pairs = [(n, _full(t)) for n, t in named_tensors(model)]
+        pairs = list(named_tensors(model))  # FSDP2 shards: gathered one at a time while packing
         if self._layout is None:
             self._allocate(model, pairs)
         readers = self._readers()
@@ -198,14 +199,17 @@ class IpcWeightSender:
         log.info("CUDA-IPC weight buffer: %d tensors, %.2f GB", len(layout.tensors), layout.bucket_nbytes[0] / 1e9)
 
     def _pack(self, tensors: list[torch.Tensor]) -> None:
-        """Copy (and cast) every tensor into its view; same-dtype pairs go through one foreach copy."""
-        same = [(v, t) for v, t in zip(self._views, tensors) if v.dtype == t.dtype]
-        cast = [(v, t) for v, t in zip(self._views, tensors) if v.dtype != t.dtype]
+        """Copy (and cast) every tensor into its view: plain same-dtype tensors in one foreach copy,
+        FSDP2 shards gathered and copied one at a time (never a second full copy of the model)."""
+        from torch.distributed.tensor import DTensor
+
+        same = [(v, t) for v, t in zip(self._views, tensors) if v.dtype == t.dtype and not isinstance(t, DTensor)]
+        rest = [(v, t) for v, t in zip(self._views, tensors) if v.dtype != t.dtype or isinstance(t, DTensor)]
         with torch.no_grad():
             if same:
                 torch._foreach_copy_([v for v, _ in same], [t.detach() for _, t in same])
-            for v, t in cast:
-                v.copy_(t.detach())
+            for v, t in rest:
+                v.copy_(_full(t.detach()))
 
     def _readers(self) -> dict[int, str]:
         n = int(self._store.add("ipc/readers", 0))
