@@ -73,7 +73,7 @@ class ReceiverConfig:
     device: str = "cpu"
     """Where received buckets land ("cpu" for gloo; the engine's GPU for nccl)."""
     timeout_s: float = 60.0
-    """Bound on joining and on every bucket transfer."""
+    """Bound on waiting for the learner to accept a join (transfers use the learner's `timeout_s`)."""
     connect_timeout_s: float = 2.0
     """Bound on one attempt to reach the rendezvous (a learner that is down is retried, not waited for)."""
     retry_s: float = 1.0

@@ -357,7 +357,6 @@ class WeightSender:
                 self._members.append(member)
                 log.info("weight sync: generator %s joined (session %d)", request.generator_id, ticket)
 
-
     def _backend_for(self, request: JoinRequest) -> str:
         """The configured backend, except gloo for a generator on this learner's own GPU: NCCL cannot
         pair two ranks on one device, and gloo stages the CUDA buffers through host memory (correct
