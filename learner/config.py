@@ -150,6 +150,8 @@ class EvalConfig:
 
     every: int = 0
     """Evaluate every this many steps (0 = never)."""
+    at_start: bool = False
+    """Also evaluate before the first step (round 0: the starting policy's accuracy)."""
     max_prompts: int = 0
     """Evaluate on at most this many test prompts (0 = all)."""
     temperature: float = 0.0

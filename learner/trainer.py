@@ -120,6 +120,9 @@ class Learner:
 
     def train(self) -> None:
         """Train until `max_steps` optimizer steps or until the data runs out."""
+        evaluator = self.inbox.evaluator if self.inbox is not None else None
+        if evaluator is not None and self.cfg.eval.at_start and self.state.step == 0:
+            evaluator.start(0, self.state.version)
         while self.state.step < self.cfg.max_steps:
             t0 = time.perf_counter()
             groups = self._next_groups()
@@ -146,10 +149,13 @@ class Learner:
         advantages = batch_advantages([[s.reward for s in g.scores] for g in groups], cfg.algo.estimator,
                                       cfg.algo.adv_eps)
         samples = to_samples(groups, advantages)
-        for s in samples:
-            self.metrics.staleness.observe(staleness(self.state.step, s))
+        ages = [staleness(self.state.step, s) for s in samples]
+        for age in ages:
+            self.metrics.staleness.observe(age)
         samples, n_stale = filter_stale(samples, self.state.step, cfg.algo.max_staleness)
         values: dict[str, float] = defaultdict(float)
+        if ages:
+            values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
         if samples:
             self._optimize(samples, values)
         self._record_consumed(groups)
@@ -359,5 +365,7 @@ def run(cfg: LearnerConfig) -> None:
         start_metrics_server(cfg.metrics_port, learner.registry)
     try:
         learner.train()
+    except KeyboardInterrupt:
+        log.info("interrupted at step %d: saving and exporting", learner.state.step)
     finally:
         learner.close()

@@ -73,7 +73,7 @@ def test_feeder_drives_training_within_the_staleness_bound(tiny_model_dir, tiny_
                         run_dir=str(tmp_path / "run"), max_steps=4, weight_sync=False, idle_exit_s=20.0)
     cfg.algo.groups_per_step, cfg.algo.max_staleness = 2, 1
     cfg.feeder.train_data = str(task)
-    cfg.eval.every, cfg.eval.timeout_s = 2, 20.0
+    cfg.eval.every, cfg.eval.timeout_s, cfg.eval.at_start = 2, 20.0, True
     cfg.checkpoint.every = 0
     stand_in = StandIn(redis_server.url, names, tiny_processor)
     stand_in.start()
@@ -89,8 +89,10 @@ def test_feeder_drives_training_within_the_staleness_bound(tiny_model_dir, tiny_
     assert all(v >= m for m, v in stand_in.admitted)
     lines = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(x["stale_samples"] for x in lines) == 0
+    assert all(x["staleness_max"] <= 1 for x in lines) and any("staleness_mean" in x for x in lines)
     assert learner.registry.get_sample_value("parallax_learner_staleness_bucket", {"le": "1.0"}) == \
         learner.registry.get_sample_value("parallax_learner_staleness_count")
     # The round started after step 2 finishes while step 4 is collected (its prompts queue behind it).
     assert any(x.get("eval/accuracy/synthetic") == 1.0 and x.get("eval/missing") == 0.0 for x in lines)
+    assert any(x.get("eval/round") == 0.0 for x in lines)  # eval.at_start: round 0 before the first step
     learner.close()
