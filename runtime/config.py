@@ -41,20 +41,18 @@ def from_dict(cls: type[T], data: dict) -> T:
     unknown = set(data) - set(names)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown config keys {sorted(unknown)}")
-    kwargs = {}
-    for key, value in data.items():
-        ftype = names[key].type
-        sub = _dataclass_type(cls, key)
-        kwargs[key] = from_dict(sub, value) if sub and isinstance(value, dict) else value
-        del ftype
-    return cls(**kwargs)
-
-
-def _dataclass_type(cls: type, field_name: str) -> type | None:
     import typing
 
-    hint = typing.get_type_hints(cls).get(field_name)
-    return hint if dataclasses.is_dataclass(hint) else None
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value)
+        elif typing.get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)  # TOML has arrays only; tuple fields stay tuples
+        kwargs[key] = value
+    return cls(**kwargs)
 
 
 def load_config(cls: type[T], argv: list[str] | None = None, description: str | None = None) -> T:

@@ -22,13 +22,15 @@ class Cfg:
     """Steps."""
     inner: Inner = dataclasses.field(default_factory=Inner)
     """Nested."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """A tuple (TOML writes it as an array)."""
 
 
 def test_precedence(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('name = "from-toml"\nsteps = 7\n[inner]\nlr = 0.5\n')
+    toml.write_text('name = "from-toml"\nsteps = 7\nbetas = [0.5, 0.6]\n[inner]\nlr = 0.5\n')
     cfg = load_config(Cfg, ["--config", str(toml), "--steps", "9"])
-    assert cfg == Cfg(name="from-toml", steps=9, inner=Inner(lr=0.5))
+    assert cfg == Cfg(name="from-toml", steps=9, inner=Inner(lr=0.5), betas=(0.5, 0.6))
 
 
 def test_unknown_key_is_an_error():
