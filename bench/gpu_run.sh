@@ -2,11 +2,11 @@
 # The device calls of the GPU benches (issue 9), one function per call; run from the repository root on
 # the lent H200 with $OUT set (what is written there comes back). Exact commands behind bench/results/GPU.md.
 #
-# Three calls back to back (the machine keeps /tmp only while warm, 30 s after a call):
-#   bash bench/gpu_run.sh call1   # carry [".gpu/p1", ".whl"]: stage vLLM part 1; learner step, 7B and 3B
-#   bash bench/gpu_run.sh call2   # carry [".gpu/p2", ".whl"]: stage part 2; weight sync 7B, CUDA IPC vs gloo
-#   bash bench/gpu_run.sh call3   # carry [".gpu/p3"]: install vLLM; generator bench, pipeline smoke run, tests/gpu
-# .whl holds the msgspec wheel for cp312 (the image lacks it; the vLLM bundle brings it in call 3).
+#   bash bench/gpu_run.sh learner-sync   # carry [".whl"] (the msgspec cp312 wheel; the image lacks it)
+#   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
+#   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
+#   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM, generator bench, pipeline smoke run
+# GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -29,21 +29,19 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECO
 }
 
 case "${1:-}" in
-  call1)  # carry [".gpu/p1", ".whl"]
-    stage 1; wheels
-    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,power.draw --format=csv > "$OUT/nvidia-smi.csv"
-    run learner 330 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1
-    ;;
-  call2)  # carry [".gpu/p2", ".whl"]
-    stage 2; wheels
+  learner-sync)  # carry [".whl"]: learner step 7B + 3B, then weight sync 7B (CUDA IPC vs gloo)
+    wheels
+    run learner 300 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1
     run weight_sync 200 python3 -m bench.gpu_weight_sync --out "$OUT/gpu_weight_sync.json" --syncs 10 --gloo-syncs 1
     ;;
-  call3)  # carry [".gpu/p3"]
-    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
-      || { cat "$OUT/install.log"; exit 3; }
-    export PYTHONPATH=/tmp/site
-    run generator 450 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 4
-    run tests 90 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+  stage)  # carry [".gpu/p$2"]: one vLLM bundle part into /tmp/stage
+    stage "$2"; ls -la /tmp/stage
     ;;
-  *) echo "usage: bash bench/gpu_run.sh call1 | call2 | call3"; exit 2 ;;
+  vllm)  # carry [".gpu/p3"], right after "stage 1" and "stage 2": install vLLM, generator bench + smoke run
+    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
+      || { tail "$OUT/install.log"; exit 3; }
+    export PYTHONPATH=/tmp/site
+    run generator 375 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
+    ;;
+  *) echo "usage: bash bench/gpu_run.sh learner-sync | stage 1|2 | vllm"; exit 2 ;;
 esac

@@ -318,40 +318,55 @@ class IpcWeightReceiver:
 
     def take(self) -> IpcReceived | None:
         """The newest version if it is newer than the one served, with this generator's lock held
-        (release it with `mark_served`); None when nothing new or the learner is packing right now."""
+        (release it with `mark_served`); None when nothing new, the learner is packing right now, or
+        the learner is gone (the next call reconnects through `resolve` / the address)."""
         with self._lock:
             if self._holding:
                 raise RuntimeError("take() again before mark_served()")
-            if not self._connect():
+            try:
+                return self._take()
+            except (RuntimeError, OSError) as e:  # torch.distributed.DistError (store gone) is a RuntimeError
+                self.stats.failures += 1
+                self.stats.last_error = f"{type(e).__name__}: {e}"
+                log.warning("CUDA-IPC receiver %s: learner store unreachable (%s); will reconnect",
+                            self.generator_id, type(e).__name__)
+                self._disconnect()
                 return None
-            t0 = time.perf_counter()
-            version = self._latest()
-            if version is None or version <= max(self._version, self._taken):
-                return None
-            got = self._store.compare_set(f"ipc/lock/{self._index}", FREE, READER)
-            if got == DROPPED:
-                self._index = None  # the learner gave up on us: register again next time
-                return None
-            if got != READER:
-                return None  # the learner is writing: try again next step
-            self._holding = True
-            version = self._latest()  # stable while we hold the lock
-            self._taken = version
-            self._refresh_layout()
-            return IpcReceived(self._layout.manifest, self._buffer, version, time.perf_counter() - t0)
+
+    def _take(self) -> IpcReceived | None:
+        if not self._connect():
+            return None
+        t0 = time.perf_counter()
+        version = self._latest()
+        if version is None or version <= max(self._version, self._taken):
+            return None
+        got = self._store.compare_set(f"ipc/lock/{self._index}", FREE, READER)
+        if got == DROPPED:
+            self._index = None  # the learner gave up on us: register again next time
+            return None
+        if got != READER:
+            return None  # the learner is writing: try again next step
+        self._holding = True
+        version = self._latest()  # stable while we hold the lock
+        self._taken = version
+        self._refresh_layout()
+        return IpcReceived(self._layout.manifest, self._buffer, version, time.perf_counter() - t0)
 
     def mark_served(self, version: int) -> None:
         """The engine now serves `version` (or kept its old one): wait for its copies, release the lock."""
         with self._lock:
-            if self._holding:
-                if self._buffer.is_cuda:
-                    torch.cuda.synchronize(self._buffer.device)
-                if self._store.compare_set(f"ipc/lock/{self._index}", READER, FREE) == DROPPED:
-                    self._index = None  # held too long: the learner dropped us; register again on the next take
-                self._holding = False
             self._version = version
-            if self._store is not None and self._index is not None:
-                self._store.set(f"ipc/served/{self._index}", str(self._version))
+            try:
+                if self._holding:
+                    if self._buffer.is_cuda:
+                        torch.cuda.synchronize(self._buffer.device)
+                    self._holding = False
+                    if self._store.compare_set(f"ipc/lock/{self._index}", READER, FREE) == DROPPED:
+                        self._index = None  # held too long: the learner dropped us; register again on the next take
+                if self._store is not None and self._index is not None:
+                    self._store.set(f"ipc/served/{self._index}", str(self._version))
+            except (RuntimeError, OSError):
+                self._disconnect()
 
     def wait_for(self, version: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -418,6 +433,14 @@ class IpcWeightReceiver:
             self._index = index
             self.stats.joins += 1
         return True
+
+    def _disconnect(self) -> None:
+        """Forget the learner's store (it went away); the mapped buffer is re-mapped on the next layout."""
+        self._store = None
+        self._index = None
+        self._holding = False
+        self._layout = None
+        self._buffer = None
 
     def _latest(self) -> int | None:
         return int(self._store.get("ipc/version")) if self._store.check(["ipc/version"]) else None

@@ -101,3 +101,19 @@ def test_failed_apply_is_not_retried_and_callback_mode(fake_ipc):
     failing.mark_served(-1)  # the engine refused it
     assert failing.take() is None and failing.version == -1
     sender.close()
+
+
+def test_a_vanished_learner_is_not_an_error(fake_ipc):
+    import gc
+
+    model = Tiny()
+    sender = IpcWeightSender(IpcSenderConfig(dtype=""))
+    receiver = IpcWeightReceiver("gen-d", sender.start())
+    sender.sync(model, version=1)
+    got = receiver.take()
+    receiver.mark_served(got.version)
+    sender.close()  # drops the store: the learner process is gone
+    del sender
+    gc.collect()
+    assert receiver.take() is None
+    assert receiver.stats.failures == 1 and receiver.version == 1
