@@ -63,6 +63,10 @@ class Names:
         """The learner's prompt feeder cursor (JSON), updated after every publish."""
         return f"{self.namespace}:feeder:cursor"
 
+    def reward_scored(self, group_id: str) -> str:
+        """Publish-once state of one group in the reward service (claim / done / free)."""
+        return f"{self.namespace}:reward:scored:{group_id}"
+
     @property
     def weight_sync_address(self) -> str:
         """Where the learner's weight-sync rendezvous listens ("host:port")."""

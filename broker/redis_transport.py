@@ -284,6 +284,11 @@ class RedisTransport(Transport):
         with self._errors("set_value"):
             self._redis.set(key, value)
 
+    def set_value_nx(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
+        with self._errors("set_value_nx"):
+            px = max(1, int(ttl_s * 1000)) if ttl_s is not None else None
+            return bool(self._redis.set(key, value, nx=True, px=px))
+
     def get_value(self, key: str) -> bytes | None:
         with self._errors("get_value"):
             return self._redis.get(key)

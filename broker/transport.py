@@ -84,6 +84,11 @@ class Transport(abc.ABC):
         """Set a small latest-value entry."""
 
     @abc.abstractmethod
+    def set_value_nx(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
+        """Set `key` only if it is absent (atomically); True when this call set it.
+        `ttl_s` makes the entry expire (the ZeroMQ broker keeps values for its lifetime)."""
+
+    @abc.abstractmethod
     def get_value(self, key: str) -> bytes | None:
         """Read a latest-value entry (None when unset)."""
 

@@ -75,6 +75,7 @@ class ZmqBroker:
             "put_blob": lambda c, r, f, key, ttl: ("ok", state.put_blob(key, f[0], ttl), None),
             "get_blob": self._get_blob,
             "set_value": lambda c, r, f, key, value: ("ok", state.values.__setitem__(key, value), None),
+            "set_value_nx": lambda c, r, f, key, value: ("ok", state.values.setdefault(key, value) is value, None),
             "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
         }
 

@@ -203,6 +203,9 @@ class ZmqTransport(Transport):
     def set_value(self, key: str, value: bytes) -> None:
         self._request("set_value", key, value)
 
+    def set_value_nx(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
+        return bool(self._request("set_value_nx", key, value)[1])
+
     def get_value(self, key: str) -> bytes | None:
         return self._request("get_value", key)[1]
 

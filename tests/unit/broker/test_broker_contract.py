@@ -219,3 +219,13 @@ def test_blobs_round_trip_expire_and_values(connect, names):
     t.set_value(names.learner_version, b"v1")
     t.set_value(names.learner_version, b"v2")
     assert t.get_value(names.learner_version) == b"v2"
+
+
+def test_set_value_if_absent_is_first_writer_wins(connect, names):
+    t = connect()
+    key = names.reward_scored("g-1")
+    assert t.set_value_nx(key, b"claim a") is True
+    assert t.set_value_nx(key, b"claim b") is False
+    assert t.get_value(key) == b"claim a"
+    t.set_value(key, b"done")  # an explicit set still overwrites
+    assert t.set_value_nx(key, b"claim c") is False and t.get_value(key) == b"done"
