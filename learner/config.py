@@ -97,6 +97,10 @@ class ParallelConfig:
 
     activation_checkpointing: bool = True
     """Recompute each decoder block's activations in the backward pass."""
+    checkpoint_mode: str = "full"
+    """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
+    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; 34.5% vs 30.9% LM-MFU for 7B on
+    the H200) or "selective:<k>" (selective on the first k decoder blocks); see policy/checkpointing.py."""
     mixed_precision: bool = True
     """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32)."""
     reshard_after_forward: bool = True

@@ -77,8 +77,12 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.devic
     `model` is the Hugging Face model; the returned `PackedPolicy` wraps it (`.model`), so its
     parameters keep their Hugging Face names behind `HF_PREFIX`.
     """
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing and cfg.checkpoint_mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.activation_checkpointing:
+        from policy.checkpointing import apply_checkpointing
+
+        apply_checkpointing(model, text=cfg.checkpoint_mode, vision="full")
     model.config.use_cache = False
     root = PackedPolicy(model, chunk_size=chunk_size)
     if not distributed():

@@ -1,0 +1,26 @@
+"""The learner's activation-checkpointing modes change memory and recompute, never the gradients."""
+
+import pytest
+import torch
+
+from learner.config import ParallelConfig
+from learner.parallel import apply_parallelism
+from policy.loading import load_model
+
+
+def _grads(model_dir, **cfg):
+    torch.manual_seed(0)
+    hf = load_model(model_dir).train()
+    root = apply_parallelism(hf, ParallelConfig(**cfg), torch.device("cpu"))
+    ids = torch.arange(3, 40).unsqueeze(0)
+    root.model(input_ids=ids).logits.float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in root.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective:1"])
+def test_selective_checkpointing_gives_the_gradients_of_no_checkpointing(tiny_model_dir, mode):
+    reference = _grads(tiny_model_dir, activation_checkpointing=False)
+    ours = _grads(tiny_model_dir, activation_checkpointing=True, checkpoint_mode=mode)
+    assert ours.keys() == reference.keys() and len(ours) > 10
+    for name, grad in reference.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-6, msg=name)
