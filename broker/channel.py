@@ -10,44 +10,25 @@
 A payload that does not decode (garbage, unknown kind, unknown schema version) or is not one of
 the `expect`ed types is dead-lettered with its reason, counted in
 `parallax_broker_rejected_total{stream,reason}`, logged, and never returned; the good entries
-around it are returned as usual. Nothing here creates a metrics registry at import time: pass
-your process's registry, or each Subscriber counts into a private one.
+around it are returned as usual. A Subscriber also exports its stream's backlog and pre-creates
+its rejected counters (`broker.metrics.watch`). Nothing here creates a metrics registry at import
+time: pass your process's registry, or each Subscriber counts into a private one.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import types
-import weakref
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from broker import codec
+from broker.metrics import rejected_counter, watch
 from broker.schemas import Message
 from broker.transport import Delivery, Transport
 
 log = logging.getLogger(__name__)
-
-_counters: "weakref.WeakKeyDictionary[CollectorRegistry, Counter]" = weakref.WeakKeyDictionary()
-_counters_lock = threading.Lock()
-
-
-def rejected_counter(registry: CollectorRegistry) -> Counter:
-    """`parallax_broker_rejected_total{stream,reason}` on `registry` (created once per registry)."""
-    with _counters_lock:
-        counter = _counters.get(registry)
-        if counter is None:
-            counter = Counter(
-                "parallax_broker_rejected",
-                "Messages rejected by a subscriber and dead-lettered, by stream and reason",
-                ["stream", "reason"],
-                registry=registry,
-            )
-            _counters[registry] = counter
-        return counter
-
 
 def _types_of(expect) -> tuple[type, ...]:
     """(A,) for A, (A, B) for A | B or (A, B)."""
@@ -96,6 +77,7 @@ class Subscriber:
         self.expect = _types_of(expect)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.rejected = rejected_counter(self.registry)
+        watch(self.registry, transport, stream)  # backlog gauge, rejected counters at 0 from the start
         ensure_group = getattr(transport, "ensure_group", None)
         if ensure_group is not None:  # join now, so nothing published from here on is missed
             ensure_group(stream, group)

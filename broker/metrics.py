@@ -1,0 +1,122 @@
+"""The broker's Prometheus series, on the registry of the process that uses the broker.
+
+deploy/METRICS.md (section Broker) is the contract:
+  * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered;
+  * `parallax_broker_stream_backlog{stream}`: `Transport.backlog(stream)` of each consumed stream;
+  * `parallax_broker_backlog_errors_total`: backlog reads that failed at scrape time.
+
+`watch(registry, transport, stream)` is all a process needs (`broker.channel.Subscriber` calls it
+for the stream it consumes): it pre-creates the rejected counter of every codec reason for that
+stream, so the series are scraped at 0 from the start, and adds the stream to the registry's
+`BacklogCollector`. That collector reads the backlogs when Prometheus scrapes, at most once per
+`cache_s`; a failed read is counted, logged at debug level and keeps the last value, so a broker
+hiccup never fails a scrape. One set of series per registry; nothing is created at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker import codec
+from broker.transport import Transport
+
+log = logging.getLogger(__name__)
+
+BACKLOG = "parallax_broker_stream_backlog"
+BACKLOG_HELP = "Entries of a consumed stream not yet acked by every group (Transport.backlog)"
+CACHE_S = 2.0
+"""Longest a scrape reuses backlogs read by an earlier scrape."""
+
+
+class BacklogCollector(Collector):
+    """Exports `parallax_broker_stream_backlog{stream}` for the watched streams, read at scrape time."""
+
+    def __init__(self, errors: Counter, *, cache_s: float = CACHE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.errors = errors
+        self.cache_s = cache_s
+        self.clock = clock
+        self._transports: dict[str, Transport] = {}
+        self._values: dict[str, int] = {}
+        self._read_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def watch(self, stream: str, transport: Transport) -> None:
+        """Export the backlog of `stream` as read through `transport` (the latest call wins)."""
+        with self._lock:
+            self._transports[stream] = transport
+            self._read_at = float("-inf")  # the next scrape reads the new stream
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The family without samples (so that registering never reads the broker)."""
+        yield GaugeMetricFamily(BACKLOG, BACKLOG_HELP, labels=["stream"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            if self.clock() - self._read_at >= self.cache_s:
+                self._refresh()
+            family = GaugeMetricFamily(BACKLOG, BACKLOG_HELP, labels=["stream"])
+            for stream, value in sorted(self._values.items()):
+                family.add_metric([stream], value)
+        yield family
+
+    def _refresh(self) -> None:
+        for stream, transport in self._transports.items():
+            try:
+                self._values[stream] = int(transport.backlog(stream))
+            except Exception as exc:  # a scrape must never fail because the broker did
+                self.errors.inc()
+                log.debug("backlog of %s not read: %s", stream, exc)
+        self._read_at = self.clock()
+
+
+class BrokerMetrics:
+    """The broker's series on one registry (get it with `broker_metrics(registry)`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rejected = Counter("parallax_broker_rejected",
+                                "Messages rejected by a subscriber and dead-lettered, by stream and reason",
+                                ["stream", "reason"], registry=registry)
+        self.backlog_errors = Counter("parallax_broker_backlog_errors",
+                                      "Backlog reads that failed at scrape time", registry=registry)
+        self.backlog = BacklogCollector(self.backlog_errors)
+        registry.register(self.backlog)
+
+    def watch(self, transport: Transport, stream: str) -> None:
+        """Export the rejected counters (at 0) and the backlog of a stream this process consumes."""
+        for reason in codec.REASONS:
+            self.rejected.labels(stream=stream, reason=reason)
+        self.backlog.watch(stream, transport)
+
+
+_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, BrokerMetrics]" = weakref.WeakKeyDictionary()
+_by_registry_lock = threading.Lock()
+
+
+def broker_metrics(registry: CollectorRegistry) -> BrokerMetrics:
+    """The broker's series on `registry`, created on first use."""
+    with _by_registry_lock:
+        metrics = _by_registry.get(registry)
+        if metrics is None:
+            metrics = _by_registry[registry] = BrokerMetrics(registry)
+        return metrics
+
+
+def rejected_counter(registry: CollectorRegistry) -> Counter:
+    """`parallax_broker_rejected_total{stream,reason}` on `registry` (created once per registry)."""
+    return broker_metrics(registry).rejected
+
+
+def watch(registry: CollectorRegistry, transport: Transport, stream: str) -> BrokerMetrics:
+    """Export the broker's series of `stream` (consumed through `transport`) on `registry`."""
+    metrics = broker_metrics(registry)
+    metrics.watch(transport, stream)
+    return metrics
