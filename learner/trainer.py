@@ -335,6 +335,10 @@ class Learner:
                "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
                "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
                "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1)}
+        # Generator seconds behind this step: each generate call that produced some of its groups, once.
+        calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}
+        out["generate_s"] = sum(seconds for _, seconds in calls)
+        out["generate_calls"] = float(len(calls))
         if self.inbox is not None:
             for reason, count in self.inbox.skipped.items():
                 out[f"skipped/{reason}"] = float(count)
