@@ -7,7 +7,8 @@ reference to a ~100 KB PNG stored once in the blob store), a producer process an
 process (which acks) on loopback, for both transports side by side, in two modes:
   bytes  pre-encoded payloads: the transport alone;
   typed  through broker.channel: msgspec encode in the producer, decode + type check in the consumer.
-Prints a table and writes bench/results/broker.json, with the zmq/redis ratio of each mode.
+Prints a table and writes bench/results/broker.json, with the zmq/redis ratio of each mode and the
+typed/bytes ratio of each transport (what encoding + decoding costs against the transport alone).
 Runs a local redis-server and a ZeroMQ broker process on free ports and stops them afterwards.
 """
 
@@ -73,6 +74,11 @@ def run(config: BenchConfig) -> dict:
         mode: _best(runs[("zmq", mode)]).groups_per_s / _best(runs[("redis", mode)]).groups_per_s
         for mode in config.modes
     }
+    typed_over_bytes = {
+        label: _best(runs[(label, "typed")]).groups_per_s / _best(runs[(label, "bytes")]).groups_per_s
+        for label in ("redis", "zmq")
+        if (label, "typed") in runs and (label, "bytes") in runs
+    }
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
         "machine": {
@@ -84,6 +90,7 @@ def run(config: BenchConfig) -> dict:
         "results": [dataclasses.asdict(r) for r in best],
         "all_runs": [dataclasses.asdict(r) for rs in runs.values() for r in rs],
         "ratio_zmq_over_redis": ratios,
+        "ratio_typed_over_bytes": typed_over_bytes,
         "target_redis_groups_per_s": 5000,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(best))
     for mode, ratio in report["ratio_zmq_over_redis"].items():
         print(f"zmq/redis ({mode}): {ratio:.2f}x")
+    for label, ratio in report["ratio_typed_over_bytes"].items():
+        print(f"typed/bytes ({label}): {ratio:.2f}x  (the reference: bytes, the transport alone)")
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {config.out}")

@@ -220,9 +220,9 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str) 
             break
         groups += [g for _, g in got]
     samples = [s for g in groups for s in g.samples]
-    tokens = sum(len(s.response_token_ids) for s in samples)
+    tokens = sum(s.num_tokens for s in samples)
     ok = (len(groups) == len(prompts)
-          and all(len(s.response_token_ids) == args.max_tokens == len(s.behaviour_logprobs) for s in samples))
+          and all(s.num_tokens == args.max_tokens == len(s.logprobs()) for s in samples))
     return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds),
             "groups_published": worker.published, "groups_read_back": len(groups), "checked": ok,
             "rejected": dict(engine.rejected)}

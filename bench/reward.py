@@ -165,8 +165,8 @@ def _proc_cpu_s(pid: int) -> float:
 def _make_group(gid: str, truth: str, responses: list[str]):
     from broker.schemas import RolloutGroup, Sample
 
-    samples = [Sample(response_token_ids=[], behaviour_logprobs=[], response_text=r, version_start=0,
-                      version_end=0, finish_reason="stop") for r in responses]
+    samples = [Sample.of(token_ids=[], logprobs=[], response_text=r, version_start=0,
+                         version_end=0, finish_reason="stop") for r in responses]
     return RolloutGroup(group_id=gid, prompt_id=gid, data_source="geometry3k", prompt_token_ids=[],
                         images=[], ground_truth=truth, samples=samples)
 

@@ -57,9 +57,9 @@ def realistic_group(
         images=[image],
         ground_truth="3\\sqrt{2}",
         samples=[
-            Sample(
-                response_token_ids=[rng.randrange(151_643) for _ in range(tokens)],
-                behaviour_logprobs=[-rng.expovariate(2.0) for _ in range(tokens)],
+            Sample.of(
+                token_ids=[rng.randrange(151_643) for _ in range(tokens)],
+                logprobs=[-rng.expovariate(2.0) for _ in range(tokens)],
                 response_text="<think>" + "x" * 1200 + "</think> \\boxed{3\\sqrt{2}}",
                 version_start=7,
                 version_end=8,

@@ -13,10 +13,14 @@ Flow:  PromptRecord --(generator)--> RolloutGroup --(reward_service)--> ScoredGr
 
 from __future__ import annotations
 
-import msgspec
+from collections.abc import Sequence
 
-SCHEMA_VERSION = 1
-"""Bump when a field changes meaning or a required field is added."""
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 2
+"""Bump when a field changes meaning or a required field is added.
+2: `Sample` carries its token ids and logprobs packed (int32 / float32 bytes) instead of as lists."""
 
 
 class ImageRef(msgspec.Struct, frozen=True):
@@ -52,11 +56,19 @@ class PromptRecord(msgspec.Struct, tag="prompt", kw_only=True):
 
 
 class Sample(msgspec.Struct, kw_only=True):
-    """One sampled response of a group."""
+    """One sampled response of a group.
 
-    response_token_ids: list[int]
-    behaviour_logprobs: list[float]
-    """Per-token logprobs of the sampled tokens under the generator's policy (same temperature as the learner)."""
+    Token ids and logprobs travel packed, as little-endian int32 / float32 bytes: decoding the
+    8 x 1,024 msgpack numbers of a typical group took ~200-300 us, the packed group decodes in
+    ~10 us. Build with `Sample.of(token_ids=..., logprobs=..., ...)` from lists or arrays;
+    read with `num_tokens`, `token_ids()` and `logprobs()` (read-only numpy views).
+    """
+
+    response_token_ids_i32: bytes
+    """Response token ids, packed little-endian int32."""
+    behaviour_logprobs_f32: bytes
+    """Per-token logprobs of the sampled tokens under the generator's policy (same temperature as the
+    learner), packed little-endian float32 (vLLM's own precision); one per token."""
     response_text: str
     """Decoded response tokens only (never prompt + response)."""
     version_start: int
@@ -65,6 +77,35 @@ class Sample(msgspec.Struct, kw_only=True):
     """Policy version that was served when this sample finished."""
     finish_reason: str
     """"stop", "length" or "abort"."""
+
+    def __post_init__(self) -> None:
+        """Reject (also when decoding: the codec then says "malformed") ids and logprobs that do not pair up."""
+        ids, logprobs = self.response_token_ids_i32, self.behaviour_logprobs_f32
+        if not isinstance(ids, bytes) or not isinstance(logprobs, bytes):
+            raise TypeError("token ids and logprobs are packed bytes: build samples with Sample.of(...)")
+        if len(ids) % 4 or len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} bytes of int32 token ids and {len(logprobs)} bytes of float32 "
+                             "logprobs do not pair up")
+
+    @classmethod
+    def of(cls, *, token_ids: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray,
+           **fields) -> "Sample":
+        """A sample from token ids and logprobs as lists or arrays (packed here); `fields`: the rest."""
+        return cls(response_token_ids_i32=np.asarray(token_ids, dtype="<i4").tobytes(),
+                   behaviour_logprobs_f32=np.asarray(logprobs, dtype="<f4").tobytes(), **fields)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens of this sample."""
+        return len(self.response_token_ids_i32) // 4
+
+    def token_ids(self) -> np.ndarray:
+        """Response token ids (a read-only int32 view of the packed bytes)."""
+        return np.frombuffer(self.response_token_ids_i32, dtype="<i4")
+
+    def logprobs(self) -> np.ndarray:
+        """Behaviour logprobs, one per token (a read-only float32 view of the packed bytes)."""
+        return np.frombuffer(self.behaviour_logprobs_f32, dtype="<f4")
 
 
 class RolloutGroup(msgspec.Struct, tag="rollout_group", kw_only=True):

@@ -154,7 +154,7 @@ class GeneratorWorker:
             self.prompts.ack(done)
             self.published += len(groups)
             self.metrics.groups.inc(len(groups))
-            self.metrics.tokens.inc(sum(len(s.response_token_ids) for g in groups for s in g.samples))
+            self.metrics.tokens.inc(sum(s.num_tokens for g in groups for s in g.samples))
             return len(groups)
         return 0
 
@@ -192,8 +192,8 @@ class GeneratorWorker:
     def _group(self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result,
                images_s: float) -> RolloutGroup:
         samples = [
-            Sample(response_token_ids=c.token_ids, behaviour_logprobs=c.logprobs, response_text=c.text,
-                   version_start=result.version, version_end=result.version, finish_reason=c.finish_reason)
+            Sample.of(token_ids=c.token_ids, logprobs=c.logprobs, response_text=c.text,
+                      version_start=result.version, version_end=result.version, finish_reason=c.finish_reason)
             for c in result.completions
         ]
         return RolloutGroup(

@@ -17,6 +17,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from broker.schemas import ImageRef, ScoredGroup
@@ -49,8 +50,8 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
         g = scored.group
         for sample, score, adv in zip(g.samples, scored.scores, advs, strict=True):
             out.append(TrainSample(
-                group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=list(sample.response_token_ids),
-                behaviour_logprobs=list(sample.behaviour_logprobs), advantage=float(adv),
+                group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=sample.token_ids().tolist(),
+                behaviour_logprobs=sample.logprobs().tolist(), advantage=float(adv),
                 version_start=sample.version_start, images=list(g.images), reward=score.reward,
                 accuracy=score.accuracy, data_source=g.data_source,
             ))
@@ -65,15 +66,15 @@ def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | 
     if len(scored.scores) != len(g.samples):
         return f"{len(scored.scores)} scores for {len(g.samples)} samples"
     for i, s in enumerate(g.samples):
-        if not s.response_token_ids:
+        if not s.num_tokens:
             return f"sample {i} has no response tokens"
-        if len(s.behaviour_logprobs) != len(s.response_token_ids):
-            return f"sample {i}: {len(s.behaviour_logprobs)} logprobs for {len(s.response_token_ids)} tokens"
+        if len(s.behaviour_logprobs_f32) != len(s.response_token_ids_i32):
+            return f"sample {i}: {len(s.behaviour_logprobs_f32) // 4} logprobs for {s.num_tokens} tokens"
     if not g.prompt_token_ids:
         return "no prompt tokens"
     if vocab_size is not None:
-        ids = [*g.prompt_token_ids, *(t for s in g.samples for t in s.response_token_ids)]
-        if min(ids) < 0 or max(ids) >= vocab_size:
+        ids = np.concatenate([np.asarray(g.prompt_token_ids, dtype=np.int64), *(s.token_ids() for s in g.samples)])
+        if ids.min() < 0 or ids.max() >= vocab_size:
             return f"token ids outside the vocabulary [0, {vocab_size})"
     return None
 

@@ -100,15 +100,15 @@ def test_prompts_in_rollout_groups_out(engine, any_transport, names):
         assert g.temperature == (1.0 if rec.split == "train" else 0.0)
         assert g.group_id.startswith(rec.prompt_id + "@") and g.timings["generate"] > 0
         for s in g.samples:
-            assert 0 < len(s.response_token_ids) == len(s.behaviour_logprobs) <= 8
+            assert 0 < s.num_tokens == len(s.logprobs()) <= 8 and (s.logprobs() <= 0).all()
             assert s.version_start == s.version_end == 0 and s.finish_reason in ("stop", "length")
-            assert pad not in s.response_token_ids
+            assert pad not in s.token_ids()
     assert transport.pending(names.prompts, Names.GENERATORS) == 0  # all acked, the bad ones dead-lettered
     dead = sorted(d.reason.split(":")[0] for d in transport.dead_letters(names.prompts))
     assert dead == ["image_missing", "too_long"]
     m = worker.metrics
     assert m.value("parallax_generator_groups_total") == 4
-    assert m.value("parallax_generator_tokens_total") == sum(len(s.response_token_ids) for g in groups.values()
+    assert m.value("parallax_generator_tokens_total") == sum(s.num_tokens for g in groups.values()
                                                             for s in g.samples)
     assert m.value("parallax_generator_rejected_prompts_total", reason="too_long") == 1
     assert m.value("parallax_generator_rejected_prompts_total", reason="image_missing") == 1
@@ -244,7 +244,7 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, tra
         (group,) = rollouts(transport, names)
         sample = group.samples[0]
         assert sample.version_start == 1 and engine.version == 1
-        assert sample.response_token_ids == expected.tolist()
+        assert sample.token_ids().tolist() == expected.tolist()
         assert worker.metrics.value("parallax_generator_weight_load_seconds_count") == 1
     finally:
         worker.stop()

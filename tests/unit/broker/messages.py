@@ -18,9 +18,9 @@ IMAGE = ImageRef(sha256="ab" * 32, format="png", width=224, height=224, nbytes=1
 
 def rollout_group(group_id: str = "g-0", n: int = 2, tokens: int = 8) -> RolloutGroup:
     samples = [
-        Sample(
-            response_token_ids=list(range(i, i + tokens)),
-            behaviour_logprobs=[-0.5 - 0.01 * t for t in range(tokens)],
+        Sample.of(
+            token_ids=list(range(i, i + tokens)),
+            logprobs=[-0.5 - 0.01 * t for t in range(tokens)],
             response_text=f"<think>look</think> \\boxed{{{i}}}",
             version_start=3,
             version_end=4,

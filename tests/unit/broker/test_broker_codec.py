@@ -18,7 +18,8 @@ def test_every_message_kind_round_trips(msg):
 
 
 def _as_dict(msg) -> dict:
-    return msgspec.to_builtins(msg)
+    """The message as the plain msgpack map it travels as (bytes stay bytes)."""
+    return msgspec.msgpack.decode(codec.encode(msg))
 
 
 @pytest.mark.parametrize(
@@ -41,8 +42,8 @@ def test_garbage_is_malformed(data):
 
 def test_wrong_field_type_is_malformed_and_names_the_field():
     raw = _as_dict(rollout_group())
-    raw["samples"][0]["behaviour_logprobs"] = "not a list"
-    with pytest.raises(codec.MessageError, match="behaviour_logprobs") as info:
+    raw["samples"][0]["behaviour_logprobs_f32"] = [-0.5, -0.25]
+    with pytest.raises(codec.MessageError, match="behaviour_logprobs_f32") as info:
         codec.decode(msgspec.msgpack.encode(raw))
     assert info.value.reason == "malformed"
 
@@ -75,6 +76,51 @@ def test_future_version_with_changed_fields_is_reported_as_unknown_version():
     with pytest.raises(codec.MessageError) as info:
         codec.decode(msgspec.msgpack.encode(raw))
     assert info.value.reason == "unknown_version"
+
+
+def _version_1(raw: dict) -> dict:
+    """`raw` (a rollout group map) as schema version 1 wrote it: token ids and logprobs as lists."""
+    for sample in raw["samples"]:
+        sample["response_token_ids"] = list(range(len(sample.pop("response_token_ids_i32")) // 4))
+        sample["behaviour_logprobs"] = [-0.5] * len(sample["response_token_ids"])
+        del sample["behaviour_logprobs_f32"]
+    return raw | {"schema_version": 1}
+
+
+def test_a_version_1_group_is_rejected_with_a_clear_error():
+    assert SCHEMA_VERSION == 2
+    old = _version_1(_as_dict(rollout_group()))
+    with pytest.raises(codec.MessageError, match="schema_version 1, this build speaks 2") as info:
+        codec.decode(msgspec.msgpack.encode(old))
+    assert info.value.reason == "unknown_version"
+    scored = _as_dict(every_message()[2])
+    scored = scored | {"group": _version_1(scored["group"]), "schema_version": 1}
+    with pytest.raises(codec.MessageError, match="ScoredGroup|scored_group") as info:
+        codec.decode(msgspec.msgpack.encode(scored))
+    assert info.value.reason == "unknown_version"
+
+
+def test_samples_travel_packed_and_read_back_as_arrays():
+    sample = Sample.of(token_ids=[5, 151_000, 7], logprobs=[-0.1, -2.5, 0.0], response_text="r",
+                       version_start=1, version_end=2, finish_reason="stop")
+    assert sample.num_tokens == 3 and len(sample.response_token_ids_i32) == 12
+    group = rollout_group()
+    group.samples = [sample]
+    back = codec.decode(codec.encode(group)).samples[0]
+    assert back == sample
+    assert back.token_ids().tolist() == [5, 151_000, 7]
+    assert back.logprobs().tolist() == pytest.approx([-0.1, -2.5, 0.0], abs=1e-7)  # float32 on the wire
+
+
+def test_ids_and_logprobs_that_do_not_pair_up_are_malformed():
+    raw = _as_dict(rollout_group())
+    raw["samples"][1]["behaviour_logprobs_f32"] = raw["samples"][1]["behaviour_logprobs_f32"][:-4]
+    with pytest.raises(codec.MessageError, match="do not pair up") as info:
+        codec.decode(msgspec.msgpack.encode(raw))
+    assert info.value.reason == "malformed"
+    with pytest.raises(TypeError, match="Sample.of"):
+        Sample(response_token_ids_i32=[1, 2, 3, 4], behaviour_logprobs_f32=[0.0] * 4, response_text="",
+               version_start=0, version_end=0, finish_reason="stop")
 
 
 def test_nested_group_version_of_a_scored_group_is_checked():

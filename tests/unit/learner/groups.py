@@ -27,11 +27,19 @@ def make_group(processor, store: ImageStore, rewards, *, image=True, version=0, 
     samples = []
     for _ in rewards:
         n = rng.randint(*resp_len)
-        samples.append(Sample(
-            response_token_ids=[rng.randrange(30, vocab) for _ in range(n)],
-            behaviour_logprobs=[-rng.uniform(5.0, 9.0) for _ in range(n)],
+        samples.append(Sample.of(
+            token_ids=[rng.randrange(30, vocab) for _ in range(n)],
+            logprobs=[-rng.uniform(5.0, 9.0) for _ in range(n)],
             response_text="", version_start=version, version_end=version, finish_reason="stop"))
     group = RolloutGroup(
         group_id=group_id or uuid.uuid4().hex, prompt_id=f"p{seed}", data_source="synthetic",
         prompt_token_ids=prompt, images=refs, ground_truth="red", samples=samples, temperature=temperature)
     return ScoredGroup(group=group, scores=[Score(reward=r, accuracy=float(r > 0.5), format=1.0) for r in rewards])
+
+
+def set_token(scored: ScoredGroup, *, sample: int, index: int, token: int) -> None:
+    """Overwrite one response token id of one sample in place (to make a bad group)."""
+    s = scored.group.samples[sample]
+    ids = s.token_ids().copy()
+    ids[index] = token
+    s.response_token_ids_i32 = ids.tobytes()

@@ -16,7 +16,7 @@ from learner.batching import (
     validate_group,
 )
 from policy.packing import PixelCache
-from tests.unit.learner.groups import make_group
+from tests.unit.learner.groups import make_group, set_token
 
 
 def test_microbatches_respect_the_budget_and_keep_every_sample():
@@ -71,13 +71,13 @@ def test_validate_group_names_the_problem(tiny_processor, store):
     good = make_group(tiny_processor, store, [1.0, 0.0])
     assert validate_group(good) is None
     bad = make_group(tiny_processor, store, [1.0, 0.0])
-    bad.group.samples[1].behaviour_logprobs.pop()
+    bad.group.samples[1].behaviour_logprobs_f32 = bad.group.samples[1].behaviour_logprobs_f32[:-4]  # one fewer
     assert "logprobs" in validate_group(bad)
     short = make_group(tiny_processor, store, [1.0, 0.0])
     short.scores.pop()
     assert "scores" in validate_group(short)
     oov = make_group(tiny_processor, store, [1.0, 0.0])
-    oov.group.samples[0].response_token_ids[0] = 10**6
+    set_token(oov, sample=0, index=0, token=10**6)
     assert validate_group(oov) is None and "vocabulary" in validate_group(oov, vocab_size=1000)
     empty = make_group(tiny_processor, store, [])
     assert validate_group(empty) == "empty"

@@ -112,8 +112,8 @@ def test_bad_image_bytes_are_refused(transport, names, data):
 
 
 def _scored(prompt_id, source, accs):
-    samples = [Sample(response_token_ids=[1], behaviour_logprobs=[-0.1], response_text="x", version_start=0,
-                      version_end=0, finish_reason="stop") for _ in accs]
+    samples = [Sample.of(token_ids=[1], logprobs=[-0.1], response_text="x", version_start=0,
+                         version_end=0, finish_reason="stop") for _ in accs]
     group = RolloutGroup(group_id=f"g-{prompt_id}", prompt_id=prompt_id, data_source=source, prompt_token_ids=[1],
                          images=[], ground_truth="1", samples=samples, split="test")
     return ScoredGroup(group=group, scores=[Score(reward=a, accuracy=a, format=1.0) for a in accs])

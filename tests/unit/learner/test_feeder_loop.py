@@ -54,9 +54,9 @@ class StandIn(threading.Thread):
         samples, scores = [], []
         for i in range(n):
             length = self.rng.randint(2, 6)
-            samples.append(Sample(response_token_ids=[self.rng.randrange(30, 1000) for _ in range(length)],
-                                  behaviour_logprobs=[-7.0] * length, response_text="", version_start=version,
-                                  version_end=version, finish_reason="stop"))
+            samples.append(Sample.of(token_ids=[self.rng.randrange(30, 1000) for _ in range(length)],
+                                     logprobs=[-7.0] * length, response_text="", version_start=version,
+                                     version_end=version, finish_reason="stop"))
             acc = float(i % 2) if record.split == "train" else 1.0
             scores.append(Score(reward=acc, accuracy=acc, format=1.0))
         group = RolloutGroup(group_id=uuid.uuid4().hex, prompt_id=record.prompt_id, data_source=record.data_source,

@@ -14,7 +14,7 @@ from broker.names import Names
 from learner.config import LearnerConfig
 from learner.session import NullSender
 from learner.trainer import Learner
-from tests.unit.learner.groups import make_group
+from tests.unit.learner.groups import make_group, set_token
 
 
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
@@ -69,7 +69,7 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     publish([0.0, 1.0], seed=3, group_id=dup.group.group_id)  # redelivered id: skipped
     publish([1.0, 0.0], seed=4, version=0)              # step 1 trains at step 1: staleness 1 (kept, K = 1)
     publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)   # wrong temperature: dead-lettered
-    publish([1.0, 0.0], seed=7, mutate=lambda g: g.group.samples[0].response_token_ids.__setitem__(0, 10**6))  # OOV
+    publish([1.0, 0.0], seed=7, mutate=lambda g: set_token(g, sample=0, index=0, token=10**6))  # OOV
     publish([0.0, 1.0], seed=8, mutate=_lose_image)  # image not in the blob store: dead-lettered
     publish([1.0, 0.0], seed=6)
     learner = Learner(cfg, sender=NullSender())

@@ -26,8 +26,8 @@ CLIENT = "test-learner"
 
 
 def make_group(group_id: str, answers: list[str], ground_truth: str, data_source: str = "geometry3k"):
-    samples = [Sample(response_token_ids=[1, 2], behaviour_logprobs=[-0.1, -0.2], response_text=a,
-                      version_start=0, version_end=0, finish_reason="stop") for a in answers]
+    samples = [Sample.of(token_ids=[1, 2], logprobs=[-0.1, -0.2], response_text=a,
+                         version_start=0, version_end=0, finish_reason="stop") for a in answers]
     return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", data_source=data_source,
                         prompt_token_ids=[1, 2, 3], images=[], ground_truth=ground_truth, samples=samples)
 
