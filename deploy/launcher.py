@@ -106,6 +106,9 @@ class Launcher:
 
     # ------------------------------------------------------------------ stages
     def _build_model(self) -> Path:
+        if self.cfg.model:
+            self._stage("build", f"using {self.cfg.model}")
+            return Path(self.cfg.model).resolve()
         self._stage("build", self.cfg.preset)
         child = self._start(
             self.infra,

@@ -90,6 +90,7 @@ def demo_generator() -> GeneratorConfig:
         broker="",
         metrics_port=9201,
         batch_prompts=16,
+        gate_poll_s=0.1,
         claim_idle_s=900.0,
         weight_sync_timeout_s=120.0,
         engine=EngineConfig(dtype="float32", max_model_len=256, kv_cache_gb=0.25, max_num_seqs=256),
@@ -112,6 +113,8 @@ class LaunchConfig:
     """Run directory; "" = runs/<timestamp>."""
     preset: str = "small"
     """Model preset built locally by policy.builder (tiny | small)."""
+    model: str = ""
+    """Train this Hugging Face checkpoint instead of building `preset` ("" = build)."""
     model_seed: int = 0
     """Seed of the built model's random weights and tokenizer."""
     broker: Literal["redis", "zmq"] = "redis"
