@@ -67,3 +67,14 @@ def test_processor_saves_and_loads_with_image_processor_and_tokenizer_only(tiny_
 
 def test_install_is_idempotent():
     assert compat.install() == compat.install()
+
+
+def test_the_shim_is_registered_as_a_vllm_plugin_so_spawned_workers_get_it():
+    """`./run setup` installs the project (editable), which registers the entry point vLLM runs in each process."""
+    from importlib.metadata import entry_points
+
+    import policy.compat
+
+    plugins = {e.value: e for e in entry_points(group="vllm.general_plugins")}
+    assert "policy.compat:vllm_plugin" in plugins
+    assert plugins["policy.compat:vllm_plugin"].load() is policy.compat.vllm_plugin
