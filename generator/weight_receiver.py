@@ -34,12 +34,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from policy.weight_transfer import (
     JoinAccept,
+    ReceiverStats,
     JoinRequest,
     Keys,
     Manifest,
@@ -103,20 +104,6 @@ class ReceivedWeights:
         """(checkpoint name, tensor) views into the buckets; valid only while this object is referenced
         (its buffers are reused for a later version once it is garbage)."""
         return unpack(self.manifest, self.buffers)
-
-
-@dataclass
-class ReceiverStats:
-    versions: int = 0
-    bytes: int = 0
-    last_seconds: float = 0.0
-    failures: int = 0
-    """Transfers that failed or did not verify (the previous weights stayed)."""
-    apply_failures: int = 0
-    joins: int = 0
-    last_error: str = ""
-    history: list[int] = field(default_factory=list)
-    """Versions delivered, in order (last 100)."""
 
 
 class _BufferPool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from policy.weight_transfer import Manifest, WeightTransferError, checkpoint_names, dtype_from_name, named_tensors, \
+from policy.weight_transfer import Manifest, ReceiverStats, WeightTransferError, checkpoint_names, dtype_from_name, named_tensors, \
     plan_layout, tensor_view
 
 log = logging.getLogger(__name__)
@@ -267,18 +267,6 @@ class IpcReceived:
             yield spec.name, tensor_view(self.buffer, spec)
 
 
-@dataclass
-class IpcReceiverStats:
-    versions: int = 0
-    bytes: int = 0
-    last_seconds: float = 0.0
-    joins: int = 0
-    failures: int = 0
-    apply_failures: int = 0
-    last_error: str = ""
-    history: list[int] = field(default_factory=list)
-
-
 class IpcWeightReceiver:
     """Generator side: map the learner's buffer and hand out new versions (mailbox or `apply` callback)."""
 
@@ -289,7 +277,7 @@ class IpcWeightReceiver:
             raise ValueError("IpcWeightReceiver needs an address or a resolve callback")
         self.generator_id = generator_id
         self.address = address
-        self.stats = IpcReceiverStats()
+        self.stats = ReceiverStats()
         self._resolve = resolve
         self._apply = apply
         self._version = version

@@ -26,7 +26,7 @@ import datetime
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -162,6 +162,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     dtype_from_name(name)
     return name
+
+
+@dataclass
+class ReceiverStats:
+    """Counters of a generator-side weight receiver (bucketed or CUDA IPC)."""
+
+    versions: int = 0
+    bytes: int = 0
+    last_seconds: float = 0.0
+    failures: int = 0
+    """Transfers that failed or did not verify (the previous weights stayed)."""
+    apply_failures: int = 0
+    joins: int = 0
+    last_error: str = ""
+    history: list[int] = field(default_factory=list)
+    """Versions delivered, in order (last 100)."""
 
 
 @dataclass(frozen=True)
