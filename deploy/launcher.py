@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import socket
@@ -334,9 +335,14 @@ def summarize(curve, outcome: str, target: float) -> dict:
         "target": target,
         "minutes_to_target": hit,
         "evals": [{"minutes": round(t, 2), "step": s, "accuracy": a} for t, s, a in evals],
-        "stages": {k: [round(v[0], 2), round(v[1], 2)] for k, v in curve.stages.items()},
-        "chance": curve.chance,
+        "stages": {k: [_finite(v[0]), _finite(v[1])] for k, v in curve.stages.items()},
+        "chance": _finite(curve.chance, 4),
     }
+
+
+def _finite(value: float, digits: int = 2) -> float | None:
+    """Rounded, or None for NaN/inf (JSON has no NaN): a stage still running has no end."""
+    return round(value, digits) if math.isfinite(value) else None
 
 
 def child_env(threads: int, run_id: str) -> dict[str, str]:

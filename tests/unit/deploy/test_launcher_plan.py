@@ -166,6 +166,8 @@ def test_curve_summary_and_png(tmp_path):
     assert summary["first_eval_accuracy"] == 0.25 and summary["best_eval_accuracy"] == 0.9
     assert summary["minutes_to_target"] == pytest.approx((30 + 6 * 30) / 60)
     assert summary["steps"] == 40
+    assert summary["stages"]["rl"] == [0.52, None]  # still running at the end: no NaN in the JSON
+    json.loads(json.dumps(summary), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
     png = plot_runs([curve, dataclasses.replace(curve, label="control")], tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
