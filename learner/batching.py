@@ -41,6 +41,8 @@ class TrainSample:
     data_source: str = ""
     proximal_logprobs: list[float] | None = None
     """Filled by the proximal recompute pass when configured."""
+    truncated: bool = False
+    """The generator stopped it at its token limit (finish reason "length")."""
 
 
 def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
@@ -53,7 +55,7 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
                 group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=sample.token_ids().tolist(),
                 behaviour_logprobs=sample.logprobs().tolist(), advantage=float(adv),
                 version_start=sample.version_start, images=list(g.images), reward=score.reward,
-                accuracy=score.accuracy, data_source=g.data_source,
+                accuracy=score.accuracy, data_source=g.data_source, truncated=sample.finish_reason == "length",
             ))
     return out
 
@@ -87,6 +89,13 @@ def staleness(version: int, sample: TrainSample) -> int:
 def filter_stale(samples: Sequence[TrainSample], version: int, max_staleness: int) -> tuple[list[TrainSample], int]:
     """Samples no more than `max_staleness` versions old, and how many were dropped."""
     kept = [s for s in samples if staleness(version, s) <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def filter_truncated(samples: Sequence[TrainSample]) -> tuple[list[TrainSample], int]:
+    """DAPO's overlong filtering: samples cut at the token limit get no loss; returns (kept, masked).
+    Their group's advantages were computed with them, so the baseline still sees their reward."""
+    kept = [s for s in samples if not s.truncated]
     return kept, len(samples) - len(kept)
 
 

@@ -71,6 +71,9 @@ class AlgoConfig:
     no-grad forward before the step), behaviour (π_prox := μ, no correction possible)."""
     temperature: float = 1.0
     """Sampling temperature the generators used; logits are divided by it before log-softmax."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: samples the generator cut at max_tokens (finish reason "length") get no
+    loss (counted as truncated_masked); without it they train like any sample on their (format-less) reward."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from learner.batching import (
     TrainSample,
     assign_to_ranks,
     filter_stale,
+    filter_truncated,
     plan_microbatches,
     sample_length,
     staleness,
@@ -154,6 +155,9 @@ class Learner:
             self.metrics.staleness.observe(age)
         samples, n_stale = filter_stale(samples, self.state.step, cfg.algo.max_staleness)
         values: dict[str, float] = defaultdict(float)
+        if cfg.algo.mask_truncated:
+            samples, n_truncated = filter_truncated(samples)
+            values["truncated_masked"] = float(n_truncated)
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
         if samples:

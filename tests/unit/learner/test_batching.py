@@ -10,6 +10,7 @@ from learner.batching import (
     PackedMicroBatch,
     assign_to_ranks,
     filter_stale,
+    filter_truncated,
     plan_microbatches,
     sample_length,
     to_samples,
@@ -65,6 +66,22 @@ def test_samples_carry_group_advantages_and_pack(tiny_processor, store):
     assert mb.behaviour_logprobs.shape == (n,) and mb.advantages.shape == (n,)
     assert mb.seq_index.tolist() == [i for i, s in enumerate(samples) for _ in s.response_ids]
     assert torch.equal(mb.advantages[mb.seq_index == 1], torch.full(((mb.seq_index == 1).sum(),), -0.5))
+
+
+def test_truncated_samples_are_masked_after_their_group_advantages(tiny_processor, store):
+    import msgspec
+
+    group = make_group(tiny_processor, store, [1.0, 0.0, 0.0], seed=4)
+    cut = msgspec.structs.replace(group.group.samples[2], finish_reason="length")
+    group = msgspec.structs.replace(group, group=msgspec.structs.replace(
+        group.group, samples=[*group.group.samples[:2], cut]))
+    advs = batch_advantages([[s.reward for s in group.scores]], "drgrpo")
+    samples = to_samples([group], advs)
+    assert [s.truncated for s in samples] == [False, False, True]
+    kept, masked = filter_truncated(samples)
+    assert masked == 1 and [s.truncated for s in kept] == [False, False]
+    # the truncated sample still shaped the baseline: mean reward 1/3, not 1/2
+    assert [s.advantage for s in kept] == pytest.approx([2 / 3, -1 / 3])
 
 
 def test_validate_group_names_the_problem(tiny_processor, store):
