@@ -19,6 +19,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """Terminate a child that is still running; kill it if it has not exited after `grace_s`."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class LocalRedis:
     """One redis-server child process on a free loopback port; use as a context manager."""
 
@@ -69,14 +81,7 @@ class LocalRedis:
             return False
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
     def __enter__(self) -> "LocalRedis":
         return self.start() if self.process is None else self

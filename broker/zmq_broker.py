@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from broker.redis_server import free_port
+from broker.redis_server import free_port, stop_process
 from broker.zmq_state import BrokerState
 
 log = logging.getLogger(__name__)
@@ -283,13 +283,7 @@ class BrokerProcess:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def __enter__(self) -> "BrokerProcess":
         return self.start()
