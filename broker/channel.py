@@ -10,7 +10,9 @@
 A payload that does not decode (garbage, unknown kind, unknown schema version) or is not one of
 the `expect`ed types is dead-lettered with its reason, counted in
 `parallax_broker_rejected_total{stream,reason}`, logged, and never returned; the good entries
-around it are returned as usual. A Subscriber also exports its stream's backlog and pre-creates
+around it are returned as usual. Entries the transport itself moved to the dead-letter stream
+while consuming, because they had been delivered `max_deliveries` times without an ack, are
+counted there too, with reason `redelivery_cap` (`Deliveries.capped`). A Subscriber also exports its stream's backlog and pre-creates
 its rejected counters (`broker.metrics.watch`). Nothing here creates a metrics registry at import
 time: pass your process's registry, or each Subscriber counts into a private one.
 """
@@ -24,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry
 
 from broker import codec
-from broker.metrics import rejected_counter, watch
+from broker.metrics import REASONS, REDELIVERY_CAP, rejected_counter, watch
 from broker.schemas import Message
 from broker.transport import Delivery, Transport
 
@@ -85,9 +87,13 @@ class Subscriber:
     def poll(self, count: int = 1, block_s: float = 1.0) -> list[tuple[Delivery, Message]]:
         """Up to `count` (delivery, message) pairs; rejected entries are dead-lettered, not returned."""
         good = []
-        for delivery in self.transport.consume(
-            self.stream, self.group, self.consumer, count=count, block_s=block_s
-        ):
+        deliveries = self.transport.consume(self.stream, self.group, self.consumer, count=count, block_s=block_s)
+        capped = getattr(deliveries, "capped", 0)
+        if capped:
+            log.warning("%s: %d entries delivered max_deliveries times without ack were dead-lettered",
+                        self.stream, capped)
+            self.rejected.labels(stream=self.stream, reason=REDELIVERY_CAP).inc(capped)
+        for delivery in deliveries:
             try:
                 msg = codec.decode(delivery.payload)
                 if not isinstance(msg, self.expect):
@@ -111,7 +117,7 @@ class Subscriber:
 
     def rejected_count(self, reason: str | None = None) -> float:
         """How many entries this subscriber's counter holds for this stream (optionally one reason)."""
-        reasons = [reason] if reason else codec.REASONS
+        reasons = [reason] if reason else REASONS
         labels = [{"stream": self.stream, "reason": r} for r in reasons]
         return sum(
             self.registry.get_sample_value("parallax_broker_rejected_total", lab) or 0.0 for lab in labels

@@ -1,12 +1,14 @@
 """The broker's Prometheus series, on the registry of the process that uses the broker.
 
 deploy/METRICS.md (section Broker) is the contract:
-  * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered;
+  * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered (the
+    codec's reasons), and entries the transport dead-lettered past the redelivery cap while the
+    subscriber consumed (`redelivery_cap`);
   * `parallax_broker_stream_backlog{stream}`: `Transport.backlog(stream)` of each consumed stream;
   * `parallax_broker_backlog_errors_total`: backlog reads that failed at scrape time.
 
 `watch(registry, transport, stream)` is all a process needs (`broker.channel.Subscriber` calls it
-for the stream it consumes): it pre-creates the rejected counter of every codec reason for that
+for the stream it consumes): it pre-creates the rejected counter of every reason (`REASONS`) for that
 stream, so the series are scraped at 0 from the start, and adds the stream to the registry's
 `BacklogCollector`. That collector reads the backlogs when Prometheus scrapes, at most once per
 `cache_s`; a failed read is counted, logged at debug level and keeps the last value, so a broker
@@ -30,6 +32,10 @@ from broker.transport import Transport
 
 log = logging.getLogger(__name__)
 
+REDELIVERY_CAP = "redelivery_cap"
+"""Reason of entries dead-lettered because they were delivered `max_deliveries` times unacked."""
+REASONS = (*codec.REASONS, REDELIVERY_CAP)
+"""Every `reason` label of `parallax_broker_rejected_total`."""
 BACKLOG = "parallax_broker_stream_backlog"
 BACKLOG_HELP = "Entries of a consumed stream not yet acked by every group (Transport.backlog)"
 CACHE_S = 2.0
@@ -92,7 +98,7 @@ class BrokerMetrics:
 
     def watch(self, transport: Transport, stream: str) -> None:
         """Export the rejected counters (at 0) and the backlog of a stream this process consumes."""
-        for reason in codec.REASONS:
+        for reason in REASONS:
             self.rejected.labels(stream=stream, reason=reason)
         self.backlog.watch(stream, transport)
 

@@ -11,7 +11,7 @@
 * DEAD_LETTER: append an entry with its reason to `<stream>:dead`, ack it, trim.
 * RECLAIM: XAUTOCLAIM entries idle longer than `claim_idle_ms`, read their delivery counters,
   move the ones delivered more than `max_deliveries` times to the dead-letter stream (and ack
-  them), and return the rest with their counters.
+  them), and return the rest with their counters and how many it moved.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ RECLAIM = (
     _TRIM
     + """
 -- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, consumer, claim_idle_ms, count,
--- max_deliveries, dead_maxlen, cursor. Returns {next cursor, {{id, payload, deliveries}, ...}}
--- with the reclaimed entries that are still live.
+-- max_deliveries, dead_maxlen, cursor. Returns {next cursor, {{id, payload, deliveries}, ...},
+-- dead-lettered} with the reclaimed entries that are still live and how many went to KEYS[2].
 local group, consumer = ARGV[1], ARGV[2]
 local reply = redis.call('XAUTOCLAIM', KEYS[1], group, consumer, ARGV[3], ARGV[7], 'COUNT', ARGV[4])
 local claimed = reply[2]
@@ -110,7 +110,7 @@ for _, entry in ipairs(claimed) do
   end
 end
 if #out < #claimed then trim_acked(KEYS[1]) end
-return {reply[1], out}
+return {reply[1], out, #claimed - #out}
 """
 )
 

@@ -3,7 +3,8 @@
 * Streams with consumer groups (created from the stream's start with MKSTREAM; only BUSYGROUP
   is ignored). `consume` first reclaims entries idle longer than `claim_idle_s` on other
   (dead) consumers with XAUTOCLAIM, then reads new ones with XREADGROUP; entries delivered more
-  than `max_deliveries` times go to `<stream>:dead` with the reason and are acked.
+  than `max_deliveries` times go to `<stream>:dead` with the reason and are acked (and counted in
+  the returned `Deliveries.capped`).
 * Ack after processing (XACK); acked prefixes are trimmed exactly (XTRIM MINID below the first
   entry any group still needs), so the stream length is the backlog and unconsumed work is
   never trimmed. `publish` needs credits, granted (atomically, by a script) only while backlog +
@@ -26,7 +27,7 @@ import redis
 from broker import redis_scripts
 from broker.names import Names
 from broker.stream_options import Backoff, DeadLetter, StreamOptions
-from broker.transport import BackpressureTimeout, Delivery, Transport, TransportError
+from broker.transport import BackpressureTimeout, Deliveries, Delivery, Transport, TransportError
 
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
@@ -167,7 +168,7 @@ class RedisTransport(Transport):
 
     def consume(
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
-    ) -> list[Delivery]:
+    ) -> Deliveries:
         count = max(1, count)
         self.ensure_group(stream, group)
         out = self._reclaim_idle(stream, group, consumer, count)
@@ -190,17 +191,17 @@ class RedisTransport(Transport):
                 out.append(Delivery(stream, entry_id.decode(), fields.get(b"d", b""), 1))
         return out
 
-    def _reclaim_idle(self, stream: str, group: str, consumer: str, count: int) -> list[Delivery]:
+    def _reclaim_idle(self, stream: str, group: str, consumer: str, count: int) -> Deliveries:
         """XAUTOCLAIM idle entries, resuming the scan of the pending list where the last one ended."""
         key, now = (stream, group), time.monotonic()
         cursor = self._reclaim_cursor.get(key, "0-0")
         if cursor == "0-0" and now - self._last_reclaim.get(key, -1e9) < min(
             self.options.claim_idle_s / 4, 1.0
         ):
-            return []  # a full scan happened moments ago: nothing can have become idle since
+            return Deliveries()  # a full scan happened moments ago: nothing can have become idle since
         opts = self.options
         with self._errors("reclaim"):
-            cursor, claimed = self._reclaim(
+            cursor, claimed, capped = self._reclaim(
                 keys=[stream, Names.dead(stream)],
                 args=[
                     group,
@@ -215,7 +216,8 @@ class RedisTransport(Transport):
         self._reclaim_cursor[key] = cursor = cursor.decode()
         if cursor == "0-0":
             self._last_reclaim[key] = now
-        return [Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed]
+        return Deliveries((Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed),
+                          capped=int(capped))
 
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if not ids:

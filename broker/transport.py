@@ -4,7 +4,7 @@ A transport offers three things:
   * durable streams with consumer groups: `publish`, `consume`, `ack`, `dead_letter`;
     a delivery is acked only after it was processed, entries pending on a dead consumer are
     reclaimed by live ones, and an entry delivered more than `max_deliveries` times is moved
-    to the stream's dead-letter stream. `publish` blocks (backpressure) while a stream holds
+    to the stream's dead-letter stream (`consume` says how many in `Deliveries.capped`). `publish` blocks (backpressure) while a stream holds
     `max_len` unconsumed entries and raises `BackpressureTimeout` when that lasts too long:
     unconsumed work is never trimmed silently.
   * a content-addressed blob store for image bytes (`put_blob` / `get_blob`), with expiry.
@@ -42,6 +42,15 @@ class Delivery:
     """How many times this entry has been delivered, this time included."""
 
 
+class Deliveries(list):
+    """What `consume` returns: the deliveries (a list), plus `capped`, how many entries this call
+    moved to `<stream>:dead` instead because they had been delivered `max_deliveries` times."""
+
+    def __init__(self, deliveries=(), capped: int = 0):
+        super().__init__(deliveries)
+        self.capped = capped
+
+
 class Transport(abc.ABC):
     """Byte-level streams, blobs and values; see the module docstring for the guarantees."""
 
@@ -52,8 +61,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def consume(
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
-    ) -> list[Delivery]:
-        """Return up to `count` entries for `consumer` of `group` (reclaimed ones first)."""
+    ) -> Deliveries:
+        """Return up to `count` entries for `consumer` of `group` (reclaimed ones first); entries
+        past the redelivery cap found on the way are dead-lettered and counted in `.capped`."""
 
     @abc.abstractmethod
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:

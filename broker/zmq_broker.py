@@ -165,11 +165,11 @@ class ZmqBroker:
     def _consume(
         self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries
     ):
-        out = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
+        out, capped = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
         self._serve_credit_waiters(stream, time.monotonic())  # reclaim may have dead-lettered some
         if out or block_s <= 0:
-            return _deliveries_reply(out)
-        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries)
+            return _deliveries_reply(out, capped)
+        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped)
         self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
         return None
 
@@ -179,12 +179,12 @@ class ZmqBroker:
             return
         keep = []
         for client, rid, args, deadline in waiters:
-            stream_, group, consumer, count, _block, idle_s, max_deliveries = args
+            stream_, group, consumer, count, _block, idle_s, max_deliveries, capped = args
             if deadline > now and not self.state.has_new(stream_, group):
                 keep.append((client, rid, args, deadline))
                 continue
-            out = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
-            self._reply(client, rid, *_deliveries_reply(out))
+            out, more = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
+            self._reply(client, rid, *_deliveries_reply(out, capped + more))
         self._waiting_consume[stream] = keep
 
     def _ensure_group(self, client, rid, frames, stream, group):
@@ -219,9 +219,11 @@ class ZmqBroker:
         self.state.expire_blobs()
 
 
-def _deliveries_reply(out: list) -> tuple:
-    """Reply to a consume: [[id, attempts], ...] in the header, one payload frame per entry."""
-    return "ok", [[id_, attempts] for id_, _, attempts in out], None, [payload for _, payload, _ in out]
+def _deliveries_reply(out: list, capped: int) -> tuple:
+    """Reply to a consume: [[[id, attempts], ...], capped] in the header (capped: entries moved to
+    the dead-letter list past max_deliveries), one payload frame per entry."""
+    entries = [[id_, attempts] for id_, _, attempts in out]
+    return "ok", [entries, capped], None, [payload for _, payload, _ in out]
 
 
 class BrokerThread:

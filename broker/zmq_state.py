@@ -111,11 +111,12 @@ class BrokerState:
 
     def consume(
         self, name: str, group: str, consumer: str, count: int, claim_idle_s: float, max_deliveries: int
-    ) -> list[tuple[str, bytes, int]]:
-        """Reclaimed idle entries first, then new ones: [(id, payload, attempts)]."""
+    ) -> tuple[list[tuple[str, bytes, int]], int]:
+        """Reclaimed idle entries first, then new ones: ([(id, payload, attempts)], how many idle
+        entries went to the dead-letter list instead, past `max_deliveries`)."""
         s, g = self.stream(name), self.ensure_group(name, group)
         now = self.clock()
-        out = self._reclaim(s, g, group, consumer, count, now - claim_idle_s, max_deliveries)
+        out, capped = self._reclaim(s, g, group, consumer, count, now - claim_idle_s, max_deliveries)
         seq = g.last + 1
         while len(out) < count and seq < s.next_seq:
             entry = s.entries.get(seq)
@@ -124,7 +125,7 @@ class BrokerState:
                 out.append((str(seq), entry[0], 1))
             g.last = seq
             seq += 1
-        return out
+        return out, capped
 
     def _reclaim(self, s, g, group, consumer, count, idle_before, max_deliveries):
         claim, dead = [], []
@@ -140,7 +141,7 @@ class BrokerState:
         now = self.clock()
         for seq in claim:  # re-inserted at the end: pending stays ordered by delivery time
             g.pending[seq] = [consumer, now, g.pending.pop(seq)[2] + 1]
-        return [(str(seq), s.entries[seq][0], g.pending[seq][2]) for seq in claim]
+        return [(str(seq), s.entries[seq][0], g.pending[seq][2]) for seq in claim], len(dead)
 
     def ack(self, name: str, group: str, ids: list[str]) -> int:
         s = self.streams.get(name)

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from broker.stream_options import DeadLetter, StreamOptions
-from broker.transport import BackpressureTimeout, Delivery, Transport, TransportError
+from broker.transport import BackpressureTimeout, Deliveries, Delivery, Transport, TransportError
 
 CREDIT_WAIT_S = 1.0
 """Longest single credit request parked at the broker (the client re-asks until its timeout)."""
@@ -149,10 +149,10 @@ class ZmqTransport(Transport):
 
     def consume(
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
-    ) -> list[Delivery]:
+    ) -> Deliveries:
         opts = self.options
         block_s = max(0.0, block_s)
-        _, entries, payloads = self._request(
+        _, (entries, capped), payloads = self._request(
             "consume",
             stream,
             group,
@@ -163,10 +163,11 @@ class ZmqTransport(Transport):
             opts.max_deliveries,
             timeout=block_s + self.request_timeout_s,
         )
-        return [
-            Delivery(stream, id_, payload, attempts)
-            for (id_, attempts), payload in zip(entries, payloads, strict=True)
-        ]
+        return Deliveries(
+            (Delivery(stream, id_, payload, attempts)
+             for (id_, attempts), payload in zip(entries, payloads, strict=True)),
+            capped=capped,
+        )
 
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if ids:

@@ -104,11 +104,41 @@ def test_dead_letter_after_max_deliveries(connect, names):
     second = t.consume(names.rollouts, "g", "c2", count=5, block_s=0.1)
     assert [(d.payload, d.attempts) for d in second] == [(b"poison", 2)]
     time.sleep(IDLE * 1.5)
-    assert t.consume(names.rollouts, "g", "c3", count=5, block_s=0.1) == []  # a third delivery is refused
+    third = t.consume(names.rollouts, "g", "c3", count=5, block_s=0.1)
+    assert third == [] and third.capped == 1  # a third delivery is refused, and said so
+    assert t.consume(names.rollouts, "g", "c3", count=5, block_s=0.1).capped == 0
     dead = t.dead_letters(names.rollouts)
     assert [(d.id, d.payload, d.group, d.attempts) for d in dead] == [(first[0].id, b"poison", "g", 2)]
     assert "max_deliveries" in dead[0].reason
     assert t.pending(names.rollouts, "g") == 0
+    assert t.backlog(names.rollouts) == 0
+
+
+@pytest.mark.parametrize("block_s", [0.0, 0.3])
+def test_entries_past_the_redelivery_cap_are_counted_as_rejected(connect, names, block_s):
+    from prometheus_client import CollectorRegistry
+
+    t, registry = connect(claim_idle_s=IDLE, max_deliveries=2), CollectorRegistry()
+    sub = Subscriber(t, names.rollouts, names.REWARD, "w1", expect=RolloutGroup, registry=registry)
+    Publisher(t, names.rollouts).publish(rollout_group("crashes-its-worker"))
+    for attempt in (1, 2):  # delivered, never acked (the worker "died" each time)
+        got = sub.poll(count=5, block_s=0.5)
+        assert [(m.group_id, d.attempts) for d, m in got] == [("crashes-its-worker", attempt)]
+        time.sleep(IDLE * 1.5)
+    assert sub.rejected_count("redelivery_cap") == 0
+    producer = connect()
+    publish_fine = threading.Timer(block_s / 3, Publisher(producer, names.rollouts).publish,
+                                   args=(rollout_group("fine"),))
+    publish_fine.start()  # with block_s > 0 the poll reclaims, blocks, and wakes on "fine"
+    publish_fine.join() if block_s == 0 else None
+    got = sub.poll(count=5, block_s=block_s)
+    publish_fine.join(timeout=5)
+    assert [m.group_id for _, m in got] == ["fine"]
+    sample = {"stream": names.rollouts, "reason": "redelivery_cap"}
+    assert registry.get_sample_value("parallax_broker_rejected_total", sample) == 1
+    assert sub.rejected_count() == 1  # the total over all reasons includes it
+    assert [d.attempts for d in t.dead_letters(names.rollouts)] == [2]
+    sub.ack([d for d, _ in got])
     assert t.backlog(names.rollouts) == 0
 
 

@@ -24,7 +24,7 @@ def transport(broker_url):
 def test_a_subscriber_exports_its_stream_from_the_start(transport, names):
     registry = new_registry()
     Subscriber(transport, names.rollouts, "g", "c", registry=registry)
-    for reason in codec.REASONS:
+    for reason in (*codec.REASONS, "redelivery_cap"):
         labels = {"stream": names.rollouts, "reason": reason}
         assert registry.get_sample_value("parallax_broker_rejected_total", labels) == 0.0
     assert registry.get_sample_value("parallax_broker_stream_backlog", {"stream": names.rollouts}) == 0.0

@@ -40,7 +40,7 @@ def test_acks_free_room_for_credits():
     state.grant(b"A", "s", want=2, max_len=2)
     state.publish(b"A", "s", [b"a", b"b"])
     assert state.grant(b"A", "s", want=2, max_len=2)[0] == 0
-    ids = [i for i, _, _ in state.consume("s", "g", "c", 2, claim_idle_s=30, max_deliveries=3)]
+    ids = [i for i, _, _ in state.consume("s", "g", "c", 2, claim_idle_s=30, max_deliveries=3)[0]]
     state.ack("s", "g", ids[:1])
     assert state.grant(b"A", "s", want=2, max_len=2)[0] == 1
 
