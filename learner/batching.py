@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,21 +105,33 @@ def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) 
     return len(sample.prompt_ids) + extra + len(sample.response_ids)
 
 
-def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit decreasing)."""
+def plan_microbatches(lengths: Sequence[int], max_tokens: int,
+                      groups: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit decreasing).
+
+    With `groups` (a key per index, e.g. the GRPO group id), the samples of one group go into one
+    micro-batch whenever the whole group fits in one, so that their shared image is encoded once
+    (policy.packing); a group larger than the budget is placed sample by sample.
+    """
     if max_tokens <= 0:
         raise ValueError("max_tokens must be > 0")
+    units: dict[Hashable, list[int]] = {}
+    for i in range(len(lengths)):
+        units.setdefault(i if groups is None else ("g", groups[i]), []).append(i)
+    whole = [u for u in units.values() if sum(lengths[i] for i in u) <= max_tokens]
+    split = [[i] for u in units.values() if sum(lengths[i] for i in u) > max_tokens for i in u]
+    items = [(sum(lengths[i] for i in u), min(u), u) for u in whole + split]
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for size, _, unit in sorted(items, key=lambda item: (-item[0], item[1])):
         for b, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens:
-                bins[b].append(i)
-                loads[b] += lengths[i]
+            if load + size <= max_tokens:
+                bins[b].extend(unit)
+                loads[b] += size
                 break
         else:
-            bins.append([i])
-            loads.append(lengths[i])
+            bins.append(list(unit))
+            loads.append(size)
     return [sorted(b) for b in bins]
 
 

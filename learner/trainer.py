@@ -214,7 +214,7 @@ class Learner:
 
     def _plan(self, samples: list[TrainSample], lengths: list[int]):
         """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
-        bins = plan_microbatches(lengths, self.cfg.batching.max_tokens_per_microbatch)
+        bins = plan_microbatches(lengths, self.cfg.batching.max_tokens_per_microbatch, [s.group_id for s in samples])
         per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
         mine = [self._build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
         n_resp = sum(len(s.response_ids) for s in samples)

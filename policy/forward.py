@@ -203,7 +203,10 @@ class PackedPolicy(nn.Module):
         inner = self.model.model
         pixels = batch.pixel_values.to(embeds.device, inner.visual.dtype)
         features = inner.get_image_features(pixels, batch.image_grid_thw.to(embeds.device), return_dict=True)
-        image_embeds = torch.cat(features.pooler_output, dim=0).to(embeds.dtype)
+        per_image = list(features.pooler_output)
+        if batch.image_index is not None:  # distinct images encoded once, reused for every occurrence
+            per_image = [per_image[i] for i in batch.image_index.tolist()]
+        image_embeds = torch.cat(per_image, dim=0).to(embeds.dtype)
         mask = input_ids == self.image_token_id
         if int(mask.sum()) != image_embeds.shape[0]:
             raise ValueError(f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} image features")

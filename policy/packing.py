@@ -9,6 +9,13 @@ image_grid_thw. Nothing is padded.
 Prompts arrive with ONE `<|image_pad|>` per image (what the generator sends vLLM);
 `expand_image_pads` turns them into processor-expanded ids, and `PixelCache` computes each
 image's pixel values once (keyed by its sha256) where they are used.
+
+Images shared by several samples of one pack (every sample of a GRPO group sees its prompt's
+image) are stored once: samples that carry `image_keys` are deduplicated by key, the pack holds
+each distinct image's pixels once, and `image_index` maps every image occurrence (in row order)
+to its distinct image. The forward then runs the vision tower once per distinct image and
+reuses its features for every occurrence (autograd sums their gradients): the same result as
+encoding every occurrence, for a fraction of the vision FLOPs.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class Sample:
     """Patch grid (t, h, w) per image, in order of appearance."""
     pixel_values: torch.Tensor | None = None
     """(sum of t*h*w over images, C*T*P*P) patches as the image processor returns them; None without images."""
+    image_keys: list[str] | None = None
+    """A content key (the sha256) per image: images with equal keys in one pack are encoded once."""
 
 
 @dataclasses.dataclass
@@ -58,6 +67,15 @@ class PackedBatch:
     """All samples' image patches concatenated in order; None when the pack has no image."""
     image_grid_thw: torch.Tensor | None = None
     """(n_images, 3) grids in the same order."""
+    image_index: torch.Tensor | None = None
+    """(n_occurrences,) for each image occurrence in row order, its row in `image_grid_thw` (the distinct
+    images); None when every occurrence is its own image."""
+
+    @property
+    def num_image_occurrences(self) -> int:
+        if self.image_index is not None:
+            return int(self.image_index.numel())
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
 
     @property
     def num_tokens(self) -> int:
@@ -76,11 +94,12 @@ class PackedBatch:
         return list(torch.split(values, self.response_lens))
 
 
-def pack(samples: Sequence[Sample], image_token_id: int, merge: int = 2) -> PackedBatch:
-    """Pack samples into one row (order preserved)."""
+def pack(samples: Sequence[Sample], image_token_id: int, merge: int = 2, dedup_images: bool = True) -> PackedBatch:
+    """Pack samples into one row (order preserved); with `dedup_images`, images with equal keys are stored once."""
     if not samples:
         raise ValueError("cannot pack zero samples")
-    ids, positions, targets, lens, grids, pixels = [], [], [], [0], [], []
+    ids, positions, targets, lens = [], [], [], [0]
+    images = _Images(dedup_images)
     offset = 0
     for s in samples:
         if not s.response_ids:
@@ -93,14 +112,7 @@ def pack(samples: Sequence[Sample], image_token_id: int, merge: int = 2) -> Pack
         targets.append(torch.arange(offset + n_prompt, offset + len(seq)))
         offset += len(seq)
         lens.append(offset)
-        grids.extend(tuple(int(x) for x in g) for g in s.image_grid_thw)
-        if s.image_grid_thw:
-            if s.pixel_values is None:
-                raise ValueError("sample has image grids but no pixel values")
-            want = sum(int(t) * int(h) * int(w) for t, h, w in s.image_grid_thw)
-            if s.pixel_values.shape[0] != want:
-                raise ValueError(f"pixel_values has {s.pixel_values.shape[0]} patches, grids need {want}")
-            pixels.append(s.pixel_values)
+        images.add(s)
     cu = torch.tensor(lens, dtype=torch.int32)
     return PackedBatch(
         input_ids=torch.cat(ids).unsqueeze(0),
@@ -110,9 +122,53 @@ def pack(samples: Sequence[Sample], image_token_id: int, merge: int = 2) -> Pack
         target_index=torch.cat(targets),
         response_lens=[len(s.response_ids) for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
-        pixel_values=torch.cat(pixels) if pixels else None,
-        image_grid_thw=torch.tensor(grids, dtype=torch.long) if grids else None,
+        **images.fields(),
     )
+
+
+class _Images:
+    """The distinct images of a pack (by key, when samples carry keys) and each occurrence's index."""
+
+    def __init__(self, dedup: bool):
+        self.dedup = dedup
+        self.grids: list[tuple[int, int, int]] = []
+        self.pixels: list[torch.Tensor] = []
+        self.index: list[int] = []
+        self.by_key: dict[str, int] = {}
+        self.shared = False
+
+    def add(self, s: Sample) -> None:
+        if not s.image_grid_thw:
+            return
+        if s.pixel_values is None:
+            raise ValueError("sample has image grids but no pixel values")
+        grids = [tuple(int(x) for x in g) for g in s.image_grid_thw]
+        sizes = [t * h * w for t, h, w in grids]
+        if s.pixel_values.shape[0] != sum(sizes):
+            raise ValueError(f"pixel_values has {s.pixel_values.shape[0]} patches, grids need {sum(sizes)}")
+        keys = s.image_keys if self.dedup and s.image_keys is not None else [None] * len(grids)
+        if len(keys) != len(grids):
+            raise ValueError(f"{len(keys)} image keys for {len(grids)} images")
+        for grid, key, pixels in zip(grids, keys, torch.split(s.pixel_values, sizes)):
+            if key is not None and key in self.by_key:
+                known = self.by_key[key]
+                if self.grids[known] != grid:
+                    raise ValueError(f"image {key} appears with grids {self.grids[known]} and {grid}")
+                self.index.append(known)
+                self.shared = True
+                continue
+            if key is not None:
+                self.by_key[key] = len(self.grids)
+            self.index.append(len(self.grids))
+            self.grids.append(grid)
+            self.pixels.append(pixels)
+
+    def fields(self) -> dict:
+        if not self.grids:
+            return {}
+        return {"pixel_values": torch.cat(self.pixels),
+                "image_grid_thw": torch.tensor(self.grids, dtype=torch.long),
+                "image_index": torch.tensor(self.index, dtype=torch.long) if self.shared else None}
 
 
 def expand_image_pads(prompt_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]], image_token_id: int,
@@ -182,4 +238,5 @@ def make_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], images: 
         response_ids=list(response_ids),
         image_grid_thw=grids,
         pixel_values=torch.cat([p for p, _ in items]) if items else None,
+        image_keys=[sha for sha, _ in images] if items else None,
     )

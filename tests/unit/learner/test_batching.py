@@ -32,6 +32,19 @@ def test_microbatches_respect_the_budget_and_keep_every_sample():
         plan_microbatches([1], 0)
 
 
+def test_microbatches_keep_a_group_together_when_it_fits():
+    lengths = [30, 40, 30, 50, 20, 45, 60, 70]
+    groups = ["a", "b", "a", "b", "a", "c", "d", "d"]  # a = 80, b = 90, c = 45, d = 130 (over the budget)
+    bins = plan_microbatches(lengths, 100, groups)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
+    where = {i: k for k, b in enumerate(bins) for i in b}
+    assert where[0] == where[2] == where[4] and where[1] == where[3]  # whole groups share a micro-batch
+    assert where[6] != where[7]  # an over-budget group is split
+    plain = {i: k for k, b in enumerate(plan_microbatches(lengths, 100)) for i in b}
+    assert len({plain[0], plain[2], plain[4]}) > 1  # without groups, first-fit decreasing scatters group a
+
+
 def test_rank_assignment_balances_tokens_and_is_deterministic():
     lengths = [100, 90, 80, 70, 60, 50]
     bins = [[i] for i in range(6)]

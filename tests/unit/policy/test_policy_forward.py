@@ -120,3 +120,55 @@ def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa(causal):
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
     assert out.shape == (1, 11, 4, 8)
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+def _group_samples(processor, image_token):
+    """Two GRPO-like groups: three responses to a prompt with two images, two to a prompt with one."""
+    from policy.packing import PixelCache, make_sample
+    from tasks.prompt import render_prompt_ids
+    from tests.fixtures.models import noisy_png
+
+    cache = PixelCache(processor.image_processor)
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for name, n_images, n_samples in (("a", 2, 3), ("b", 1, 2)):
+        images = [(f"{name}{k}", noisy_png(100 + k + 10 * n_images, (56 + 28 * k, 84))) for k in range(n_images)]
+        ids = render_prompt_ids(processor, "<image>" * n_images + f"Question {name}?", n_images)
+        for _ in range(n_samples):
+            response = torch.randint(0, len(processor.tokenizer) - 30, (int(torch.randint(3, 12, (1,), generator=g)),),
+                                     generator=g).tolist()
+            out.append(make_sample(ids, response, images, cache, image_token))
+    return out
+
+
+def test_shared_images_are_encoded_once_with_the_same_values_and_gradients(tiny_processor, sharp_model, ids):
+    _, image_token = ids
+    samples = _group_samples(tiny_processor, image_token)
+    dedup, plain = pack(samples, image_token), pack(samples, image_token, dedup_images=False)
+    assert plain.image_index is None and plain.image_grid_thw.shape[0] == 8
+    assert dedup.image_grid_thw.shape[0] == 3 and dedup.image_index.tolist() == [0, 1, 0, 1, 0, 1, 2, 2]
+    assert dedup.pixel_values.shape[0] * 8 < plain.pixel_values.shape[0] * 3 + 1
+    assert dedup.num_image_occurrences == plain.num_image_occurrences == 8
+    model = copy.deepcopy(sharp_model).train()
+    policy = PackedPolicy(model, chunk_size=8)
+    grads, values = [], []
+    for batch in (dedup, plain):
+        model.zero_grad(set_to_none=True)
+        lp, ent = policy(batch)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        values.append(lp.detach())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert (values[0] - values[1]).abs().max().item() <= 1e-6
+    assert grads[0].keys() == grads[1].keys() and any("visual" in n for n in grads[0])
+    for name, g in grads[0].items():  # equal up to fp32 summation order
+        assert (g - grads[1][name]).norm() <= 1e-5 * grads[1][name].norm() + 1e-8, name
+    ref = padded_logprobs(sharp_model, samples, ids[0], image_token)
+    assert (values[0] - ref).abs().max().item() <= 1e-5
+
+
+def test_one_key_with_two_grids_is_an_error(tiny_processor, ids):
+    _, image_token = ids
+    a, b = make_samples(tiny_processor, (1, 1), seed=2)
+    b.image_keys = list(a.image_keys)
+    with pytest.raises(ValueError, match="grids"):
+        pack([a, b], image_token)
