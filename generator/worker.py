@@ -6,7 +6,8 @@
 
 One step:
   1. apply the newest verified weights the receiver holds (between generate calls only, so a batch
-     never mixes versions), then announce the served version (`names.generator_version(id)`);
+     never mixes versions; the receiver's lock on a CUDA-IPC buffer is held from take() until
+     mark_served()), then announce the served version (`names.generator_version(id)`);
   2. take up to `batch_prompts` PromptRecords from `names.prompts` as a member of the consumer group
      `Names.GENERATORS`: several generators shard the stream, each prompt goes to one of them;
   3. the staleness gate (gate.py) splits them into admitted and held; with nothing admitted it waits
@@ -39,7 +40,7 @@ from generator.config import GeneratorConfig, default_generator_id
 from generator.gate import StalenessGate, VersionReader
 from generator.inputs import Request, Result
 from generator.metrics import GeneratorMetrics
-from generator.weights import WeightLoadError
+from generator.weights import WeightLoadError, as_update
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +224,8 @@ class GeneratorWorker:
         received = self.receiver.take()
         if received is None:
             return False
-        try:
-            seconds = self.engine.apply_weights(received.named_tensors(), received.version)
+        try:  # a CUDA-IPC version goes to the engine as its reference (read inside vLLM's worker)
+            seconds = self.engine.apply_weights(as_update(received), received.version)
         except WeightLoadError as exc:
             log.error("version %d not applied, still serving %d: %s", received.version, self.engine.version, exc)
             self.receiver.mark_served(self.engine.version)

@@ -251,12 +251,23 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class IpcReceived:
-    """One version, readable in place in the shared buffer until `mark_served` releases it."""
+    """One version, readable in place in the shared buffer until `mark_served` releases it.
+
+    `layout` is the reference alone (handle + manifest, plain data): an engine whose model lives in
+    another process (vLLM's engine core) passes it there and maps the buffer on that side. `buffer`
+    maps it in THIS process, on first use only (so such an engine's front end never touches CUDA)."""
 
     manifest: Manifest
-    buffer: torch.Tensor
+    buffer_or_map: torch.Tensor | Callable[[], torch.Tensor]
     version: int
     seconds: float = 0.0
+    layout: IpcLayout | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if callable(self.buffer_or_map):
+            self.buffer_or_map = self.buffer_or_map()
+        return self.buffer_or_map
 
     @property
     def num_bytes(self) -> int:
@@ -338,7 +349,7 @@ class IpcWeightReceiver:
         version = self._latest()  # stable while we hold the lock
         self._taken = version
         self._refresh_layout()
-        return IpcReceived(self._layout.manifest, self._buffer, version, time.perf_counter() - t0)
+        return IpcReceived(self._layout.manifest, self._mapped, version, time.perf_counter() - t0, layout=self._layout)
 
     def mark_served(self, version: int) -> None:
         """The engine now serves `version` (or kept its old one): wait for its copies, release the lock."""
@@ -346,7 +357,7 @@ class IpcWeightReceiver:
             self._version = version
             try:
                 if self._holding:
-                    if self._buffer.is_cuda:
+                    if self._buffer is not None and self._buffer.is_cuda:  # mapped here: our copies must be done
                         torch.cuda.synchronize(self._buffer.device)
                     self._holding = False
                     if self._store.compare_set(f"ipc/lock/{self._index}", READER, FREE) == DROPPED:
@@ -434,10 +445,16 @@ class IpcWeightReceiver:
         return int(self._store.get("ipc/version")) if self._store.check(["ipc/version"]) else None
 
     def _refresh_layout(self) -> None:
-        """Map the buffer on first use, and again only if the learner re-allocated it."""
+        """Read the layout on first use, and again only if the learner re-allocated the buffer (which is
+        then mapped anew, lazily: see `_mapped`)."""
         layout_id = int(self._store.get("ipc/layout_id"))
         if self._layout is not None and layout_id == self._layout.layout_id:
             return
-        layout = msgspec.msgpack.decode(self._store.get("ipc/layout"), type=IpcLayout)
-        self._buffer = open_shared(layout.handle, layout.nbytes)
-        self._layout = layout
+        self._layout = msgspec.msgpack.decode(self._store.get("ipc/layout"), type=IpcLayout)
+        self._buffer = None
+
+    def _mapped(self) -> torch.Tensor:
+        """The shared buffer mapped into this process (once per layout)."""
+        if self._buffer is None:
+            self._buffer = open_shared(self._layout.handle, self._layout.nbytes)
+        return self._buffer

@@ -1,0 +1,235 @@
+"""Weight updates as named tensors or CUDA-IPC references (generator/weights.py), without CUDA or vLLM:
+the shared buffer is a CPU tensor behind a fake opener, vLLM's worker a fake model."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from generator import weights
+from generator.engine import resolve_in_process
+from generator.weights import (
+    IpcWeights,
+    MappingCache,
+    NamedTensors,
+    WeightLoader,
+    WeightLoadError,
+    WeightsRolledBack,
+    as_update,
+)
+from policy.weight_ipc import IpcHandle, IpcLayout, IpcReceived
+from policy.weight_transfer import Manifest, TensorSpec, pack_bucket, plan_layout
+
+
+class FakeModel:
+    """What the loader reaches inside vLLM's worker: model_runner.reload_weights / model.load_weights."""
+
+    def __init__(self, disk: dict[str, torch.Tensor]):
+        self.disk = disk
+        self.params = {k: v.clone() for k, v in disk.items()}
+        self.fail_after: int | None = None
+        self.loads = 0
+
+    def parameters(self):
+        return iter(self.params.values())
+
+    def load_weights(self, weights):
+        self.loads += 1
+        for i, (name, tensor) in enumerate(weights):
+            if self.fail_after is not None and i == self.fail_after:
+                self.fail_after = None
+                raise RuntimeError("boom half way")
+            self.params[name].copy_(tensor)
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        self.load_weights(weights_iterator if weights_iterator is not None else iter(self.disk.items()))
+
+
+class ProcessLLM:
+    """A multi-process engine's collective_rpc: every argument must survive msgpack (plain data only)."""
+
+    def __init__(self, model: FakeModel):
+        self.worker = type("Worker", (), {})()
+        self.worker.model_runner = model
+        model.model = model
+        self.sent: list[int] = []
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        wire = msgspec.msgpack.encode(list(args))
+        self.sent.append(len(wire))
+        return [fn(self.worker, *msgspec.msgpack.decode(wire), **(kwargs or {}))]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    disk = {"a.weight": torch.zeros(2, 3), "b.weight": torch.ones(4), "c.weight": torch.full((3,), 2.0)}
+    save_file(disk, str(tmp_path / "model.safetensors"))
+    return tmp_path, disk
+
+
+def shared(tensors: dict[str, torch.Tensor], layout_id: int = 1, handle: bytes = b"h1"):
+    """A learner-side buffer holding `tensors` and its IpcLayout (the handle is fake)."""
+    plan = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 1 << 20)
+    buffer = torch.zeros(plan.bucket_nbytes[0], dtype=torch.uint8)
+    pack_bucket(buffer, plan.tensors, tensors.values())
+    manifest = Manifest(version=-1, tensors=plan.tensors, bucket_nbytes=plan.bucket_nbytes, checksums=False)
+    handle = IpcHandle(0, handle, buffer.numel(), 0, b"r", 0, b"e", False)
+    return buffer, IpcLayout(layout_id=layout_id, nbytes=buffer.numel(), handle=handle, manifest=manifest)
+
+
+@pytest.fixture
+def opener(monkeypatch):
+    """The worker's mapping cache, opening fake handles: handle bytes -> CPU buffer; counts opens."""
+    buffers: dict[bytes, torch.Tensor] = {}
+    opened: list[tuple[bytes, int]] = []
+
+    def open_fake(handle, nbytes):
+        opened.append((handle.handle, handle.device))
+        if handle.handle not in buffers:
+            raise RuntimeError("invalid resource handle")
+        return buffers[handle.handle][:nbytes]
+
+    monkeypatch.setattr(weights, "LOCAL_MAPPINGS", MappingCache(open_fake))
+    return buffers, opened
+
+
+def test_updates_dispatch_to_named_tensors_or_an_ipc_reference():
+    pairs = [("a.weight", torch.zeros(2, 3))]
+    assert isinstance(as_update(pairs), NamedTensors)
+    update = NamedTensors(pairs)
+    assert as_update(update) is update
+    buffer, layout = shared({"a.weight": torch.ones(2, 3)})
+    received = IpcReceived(layout.manifest, lambda: buffer, 3, layout=layout)
+    ipc = as_update(received)
+    assert isinstance(ipc, IpcWeights) and ipc.layout is layout
+    assert torch.equal(dict(ipc.named_tensors())["a.weight"], torch.ones(2, 3))  # through the receiver's map
+    legacy = IpcReceived(layout.manifest, buffer, 3)  # no reference: loaded as named tensors
+    assert isinstance(as_update(legacy), NamedTensors)
+
+    class Bucketed:  # generator.weight_receiver.ReceivedWeights' surface
+        def named_tensors(self):
+            return iter(pairs)
+
+    assert list(as_update(Bucketed()).pairs) == pairs
+
+
+def test_the_mapping_is_cached_per_layout_and_remapped_when_it_changes():
+    opened = []
+    cache = MappingCache(lambda h, n: opened.append((h.handle, h.device, n)) or torch.zeros(n, dtype=torch.uint8))
+    _, first = shared({"a.weight": torch.ones(2, 3)}, layout_id=1, handle=b"h1")
+    _, again = shared({"a.weight": torch.ones(2, 3)}, layout_id=1, handle=b"h1")
+    _, moved = shared({"a.weight": torch.ones(2, 3)}, layout_id=2, handle=b"h2")
+    one = cache.get(first)
+    assert cache.get(again) is one and cache.opened == 1  # an equal reference (a new sync) maps nothing
+    assert cache.get(moved) is not one and cache.opened == 2
+    cache.get(moved, device=3)  # the worker maps on its own device index
+    assert opened[-1][:2] == (b"h2", 3) and cache.opened == 3
+    cache.release()
+    cache.get(moved, device=3)
+    assert cache.opened == 4
+
+
+def test_an_ipc_update_loads_from_the_mapped_buffer_with_only_the_reference_sent(checkpoint, opener):
+    path, disk = checkpoint
+    buffers, opened = opener
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
+    new = {"a.weight": torch.full((2, 3), 5.0), "c.weight": torch.full((3,), 7.0)}
+    buffer, layout = shared(new)
+    buffers[b"h1"] = buffer
+    assert loader.apply(llm, IpcWeights(layout)) == 2
+    assert torch.equal(model.params["a.weight"], new["a.weight"]) and torch.equal(model.params["c.weight"], new["c.weight"])
+    assert torch.equal(model.params["b.weight"], disk["b.weight"])
+    assert llm.sent[-1] < 4096  # the reference, not the weights
+    pack_bucket(buffer, layout.manifest.tensors, [torch.full((2, 3), 6.0), torch.full((3,), 8.0)])  # next version
+    loader.apply(llm, IpcWeights(layout))
+    assert torch.equal(model.params["a.weight"], torch.full((2, 3), 6.0))
+    assert len(opened) == 1  # mapped once across syncs
+
+
+def test_an_ipc_manifest_is_validated_before_the_worker_sees_it(checkpoint, opener):
+    path, disk = checkpoint
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=True)
+    cases = [({"a.weight": torch.zeros(3, 2)}, "shape"), ({"zzz": torch.zeros(1)}, "not a tensor"),
+             ({"b.weight": torch.ones(4, dtype=torch.int64)}, "dtype")]
+    for tensors, match in cases:
+        _, layout = shared({"c.weight": torch.full((3,), 9.0), **tensors})
+        with pytest.raises(WeightLoadError, match=match):
+            loader.apply(llm, IpcWeights(layout))
+    _, layout = shared({"c.weight": torch.full((3,), 9.0)})
+    spec = layout.manifest.tensors[0]
+    bad = msgspec.structs.replace(layout, manifest=msgspec.structs.replace(
+        layout.manifest, tensors=[TensorSpec(spec.name, spec.dtype, spec.shape, 0, spec.offset, spec.nbytes + 4)]))
+    with pytest.raises(WeightLoadError, match="manifest"):
+        loader.apply(llm, IpcWeights(bad))
+    empty = msgspec.structs.replace(layout, manifest=msgspec.structs.replace(layout.manifest, tensors=[]))
+    with pytest.raises(WeightLoadError, match="empty"):
+        loader.apply(llm, IpcWeights(empty))
+    assert llm.sent == [] and model.loads == 0  # nothing reached the worker
+
+
+def test_an_unmappable_buffer_is_refused_without_a_rollback(checkpoint, opener):
+    path, disk = checkpoint
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(path, method="reload", in_process=False, keep_rollback_copy=True)
+    _, layout = shared({"c.weight": torch.full((3,), 9.0)}, handle=b"stale")  # the opener does not know it
+    with pytest.raises(WeightLoadError, match="cannot map") as info:
+        loader.apply(llm, IpcWeights(layout))
+    assert not isinstance(info.value, WeightsRolledBack)
+    assert model.loads == 0 and len(llm.sent) == 1
+
+
+def test_an_ipc_load_failing_half_way_is_rolled_back_to_the_last_good_weights(checkpoint, opener):
+    path, disk = checkpoint
+    buffers, _ = opener
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(path, method="reload", in_process=False, keep_rollback_copy=True)
+    buffer, layout = shared({"a.weight": torch.full((2, 3), 5.0)})  # version 1: a partial update over IPC
+    buffers[b"h1"] = buffer
+    loader.apply(llm, IpcWeights(layout))
+    pack_bucket(buffer, layout.manifest.tensors, [torch.full((2, 3), -1.0)])  # the learner moves on
+    good = {k: v.clone() for k, v in model.params.items()}
+    assert torch.equal(good["a.weight"], torch.full((2, 3), 5.0))  # the rollback copy was taken at load time
+    buffer2, layout2 = shared({"b.weight": torch.full((4,), 7.0), "c.weight": torch.full((3,), 7.0),
+                               "a.weight": torch.ones(2, 3)}, layout_id=2, handle=b"h2")
+    buffers[b"h2"] = buffer2
+    model.fail_after = 2
+    with pytest.raises(WeightsRolledBack, match="boom"):
+        loader.apply(llm, IpcWeights(layout2))
+    for name, value in good.items():  # b and c had been overwritten; the rollback restored them, kept v1's a
+        assert torch.equal(model.params[name], value), name
+
+
+def test_named_tensors_still_cross_processes_as_bytes(checkpoint):
+    path, disk = checkpoint
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
+    loader.apply(llm, [("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))])
+    assert torch.equal(model.params["b.weight"], torch.full((4,), 3.0))
+
+
+def test_the_engine_core_runs_in_its_own_process_by_default_on_cuda_only():
+    assert resolve_in_process(None, tp=1, on_cpu=False) is False
+    assert resolve_in_process(None, tp=1, on_cpu=True) is True
+    assert resolve_in_process(True, tp=1, on_cpu=False) is True
+    assert resolve_in_process(False, tp=1, on_cpu=True) is False
+    assert resolve_in_process(True, tp=2, on_cpu=False) is False
+
+
+def test_in_process_setting_from_toml_and_flags(tmp_path):
+    from generator.config import GeneratorConfig
+    from runtime.config import load_config
+
+    assert load_config(GeneratorConfig, []).engine.in_process is None
+    toml = tmp_path / "g.toml"
+    toml.write_text("[engine]\nin_process = true\n")
+    assert load_config(GeneratorConfig, ["--config", str(toml)]).engine.in_process is True
+    assert load_config(GeneratorConfig, ["--engine.in-process", "False"]).engine.in_process is False
