@@ -38,16 +38,21 @@ from bench.gpu_models import build_model, lm_params, padded_batch, qwen_config, 
 PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100/H200 SXM (the MFU denominator)."""
 
-DEFAULT_VARIANTS = ("padded", "packed-full", "packed-selective")
+DEFAULT_VARIANTS = ("padded", "packed-full", "packed-selective", "packed-selective+dedup",
+                    "packed-selective+dedup+vsel", "packed-selective+dedup+vsel+compile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["7b", "3b"], help="model sizes, in order")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                   help="padded | packed-full | packed-selective | packed-selective:<k> | packed-none"
-                        " (suffix @<tokens> sets the micro-batch token budget, default 16384)")
+                   help="padded | packed-<ac> | fsdp-<ac>, ac = full | selective | selective:<k> | none; flags "
+                        "+dedup (one vision pass per group image), +vsel (selective AC in the vision tower), "
+                        "+compile (torch.compile per decoder block); suffix @<tokens> sets the micro-batch "
+                        "token budget (default 16384), *<n> the number of samples (default --samples)")
     p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt (they share its image)")
+    p.add_argument("--profile", action="store_true", help="profile one extra step of every packed variant")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed steps per packed variant")
     p.add_argument("--baseline-steps", type=int, default=2, help="timed steps of the padded baseline")
@@ -95,8 +100,15 @@ def run_model(size: str, args: argparse.Namespace, device: torch.device) -> dict
     model = build_model(config, device, dtype, seed=0).train()
     counts = lm_params(model)
     side = 112 if args.tiny else 448
-    samples = synthetic_samples(config, n=args.samples, seed=1, image_side=side,
-                                response=(3, 12) if args.tiny else (256, 1024))
+    sets: dict[int, list] = {}
+
+    def samples_of(n: int) -> list:
+        if n not in sets:
+            sets[n] = synthetic_samples(config, n=n, seed=1, image_side=side, group_size=args.group_size,
+                                        response=(3, 12) if args.tiny else (256, 1024))
+        return sets[n]
+
+    samples = samples_of(args.samples)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     out = {"params": counts, "tokens_per_step": tokens, "samples": len(samples),
            "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
@@ -104,9 +116,13 @@ def run_model(size: str, args: argparse.Namespace, device: torch.device) -> dict
     out["numerics"] = guarded(lambda: compare_logprobs(model, config, samples, device, args.chunk))
     print(f"[{size}] packed vs padded logprobs: {out['numerics']}", flush=True)
     for variant in args.variants:
-        res = guarded(lambda: run_variant(model, config, samples, variant, args, device))
+        n = guarded(lambda: {"n": parse_variant(variant)["samples"] or args.samples}).get("n", args.samples)
+        batch = samples_of(n)
+        res = guarded(lambda: run_variant(model, config, batch, variant, args, device))
         if "seconds" in res:
-            res.update(rates(res["seconds"], tokens, counts["n_lm"]))
+            res["samples"] = n
+            res["tokens_per_step"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+            res.update(rates(res["seconds"], res["tokens_per_step"], counts["n_lm"]))
         out["variants"][variant] = res
         print(f"[{size}] {variant}: {summary(res)}", flush=True)
     base = out["variants"].get("padded", {}).get("tokens_per_s")
@@ -191,31 +207,74 @@ def padded_logprobs(model, batch: dict) -> torch.Tensor:
     return token[batch["response_mask"][:, 1:]]
 
 
+def parse_variant(variant: str) -> dict:
+    """"<base>[+flag...][@tokens][*samples]" -> its parts; base padded | packed-<ac> | fsdp-<ac>."""
+    rest, _, samples = variant.partition("*")
+    rest, _, budget = rest.partition("@")
+    base, *flags = rest.split("+")
+    unknown = set(flags) - {"dedup", "vsel", "compile"}
+    if unknown or not (base == "padded" or base.startswith(("packed-", "fsdp-"))):
+        raise ValueError(f"unknown variant {variant!r}")
+    return {"base": base, "mode": base.partition("-")[2], "dedup": "dedup" in flags, "vision_selective": "vsel" in flags,
+            "compile": "compile" in flags, "max_tokens": int(budget) if budget else 16384,
+            "samples": int(samples) if samples else None}
+
+
 def run_variant(model, config, samples, variant: str, args, device) -> dict:
     """Warm up, then time `steps` optimizer steps of one variant; returns seconds per step and memory."""
     from policy.checkpointing import apply_checkpointing
+    from policy.compile import compile_blocks
 
-    name, _, budget = variant.partition("@")
-    max_tokens = int(budget) if budget else 16384
-    if name == "padded":
+    v = parse_variant(variant)
+    mode = v["mode"]
+    vision_mode = "none" if mode == "none" else "selective" if v["vision_selective"] else "full"
+    if v["base"] == "padded":
         use_sdpa(model)
         apply_checkpointing(model, "full", "full")
         steps = args.baseline_steps
         inputs = [padded_batch(samples, config, device)]
         forward = _padded_forward(model)
-    elif name.startswith("packed-"):
-        mode = name.removeprefix("packed-")
+    elif v["base"].startswith("packed-"):
         from policy.forward import PackedPolicy
 
         policy = PackedPolicy(model, chunk_size=args.chunk)
-        apply_checkpointing(model, mode, "full" if mode != "none" else "none")
+        apply_checkpointing(model, mode, vision_mode)
+        if v["compile"]:
+            compile_blocks(model)
         steps = args.steps
-        inputs = packs(samples, config, max_tokens, device)
+        inputs = packs(samples, config, v["max_tokens"], device, v["dedup"])
         forward = _packed_forward(policy)
     else:
-        raise ValueError(f"unknown variant {variant!r}")
+        return run_fsdp(config, samples, v, vision_mode, args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01,
                                   fused=device.type == "cuda", foreach=device.type != "cuda")
+    try:
+        return timed(model, optimizer, forward, inputs, steps, args, device, v)
+    finally:
+        del optimizer
+        model.zero_grad(set_to_none=True)
+        uncompile(model)
+
+
+def run_fsdp(config, samples, v: dict, vision_mode: str, args, device) -> dict:
+    """The learner's own setup: fp32 master weights, FSDP2 bf16 mixed precision (one rank), its AdamW."""
+    from learner.config import OptimConfig, ParallelConfig
+    from learner.parallel import apply_parallelism, build_optimizer, init_distributed
+
+    init_distributed()
+    model = build_model(config, device, torch.float32, seed=0).train()
+    pcfg = ParallelConfig(checkpoint_mode=v["mode"], vision_checkpoint_mode=vision_mode, compile=v["compile"],
+                          activation_checkpointing=v["mode"] != "none")
+    root = apply_parallelism(model, pcfg, device, chunk_size=args.chunk)
+    optimizer, _ = build_optimizer(root, OptimConfig(lr=1e-6))
+    inputs = packs(samples, config, v["max_tokens"], device, v["dedup"])
+    try:
+        return timed(root, optimizer, _packed_forward(root), inputs, args.steps, args, device, v)
+    finally:
+        del optimizer, root, model
+
+
+def timed(model, optimizer, forward, inputs, steps, args, device, v: dict) -> dict:
     cleanup(device)
     times, opt_times = [], []
     for i in range(args.warmup + steps):
@@ -224,23 +283,69 @@ def run_variant(model, config, samples, variant: str, args, device) -> dict:
             times.append(step_s)
             opt_times.append(opt_s)
     res = {"seconds": [round(t, 4) for t in times], "optimizer_s": round(statistics.median(opt_times), 4),
-           "micro_batches": len(inputs), "max_tokens_per_microbatch": max_tokens if name != "padded" else None}
+           "micro_batches": len(inputs), "max_tokens_per_microbatch": v["max_tokens"] if v["base"] != "padded" else None}
+    if v["base"] != "padded":
+        res["vision_encodes"] = sum(int(x.image_grid_thw.shape[0]) for x in inputs if x.image_grid_thw is not None)
     if device.type == "cuda":
         res["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
         res["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 1e9, 1)
-    del optimizer
-    model.zero_grad(set_to_none=True)
+    if args.profile and device.type == "cuda":
+        res["profile"] = profile_step(model, optimizer, forward, inputs, device)
     return res
 
 
-def packs(samples, config, max_tokens: int, device) -> list:
-    """Token-budgeted packed micro-batches (the learner's first-fit-decreasing plan), on `device`."""
+def uncompile(model) -> None:
+    """Back to eager blocks (the next variant starts from the same model)."""
+    for block in model.modules():
+        if getattr(block, "_compiled_call_impl", None) is not None:
+            block._compiled_call_impl = None
+
+
+def profile_step(model, optimizer, forward, inputs, device, top: int = 25) -> dict:
+    """One profiled step: GPU time by kernel class and the top CUDA kernels (what to attack next)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_s, _ = train_step(model, optimizer, forward, inputs, device)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    kernels = sorted(((e.key, e.self_device_time_total / 1e6, e.count) for e in events
+                      if e.self_device_time_total > 0), key=lambda x: -x[1])
+    busy = sum(t for _, t, _ in kernels)
+    classes: dict[str, float] = {}
+    for name, t, _ in kernels:
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + t
+    return {"step_s": round(step_s, 3), "gpu_busy_s": round(busy, 3),
+            "by_class_s": {k: round(t, 3) for k, t in sorted(classes.items(), key=lambda x: -x[1])},
+            "top_kernels": [[name[:90], round(t, 4), n] for name, t, n in kernels[:top]]}
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul")):
+        return "matmul"
+    if "flash" in low or "fmha" in low or "attn" in low:
+        return "attention"
+    if "triton" in low:
+        return "triton (compiled)"
+    if "nccl" in low:
+        return "nccl"
+    if "memcpy" in low or "memset" in low or "copy" in low:
+        return "copy"
+    if "reduce" in low or "softmax" in low or "norm" in low:
+        return "reduction"
+    return "elementwise/other"
+
+
+def packs(samples, config, max_tokens: int, device, dedup: bool = False) -> list:
+    """Token-budgeted packed micro-batches (the learner's first-fit-decreasing plan), on `device`.
+    With `dedup`, a group's samples share a micro-batch and its image is encoded once (the learner's way)."""
     from learner.batching import plan_microbatches
     from policy.packing import pack
 
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    return [pack([samples[i] for i in b], config.image_token_id).to(device)
-            for b in plan_microbatches(lengths, max_tokens)]
+    groups = [s.image_keys[0] if s.image_keys else i for i, s in enumerate(samples)] if dedup else None
+    return [pack([samples[i] for i in b], config.image_token_id, dedup_images=dedup).to(device)
+            for b in plan_microbatches(lengths, max_tokens, groups)]
 
 
 def train_step(model, optimizer, forward, inputs, device) -> tuple[float, float]:

@@ -92,11 +92,12 @@ def lm_params(model) -> dict[str, int]:
 
 
 def synthetic_samples(config, n: int = 16, seed: int = 0, text_tokens: int = 96, image_side: int = 448,
-                      response: tuple[int, int] = (256, 1024)):
+                      response: tuple[int, int] = (256, 1024), group_size: int = 1):
     """`n` policy.packing.Samples: one image_side^2 image, `text_tokens` of text, a random-length response.
 
     Token ids are random non-special ids; pixel values are random patches (the model's input
-    after the image processor: (t*h*w, 3*2*14*14) per image).
+    after the image processor: (t*h*w, 3*2*14*14) per image). With `group_size` > 1, consecutive
+    samples form GRPO groups: one prompt and image (same `image_keys`), different responses.
     """
     from policy.packing import Sample
 
@@ -108,14 +109,17 @@ def synthetic_samples(config, n: int = 16, seed: int = 0, text_tokens: int = 96,
     gen = torch.Generator().manual_seed(seed)
     vocab = min(config.text_config.vocab_size, IDS["bos_token_id"])
     samples = []
-    for _ in range(n):
-        before = rng.randint(4, text_tokens - 4)
-        prompt = ([rng.randrange(vocab) for _ in range(before)] + [IDS["vision_start_token_id"]]
-                  + [IDS["image_token_id"]] * n_image + [IDS["vision_end_token_id"]]
-                  + [rng.randrange(vocab) for _ in range(text_tokens - before - 2)])
+    for i in range(n):
+        if i % max(group_size, 1) == 0:
+            before = rng.randint(4, text_tokens - 4)
+            prompt = ([rng.randrange(vocab) for _ in range(before)] + [IDS["vision_start_token_id"]]
+                      + [IDS["image_token_id"]] * n_image + [IDS["vision_end_token_id"]]
+                      + [rng.randrange(vocab) for _ in range(text_tokens - before - 2)])
+            pixels = torch.randn(grid[0] * grid[1] * grid[2], dim, generator=gen)
+            key = f"image-{seed}-{i}"
         resp = [rng.randrange(vocab) for _ in range(rng.randint(*response))]
-        pixels = torch.randn(grid[0] * grid[1] * grid[2], dim, generator=gen)
-        samples.append(Sample(prompt_ids=prompt, response_ids=resp, image_grid_thw=[grid], pixel_values=pixels))
+        samples.append(Sample(prompt_ids=prompt, response_ids=resp, image_grid_thw=[grid], pixel_values=pixels,
+                              image_keys=[key]))
     return samples
 
 

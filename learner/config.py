@@ -104,8 +104,13 @@ class ParallelConfig:
     """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
     outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; 34.5% vs 30.9% LM-MFU for 7B on
     the H200) or "selective:<k>" (selective on the first k decoder blocks); see policy/checkpointing.py."""
+    vision_checkpoint_mode: str = "full"
+    """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
+    compile: bool = False
+    """torch.compile each decoder block (policy/compile.py): fuses the elementwise ops between matmuls."""
     mixed_precision: bool = True
-    """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32)."""
+    """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32). On one GPU the
+    learner still runs FSDP2 (a one-rank group) so that this applies."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2)."""
     backend: str = ""

@@ -58,10 +58,18 @@ def init_distributed(backend: str = "") -> DistInfo:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if "RANK" in os.environ and not dist.is_initialized():
+    if dist.is_initialized():
+        pass
+    elif "RANK" in os.environ:
         backend = backend or ("nccl" if cuda else "gloo")
         dist.init_process_group(backend=backend, device_id=device if cuda else None)
         log.info("rank %d/%d joined the %s group on %s", rank, world, backend, device)
+    elif cuda:  # one GPU, no launcher: a one-rank group, so FSDP2's bf16 mixed precision applies
+        from broker.redis_server import free_port
+
+        dist.init_process_group(backend=backend or "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, device_id=device)
+        log.info("single-GPU learner: a one-rank %s group on %s", backend or "nccl", device)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
@@ -77,13 +85,17 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.devic
     `model` is the Hugging Face model; the returned `PackedPolicy` wraps it (`.model`), so its
     parameters keep their Hugging Face names behind `HF_PREFIX`.
     """
-    if cfg.activation_checkpointing and cfg.checkpoint_mode == "full":
+    if cfg.activation_checkpointing and cfg.checkpoint_mode == cfg.vision_checkpoint_mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.activation_checkpointing:
         from policy.checkpointing import apply_checkpointing
 
-        apply_checkpointing(model, text=cfg.checkpoint_mode, vision="full")
+        apply_checkpointing(model, text=cfg.checkpoint_mode, vision=cfg.vision_checkpoint_mode)
     model.config.use_cache = False
+    if cfg.compile:
+        from policy.compile import compile_blocks
+
+        compile_blocks(model)
     root = PackedPolicy(model, chunk_size=chunk_size)
     if not distributed():
         return root
