@@ -2,7 +2,8 @@
 # The device calls of the GPU benches (issue 9), one function per call; run from the repository root on
 # the lent H200 with $OUT set (what is written there comes back). Exact commands behind bench/results/GPU.md.
 #
-#   bash bench/gpu_run.sh learner-sync   # carry [".whl"] (the msgspec cp312 wheel; the image lacks it)
+#   bash bench/gpu_run.sh learner        # carry [".whl"] (the msgspec cp312 wheel; the image lacks it)
+#   bash bench/gpu_run.sh learner-sync   # carry [".whl"]: the first session's learner + weight-sync call
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
 #   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM, generator bench, pipeline smoke run
@@ -29,6 +30,12 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECO
 }
 
 case "${1:-}" in
+  learner)  # carry [".whl"]: learner step 7B + 3B, every lever side by side, one profiled step per variant
+    wheels
+    run learner 540 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1 --profile \
+      --variants padded packed-selective packed-selective+dedup packed-selective+dedup+vsel fsdp-selective+dedup+vsel \
+      "packed-selective+dedup+vsel@32768*32" packed-selective+dedup+vsel+compile
+    ;;
   learner-sync)  # carry [".whl"]: learner step 7B + 3B, then weight sync 7B (CUDA IPC vs gloo)
     wheels
     run learner 300 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1
