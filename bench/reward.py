@@ -14,7 +14,8 @@ Paths, side by side on the same items:
              because in-process it would hang (or exhaust memory) for minutes.
   ours       `GroupScorer` over a `SafeGrader` (one grader process, per-answer timeout, groups of 8);
   ours+redis the whole worker in burst mode through a local redis-server (consume, score, publish once,
-             ack), typical workload only;
+             ack; up to `groups_per_read` groups queued in the grader), typical workload only; its
+             ratios to the reference are in "ratios" too;
   ours xN    `python -m reward_service --workers N --burst` (N processes, one consumer group), N x the
              typical groups, samples/s from the first scored group to the last (start-up excluded).
 Reports samples/s (wall), samples per CPU-second (parent + grader: "per core"), per-sample latency
@@ -342,6 +343,7 @@ def run(config: BenchConfig) -> dict:
         rows += [bench_scale(groups, n, config.timeout_s) for n in config.scale_workers]
     rows += [bench_reference_pathological(items, config.ref_kill_s),
              bench_ours_pathological(items, config.timeout_s)]
+    redis_row = next((r for r in rows if r["path"] == "ours+redis"), None)
     agree = sum(a == b for a, b in zip(ref_results, our_results)) / len(ref_results)
     accuracy = sum(a for a, _ in our_results) / len(our_results)
     return {
@@ -352,6 +354,10 @@ def run(config: BenchConfig) -> dict:
             "typical_ours_over_reference_samples_per_s": ours_typ["samples_per_s"] / ref_typ["samples_per_s"],
             "typical_ours_over_reference_per_cpu_s": ours_typ["samples_per_cpu_s"] / ref_typ["samples_per_cpu_s"],
             "pathological_ours_over_reference_wall": rows[-1]["wall_s"] / rows[-2]["wall_s"],
+            **({"typical_redis_worker_over_reference_samples_per_s":
+                redis_row["samples_per_s"] / ref_typ["samples_per_s"],
+                "typical_redis_worker_over_reference_per_cpu_s":
+                redis_row["samples_per_cpu_s"] / ref_typ["samples_per_cpu_s"]} if redis_row else {}),
         },
         "typical_agreement_with_reference": agree,
         "typical_accuracy": accuracy,

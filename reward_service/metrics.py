@@ -36,19 +36,25 @@ class RewardMetrics:
                               "Gradings without a result: grader crashed or reward function raised",
                               ["reason"], registry=r)
         self.groups = Counter("parallax_reward_groups", "Scored groups published", registry=r)
+        self._by_source: dict[str, tuple] = {}
         for source in data_sources:
             self._touch(source)
         for reason in ("crash", "exception"):
             self.errors.labels(reason)
 
-    def _touch(self, data_source: str) -> None:
-        self.samples.labels(data_source)
-        self.value.labels(data_source)
-        self.accuracy.labels(data_source)
+    def _touch(self, data_source: str) -> tuple:
+        """The labelled children of one data source (looked up once: `labels()` costs per sample)."""
+        children = self._by_source.get(data_source)
+        if children is None:
+            children = self._by_source[data_source] = (self.samples.labels(data_source),
+                                                        self.value.labels(data_source),
+                                                        self.accuracy.labels(data_source))
+        return children
 
     def observe(self, data_source: str, reward: float, accuracy: float, seconds: float) -> None:
         """One scored sample."""
-        self.samples.labels(data_source).inc()
-        self.value.labels(data_source).observe(reward)
-        self.accuracy.labels(data_source).inc(accuracy)
+        samples, value, accuracy_sum = self._touch(data_source)
+        samples.inc()
+        value.observe(reward)
+        accuracy_sum.inc(accuracy)
         self.latency.observe(seconds)

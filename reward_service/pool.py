@@ -1,36 +1,35 @@
-"""Parent side of the grader: hard per-answer timeouts, restarts, and a warm spare process.
+"""Parent side of the grader: hard per-answer timeouts, restarts, a warm spare, batches in flight.
 
-`SafeGrader.grade(items)` sends a whole batch of (reward, response, ground truth) items to a grader
-process (`reward_service.grader`) and reads the answers one by one, each with its own deadline
-(`timeout_s`, counted from the previous answer). When an answer is late the grader is SIGKILLed, the
-item scores 0 with `timed_out=True`, a warm spare takes over and the rest of the batch is resent.
-A grader that dies (segfault, memory cap) is handled the same way, with `crashed=True`. Results of
-identical items are graded once per batch and cached (LRU), so a group of identical pathological answers costs one timeout.
+`SafeGrader.grade(items)` grades a batch of (reward, response, ground truth) items in a grader
+process (`reward_service.grader`). It is `finish(submit(items))`: `submit` sends the batch at once
+and returns a `Ticket`, so a caller can queue the next batch while the grader works on this one
+(the grader then never waits for the parent's broker round trips); `finish` reads the answers.
+The grader answers one item at a time, in the order sent; each answer has its own deadline,
+`timeout_s` from the moment the grader could start on it (the previous answer, or the send). When
+an answer is late the grader is SIGKILLed, the item scores 0 with `timed_out=True`, a warm spare
+takes over and every unanswered item of every ticket in flight is resent. A grader that dies
+(segfault, memory cap) is handled the same way, with `crashed=True`. A ticket's `budget_s` bounds
+the whole batch from the moment its grading starts (not while it waits behind another batch): each
+item's timeout shrinks to what is left of it, and what the budget never reached scores as timed out.
+Results of identical items are graded once per batch and cached (LRU), so a group of identical
+pathological answers costs one timeout.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import select
-import subprocess
-import sys
+import itertools
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from reward_service.grader import _HEADER, GradeRequest, GradeResult, Ready, encode_batch
+from reward_service.grader import GradeRequest, GradeResult, encode_batch
+from reward_service.grader_process import GraderDied, GraderProcess
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+__all__ = ["GraderDied", "GraderProcess", "GraderUnavailable", "Outcome", "SafeGrader", "Ticket"]
 _result_decoder = msgspec.msgpack.Decoder(GradeResult)
-_ready_decoder = msgspec.msgpack.Decoder(Ready)
-
-
-class GraderDied(RuntimeError):
-    """The grader process exited or closed its pipe."""
 
 
 class GraderUnavailable(RuntimeError):
@@ -58,12 +57,32 @@ class Outcome:
         return self.timed_out or self.crashed
 
 
-def _encode(items: list[tuple[str, str, str]], todo: list[int]) -> bytes:
-    """The batch of requests `todo`; text that is not valid UTF-8 (lone surrogates) is repaired."""
+@dataclass(eq=False)
+class Ticket:
+    """A submitted batch: its items, the outcomes so far, and its budget."""
+
+    items: list[tuple[str, str, str]]
+    budget_s: float | None
+    results: list[Outcome | None]
+    first: dict[tuple[str, str, str], int]
+    """Each distinct item -> the index that is graded (repeats copy its outcome)."""
+    open: set[int] = field(default_factory=set)
+    """Indices still without an outcome (sent or waiting to be resent)."""
+    deadline: float | None = None
+    """Set when the grader starts on the batch: then + budget_s."""
+
+
+def _valid_utf8(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _encode(requests: list[GradeRequest]) -> bytes:
+    """The batch; text that is not valid UTF-8 (lone surrogates) is repaired."""
     try:
-        return encode_batch([GradeRequest(i, *items[i]) for i in todo])
+        return encode_batch(requests)
     except UnicodeEncodeError:
-        return encode_batch([GradeRequest(i, *map(_valid_utf8, items[i])) for i in todo])
+        return encode_batch([GradeRequest(r.id, *map(_valid_utf8, (r.reward, r.response, r.ground_truth)))
+                             for r in requests])
 
 
 def _digest(item: tuple[str, str, str]) -> bytes:
@@ -73,71 +92,6 @@ def _digest(item: tuple[str, str, str]) -> bytes:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.digest()
-
-
-def _valid_utf8(text: str) -> str:
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-class GraderProcess:
-    """One `python -m reward_service.grader` child and its framed pipes."""
-
-    def __init__(self, memory_mb: int, preload: str) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        argv = [sys.executable, "-m", "reward_service.grader", "--memory-mb", str(memory_mb),
-                "--preload", preload, "--parent-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env)
-        self._fd = self.proc.stdout.fileno()
-        self._buffer = bytearray()
-        self.ready = False
-
-    def wait_ready(self, timeout: float) -> None:
-        frame = self.recv(timeout)
-        if frame is None:
-            raise GraderDied(f"grader {self.proc.pid} not ready after {timeout:.0f} s")
-        _ready_decoder.decode(frame)
-        self.ready = True
-
-    def send(self, payload: bytes) -> None:
-        try:
-            self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)
-        except (BrokenPipeError, OSError, ValueError) as exc:
-            raise GraderDied(f"grader {self.proc.pid} gone: {exc}") from exc
-
-    def recv(self, timeout: float) -> bytes | None:
-        """The next frame, or None when none arrived within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while (frame := self._take_frame()) is None:
-            left = max(deadline - time.monotonic(), 0.0)
-            if not select.select([self._fd], [], [], left)[0]:
-                return None
-            chunk = os.read(self._fd, 1 << 16)
-            if not chunk:
-                raise GraderDied(f"grader {self.proc.pid} exited ({self.proc.poll()})")
-            self._buffer += chunk
-        return frame
-
-    def _take_frame(self) -> bytes | None:
-        if len(self._buffer) < _HEADER.size:
-            return None
-        (size,) = _HEADER.unpack_from(self._buffer)
-        end = _HEADER.size + size
-        if len(self._buffer) < end:
-            return None
-        frame = bytes(self._buffer[_HEADER.size:end])
-        del self._buffer[:end]
-        return frame
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
 
 
 class SafeGrader:
@@ -158,74 +112,113 @@ class SafeGrader:
         self._active: GraderProcess | None = None
         self._spare: GraderProcess | None = None
         self._cache: OrderedDict[bytes, Outcome] = OrderedDict()  # keyed by digest: bounded memory
+        self._ids = itertools.count()
+        self._sent: deque[tuple[int, Ticket, int, float]] = deque()
+        """(request id, ticket, index, sent at) the active grader has not answered, in order."""
+        self._idle_since = 0.0
+        """When the active grader last answered (it starts on the next item then)."""
 
     def start(self) -> None:
         """Start (and wait for) the active grader and, if enabled, the spare."""
         self._ensure_active()
 
     def grade(self, items: list[tuple[str, str, str]], budget_s: float | None = None) -> list[Outcome]:
-        """Outcomes of (reward, response, ground_truth) items, in order.
+        """Outcomes of (reward, response, ground_truth) items, in order (`budget_s`: see `submit`)."""
+        return self.finish(self.submit(items, budget_s))
 
-        `budget_s` bounds the whole batch: each item's timeout shrinks to what is left of it, so a
-        batch of many different hanging answers still returns in about `budget_s` seconds.
-        """
-        deadline = None if budget_s is None else time.monotonic() + budget_s
-        results: list[Outcome | None] = [self._cached(item) for item in items]
-        first: dict[tuple[str, str, str], int] = {}
-        for i, item in enumerate(items):
-            if results[i] is None:
-                first.setdefault(item, i)
-        todo = sorted(first.values())
+    def submit(self, items: list[tuple[str, str, str]], budget_s: float | None = None) -> Ticket:
+        """Send a batch to the grader now; `finish` the ticket for its outcomes. `budget_s` bounds the
+        batch's grading from when the grader starts on it, so many different hanging answers still
+        return in about `budget_s` seconds."""
+        ticket = Ticket(list(items), budget_s, [self._cached(item) for item in items], {})
+        for i, item in enumerate(ticket.items):
+            if ticket.results[i] is None and ticket.first.setdefault(item, i) == i:
+                ticket.open.add(i)
+        self._send(ticket, sorted(ticket.open))
+        return ticket
+
+    def finish(self, ticket: Ticket) -> list[Outcome]:
+        """Wait for the ticket's outcomes (answers of batches sent before it are read on the way)."""
         sends_failed = 0
-        while todo:
-            if deadline is not None and time.monotonic() >= deadline:
-                for index in todo:  # out of budget: never sent, scored as timed out
-                    self.timeouts += 1
-                    results[index] = self._remember(items[index], Outcome(timed_out=True))
-                break
-            grader = self._ensure_active()
-            try:
-                grader.send(_encode(items, todo))
-            except GraderDied:
+        while ticket.open:
+            if self._active is None or not self._sent:  # a send failed: everything open goes to a new grader
                 sends_failed += 1
-                self._discard_active()
-                if sends_failed > 2:
-                    raise GraderUnavailable("grader processes die on every batch") from None
+                if sends_failed > 3:
+                    raise GraderUnavailable("grader processes die on every batch")
+                self._resend_open(ticket)
                 continue
-            todo = self._collect(grader, todo, items, results, deadline)
-        for i, item in enumerate(items):
-            if results[i] is None:  # a repeat of an item graded in this batch
-                results[i] = replace(results[first[item]], seconds=0.0, cached=True)
-        return results  # type: ignore[return-value]
+            self._read_one()
+        for i, item in enumerate(ticket.items):
+            if ticket.results[i] is None:  # a repeat of an item graded in this batch
+                ticket.results[i] = replace(ticket.results[ticket.first[item]], seconds=0.0, cached=True)
+        return ticket.results  # type: ignore[return-value]
 
-    def _collect(self, grader: GraderProcess, todo: list[int], items, results, deadline) -> list[int]:
-        """Read answers for `todo` in order; on a timeout or death return the items still to send."""
-        for k, index in enumerate(todo):
-            started = time.monotonic()
-            timeout = self.timeout_s if deadline is None else min(self.timeout_s, max(deadline - started, 0.0))
-            try:
-                frame = grader.recv(timeout)
-            except GraderDied:
-                frame, crashed = None, True
+    # ---- sending and reading -------------------------------------------------------------------
+    def _send(self, ticket: Ticket, indices: list[int]) -> None:
+        if not indices:
+            return
+        requests, now = [], time.monotonic()
+        for index in indices:
+            rid = next(self._ids)
+            requests.append(GradeRequest(rid, *ticket.items[index]))
+            self._sent.append((rid, ticket, index, now))
+        grader = self._ensure_active()
+        try:
+            grader.send(_encode(requests))
+        except GraderDied:
+            self._discard_active()  # nothing was answered: `finish` resends all that is open
+
+    def _read_one(self) -> None:
+        """Wait for the answer to the oldest request sent; on a timeout or death, restart and resend."""
+        rid, ticket, index, sent_at = self._sent[0]
+        started = max(sent_at, self._idle_since)
+        if ticket.deadline is None and ticket.budget_s is not None:
+            ticket.deadline = started + ticket.budget_s
+        until = started + self.timeout_s if ticket.deadline is None else min(started + self.timeout_s,
+                                                                              ticket.deadline)
+        try:
+            frame = self._active.recv(max(until - time.monotonic(), 0.0))
+        except GraderDied:
+            frame, crashed = None, True
+        else:
+            crashed = False
+        now = time.monotonic()
+        if frame is None:
+            if crashed:
+                self.crashes += 1
             else:
-                crashed = False
-            seconds = time.monotonic() - started
-            if frame is None:
-                self._discard_active()
-                if crashed:
-                    self.crashes += 1
-                else:
-                    self.timeouts += 1
-                outcome = Outcome(timed_out=not crashed, crashed=crashed, seconds=seconds)
-                results[index] = self._remember(items[index], outcome)
-                return todo[k + 1:]
-            result = _result_decoder.decode(frame)
-            if result.id != index:
-                raise RuntimeError(f"grader answered item {result.id}, expected {index}")
-            outcome = Outcome(result.accuracy, result.format, error=result.error, seconds=seconds)
-            results[index] = self._remember(items[index], outcome)
-        return []
+                self.timeouts += 1
+            self._settle(ticket, index, Outcome(timed_out=not crashed, crashed=crashed, seconds=now - started))
+            self._discard_active()
+            self._resend_open(None)
+            return
+        result = _result_decoder.decode(frame)
+        if result.id != rid:
+            raise RuntimeError(f"grader answered request {result.id}, expected {rid}")
+        self._sent.popleft()
+        self._idle_since = now
+        self._settle(ticket, index, Outcome(result.accuracy, result.format, error=result.error,
+                                            seconds=now - started))
 
+    def _resend_open(self, current: Ticket | None) -> None:
+        """Send every open item again, in order, to a fresh grader; items whose ticket ran out of
+        budget score as timed out instead (never sent)."""
+        tickets = list(dict.fromkeys([t for _, t, _, _ in self._sent] + ([current] if current else [])))
+        self._sent.clear()
+        now = time.monotonic()
+        for ticket in tickets:
+            if ticket.deadline is not None and now >= ticket.deadline:
+                for index in sorted(ticket.open):
+                    self.timeouts += 1
+                    self._settle(ticket, index, Outcome(timed_out=True))
+            else:
+                self._send(ticket, sorted(ticket.open))
+
+    def _settle(self, ticket: Ticket, index: int, outcome: Outcome) -> None:
+        ticket.open.discard(index)
+        ticket.results[index] = self._remember(ticket.items[index], outcome)
+
+    # ---- cache ---------------------------------------------------------------------------------
     def _cached(self, item: tuple[str, str, str]) -> Outcome | None:
         if self.cache_size <= 0:
             return None
@@ -243,6 +236,7 @@ class SafeGrader:
                 self._cache.popitem(last=False)
         return outcome
 
+    # ---- processes -----------------------------------------------------------------------------
     def _ensure_active(self) -> GraderProcess:
         if self._active is None:
             candidates = [self._spare, None] if self._spare is not None else [None]
@@ -257,6 +251,7 @@ class SafeGrader:
                     error = exc
             else:
                 raise GraderUnavailable(str(error)) from error
+            self._idle_since = time.monotonic()
         if self.spare and self._spare is None:
             self._spare = self._spawn()
         return self._active
@@ -275,6 +270,7 @@ class SafeGrader:
             if grader is not None:
                 grader.kill()
         self._active = self._spare = None
+        self._sent.clear()
 
     def __enter__(self) -> "SafeGrader":
         return self

@@ -1,6 +1,7 @@
 """Scores a rollout group: route each sample to its reward, grade safely, combine the parts.
 
-`GroupScorer.score(group)` returns one `broker.schemas.Score` per sample. Grading goes through a
+`GroupScorer.score(group)` returns one `broker.schemas.Score` per sample (`submit` then `finish`
+does the same in two steps, so a worker can queue the next group while the grader works). Grading goes through a
 `SafeGrader` (hard timeout, separate process); when it times out or its process dies the sample
 gets accuracy 0, `timed_out=True`, and the format part computed here (a linear-time check), so a
 well-formed answer that merely hangs sympy keeps its format credit. Metrics are recorded per sample.
@@ -9,13 +10,22 @@ well-formed answer that merely hangs sympy keeps its format credit. Metrics are 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from broker.schemas import RolloutGroup, Score
 from reward_service.metrics import RewardMetrics
-from reward_service.pool import Outcome, SafeGrader
+from reward_service.pool import Outcome, SafeGrader, Ticket
 from reward_service.rewards import DEFAULT_REWARD, Weights, load_format, route
 
 log = logging.getLogger(__name__)
+
+
+class Pending(NamedTuple):
+    """A group sent to the grader (`GroupScorer.submit`), to `GroupScorer.finish`."""
+
+    group: RolloutGroup
+    reward: str
+    ticket: Ticket
 
 
 class GroupScorer:
@@ -38,10 +48,19 @@ class GroupScorer:
 
     def score_within(self, group: RolloutGroup, budget_s: float | None) -> list[Score]:
         """Like `score`, with the whole group's grading bounded by `budget_s` seconds (None = no bound)."""
+        return self.finish(self.submit(group, budget_s))
+
+    def submit(self, group: RolloutGroup, budget_s: float | None) -> Pending:
+        """Send the group's samples to the grader now (it grades them after what it already has)."""
         name = self.reward_name(group.data_source)
         items = [(name, sample.response_text, group.ground_truth) for sample in group.samples]
-        outcomes = self.grader.grade(items, budget_s)
-        return [self._score(name, group, item[1], outcome) for item, outcome in zip(items, outcomes)]
+        return Pending(group, name, self.grader.submit(items, budget_s))
+
+    def finish(self, pending: Pending) -> list[Score]:
+        """The Scores of a submitted group, in sample order."""
+        outcomes = self.grader.finish(pending.ticket)
+        return [self._score(pending.reward, pending.group, item[1], outcome)
+                for item, outcome in zip(pending.ticket.items, outcomes)]
 
     def _score(self, name: str, group: RolloutGroup, response: str, outcome: Outcome) -> Score:
         accuracy, format = outcome.accuracy, outcome.format

@@ -7,6 +7,12 @@ only after its group was published (or found already published). Malformed entri
 dead-lettered by `broker.channel.Subscriber`; entries left pending by a dead worker are reclaimed
 by the transport on a later read (XAUTOCLAIM after `claim_idle_s`).
 
+The loop keeps a window of at most `groups_per_read` groups sent to the grader: while the grader
+works on the oldest, the next is already queued in its pipe and the window is topped up with a
+non-blocking read, so the grader does not wait for broker round trips. A group waits behind at
+most `groups_per_read - 1` others, each bounded by `group_budget_s` (hence the config's check
+against `claim_idle_s`).
+
 `python -m reward_service.worker` runs one worker whose resolved config arrives as JSON on stdin
 (how `python -m reward_service --workers N` starts its children: no secrets on the command line).
 """
@@ -20,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 
 from broker.channel import Subscriber
 from broker.names import Names
@@ -31,7 +38,7 @@ from reward_service.metrics import RewardMetrics
 from reward_service.outbox import Outbox
 from reward_service.pool import SafeGrader
 from reward_service.rewards import DEFAULT_ROUTES
-from reward_service.scoring import GroupScorer
+from reward_service.scoring import GroupScorer, Pending
 from runtime.config import from_dict
 from runtime.metrics import start_metrics_server
 
@@ -91,16 +98,21 @@ class RewardWorker:
                                     self.metrics.registry)
         log.info("worker %s consuming %s (metrics port %s)", self.consumer, self.names.rollouts, port or "off")
         empty_polls = 0
+        window: deque[tuple[Delivery, Pending, float]] = deque()  # sent to the grader, oldest first
         try:
             while not self._stopping:
-                batch = self.subscriber.poll(count=self.cfg.groups_per_read, block_s=self.cfg.block_s)
-                empty_polls = 0 if batch else empty_polls + 1
-                if not batch and self.cfg.burst and self._drained(empty_polls):
-                    break
-                for delivery, group in batch:
-                    if self._stopping:
-                        break  # left pending: reclaimed by another worker after claim_idle_s
-                    self.handle(delivery, group)
+                room = self.cfg.groups_per_read - len(window)
+                if room > 0:  # top up (without waiting while there is work in hand)
+                    batch = self.subscriber.poll(count=room, block_s=0.0 if window else self.cfg.block_s)
+                    if not window:
+                        empty_polls = 0 if batch else empty_polls + 1
+                        if not batch and self.cfg.burst and self._drained(empty_polls):
+                            break
+                    for delivery, group in batch:
+                        if (started := self.accept(delivery, group)) is not None:
+                            window.append(started)
+                if window:  # groups left in the window when stopping stay pending: reclaimed later
+                    self.complete(*window.popleft())
         finally:
             self.grader.close()
             self.outbox.close()
@@ -109,12 +121,22 @@ class RewardWorker:
 
     def handle(self, delivery: Delivery, group: RolloutGroup) -> None:
         """Score one group and hand it to the outbox (publish once, then ack)."""
+        if (started := self.accept(delivery, group)) is not None:
+            self.complete(*started)
+
+    def accept(self, delivery: Delivery, group: RolloutGroup) -> tuple[Delivery, Pending, float] | None:
+        """Send a new group to the grader; None (and acked) when a redelivered group was already published."""
         if delivery.attempts > 1 and self.gate.is_done(group.group_id):
-            return self.outbox.ack_duplicate(delivery, group)  # redelivered after it was published: skip
+            self.outbox.ack_duplicate(delivery, group)  # redelivered after it was published: skip
+            return None
         started = time.monotonic()
-        scores = self.scorer.score_within(group, self.cfg.group_budget_s)
-        group.timings["reward"] = time.monotonic() - started
-        self.outbox.submit(delivery, group, scores)
+        return delivery, self.scorer.submit(group, self.cfg.group_budget_s), started
+
+    def complete(self, delivery: Delivery, pending: Pending, started: float) -> None:
+        """Wait for an accepted group's scores and hand it to the outbox (publish once, then ack)."""
+        scores = self.scorer.finish(pending)
+        pending.group.timings["reward"] = time.monotonic() - started
+        self.outbox.submit(delivery, pending.group, scores)
 
     def _drained(self, empty_polls: int) -> bool:
         """Nothing pending and nothing left to read (a poll can be empty because it only held garbage)."""

@@ -127,3 +127,28 @@ def test_a_spare_that_died_idle_is_replaced():
         [outcome] = g.grade([("math", T + "\\boxed{9**9**9}", IRRATIONAL)])  # swaps the dead spare in
         assert outcome.timed_out
         _still_works(g)
+
+
+def test_batches_in_flight_survive_a_timeout_and_keep_their_own_budget(grader):
+    hanging = ("math", T + "\\boxed{9**9**9}", IRRATIONAL)
+    good = [("math", T + f"\\boxed{{{n}}}", str(n)) for n in range(3)]
+    first = grader.submit([good[0], hanging], budget_s=TIMEOUT_S)
+    second = grader.submit(good[1:], budget_s=TIMEOUT_S)  # queued behind the hang, then resent
+    started = time.monotonic()
+    late = grader.finish(second)  # reads the first batch's answers on the way
+    assert time.monotonic() - started < BOUND_S
+    assert [(o.accuracy, o.failed) for o in late] == [(1.0, False), (1.0, False)]  # budget not spent
+    early = grader.finish(first)
+    assert early[0].accuracy == 1.0 and early[1].timed_out
+
+
+def test_a_batch_bigger_than_the_pipe_never_blocks_the_sender(grader):
+    hanging = ("math", T + "\\boxed{9**9**9}", IRRATIONAL)
+    busy = grader.submit([hanging])
+    started = time.monotonic()
+    big = grader.submit([("math", "<think>" + "a" * 2_000_000 + "</think>\\boxed{4}", "4")])
+    assert time.monotonic() - started < 0.5 * TIMEOUT_S  # queued, not written through a full pipe
+    assert grader.finish(busy)[0].timed_out
+    [outcome] = grader.finish(big)
+    assert (outcome.accuracy, outcome.failed) == (1.0, False)
+    _still_works(grader)

@@ -84,6 +84,22 @@ def test_worker_scores_every_sample_and_publishes(broker_url, names):
         assert transport.pending(names.rollouts, Names.REWARD) == 0
 
 
+def test_a_window_of_groups_in_the_grader_keeps_order_timeouts_and_publish_once(broker_url, names):
+    hang = T + "\\boxed{9**9**9}"
+    groups = [make_group(f"g{i}", [T + f"\\boxed{{{i}}}", T + "\\boxed{0}"], str(i)) for i in range(6)]
+    groups[1] = make_group("g1", [T + "\\boxed{2\\sqrt{3}}", hang], "2\\sqrt{3}")  # sympy runs: it hangs
+    publish(broker_url, names, groups)
+    worker = run_worker(config(broker_url, names, groups_per_read=2))  # one group queued behind another
+    assert worker.published == 6 and worker.duplicates == 0
+    by_id = {s.group.group_id: s.scores for s in scored(broker_url, names)}
+    assert sorted(by_id) == [f"g{i}" for i in range(6)]
+    assert all(scores[0].accuracy == 1.0 and not scores[0].timed_out for scores in by_id.values())
+    assert by_id["g1"][1].timed_out and not any(by_id[g][1].timed_out for g in by_id if g != "g1")
+    assert by_id["g0"][1].accuracy == 1.0 and by_id["g2"][1].accuracy == 0.0
+    with broker.connect(broker_url) as transport:
+        assert transport.pending(names.rollouts, Names.REWARD) == 0
+
+
 def test_weights_and_routes_are_configurable_and_publishing_inline_works(redis_server, names):
     publish(redis_server.url, names, [make_group("g1", ["\\boxed{red}"], "red", data_source="colours")])
     run_worker(config(redis_server.url, names, accuracy_weight=1.0, format_weight=0.5,
