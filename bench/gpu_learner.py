@@ -39,7 +39,7 @@ PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100/H200 SXM (the MFU denominator)."""
 
 DEFAULT_VARIANTS = ("padded", "packed-full", "packed-selective", "packed-selective+dedup",
-                    "packed-selective+dedup+vsel", "packed-selective+dedup+vsel+compile")
+                    "packed-selective+dedup+fuse")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help="padded | packed-<ac> | fsdp-<ac>, ac = full | selective | selective:<k> | none; flags "
                         "+dedup (one vision pass per group image), +vsel (selective AC in the vision tower), "
-                        "+compile (torch.compile per decoder block); suffix @<tokens> sets the micro-batch "
+                        "+fuse (torch.compile of the elementwise ops and logprob chunks), +cblocks (torch.compile "
+                        "of whole decoder blocks); suffix @<tokens> sets the micro-batch "
                         "token budget (default 16384), *<n> the number of samples (default --samples)")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt (they share its image)")
@@ -212,18 +213,18 @@ def parse_variant(variant: str) -> dict:
     rest, _, samples = variant.partition("*")
     rest, _, budget = rest.partition("@")
     base, *flags = rest.split("+")
-    unknown = set(flags) - {"dedup", "vsel", "compile"}
+    unknown = set(flags) - {"dedup", "vsel", "fuse", "cblocks"}
     if unknown or not (base == "padded" or base.startswith(("packed-", "fsdp-"))):
         raise ValueError(f"unknown variant {variant!r}")
     return {"base": base, "mode": base.partition("-")[2], "dedup": "dedup" in flags, "vision_selective": "vsel" in flags,
-            "compile": "compile" in flags, "max_tokens": int(budget) if budget else 16384,
+            "compile": "elementwise" if "fuse" in flags else "blocks" if "cblocks" in flags else "", "max_tokens": int(budget) if budget else 16384,
             "samples": int(samples) if samples else None}
 
 
 def run_variant(model, config, samples, variant: str, args, device) -> dict:
     """Warm up, then time `steps` optimizer steps of one variant; returns seconds per step and memory."""
     from policy.checkpointing import apply_checkpointing
-    from policy.compile import compile_blocks
+    from policy.compile import apply_compile
 
     v = parse_variant(variant)
     mode = v["mode"]
@@ -237,10 +238,9 @@ def run_variant(model, config, samples, variant: str, args, device) -> dict:
     elif v["base"].startswith("packed-"):
         from policy.forward import PackedPolicy
 
-        policy = PackedPolicy(model, chunk_size=args.chunk)
+        policy = PackedPolicy(model, chunk_size=args.chunk, compile_logprobs=v["compile"] == "elementwise")
         apply_checkpointing(model, mode, vision_mode)
-        if v["compile"]:
-            compile_blocks(model)
+        apply_compile(model, v["compile"])
         steps = args.steps
         inputs = packs(samples, config, v["max_tokens"], device, v["dedup"])
         forward = _packed_forward(policy)
@@ -295,10 +295,11 @@ def timed(model, optimizer, forward, inputs, steps, args, device, v: dict) -> di
 
 
 def uncompile(model) -> None:
-    """Back to eager blocks (the next variant starts from the same model)."""
-    for block in model.modules():
-        if getattr(block, "_compiled_call_impl", None) is not None:
-            block._compiled_call_impl = None
+    """Back to eager modules (the next variant starts from the same model)."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+        module.__dict__.pop("forward", None)  # policy.compile's fused MLP forward
 
 
 def profile_step(model, optimizer, forward, inputs, device, top: int = 25) -> dict:
@@ -307,9 +308,8 @@ def profile_step(model, optimizer, forward, inputs, device, top: int = 25) -> di
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step_s, _ = train_step(model, optimizer, forward, inputs, device)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
-    kernels = sorted(((e.key, e.self_device_time_total / 1e6, e.count) for e in events
-                      if e.self_device_time_total > 0), key=lambda x: -x[1])
+    kernels = sorted(((e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
+                      if e.device_type.name == "CUDA" and e.self_device_time_total > 0), key=lambda x: -x[1])
     busy = sum(t for _, t, _ in kernels)
     classes: dict[str, float] = {}
     for name, t, _ in kernels:

@@ -4,6 +4,8 @@
 #
 #   bash bench/gpu_run.sh learner        # carry [".whl"] (the msgspec cp312 wheel; the image lacks it)
 #   bash bench/gpu_run.sh learner-sync   # carry [".whl"]: the first session's learner + weight-sync call
+#   bash bench/gpu_run.sh stage-learner 1 7b   # carry [".gpu/p1", ".whl"]  } the stage calls with the second
+#   bash bench/gpu_run.sh stage-learner 2 3b   # carry [".gpu/p2", ".whl"]  } learner round riding along
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
 #   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM, generator bench, pipeline smoke run
@@ -35,6 +37,13 @@ case "${1:-}" in
     run learner 540 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1 --profile \
       --variants padded packed-selective packed-selective+dedup packed-selective+dedup+vsel fsdp-selective+dedup+vsel \
       "packed-selective+dedup+vsel@32768*32" packed-selective+dedup+vsel+compile
+    ;;
+  stage-learner)  # carry [".gpu/p$2", ".whl"]: bundle part $2 into /tmp/stage, then the second learner round on $3
+    stage "$2"; ls /tmp/stage; wheels
+    run "learner_$3" 500 python3 -m bench.gpu_learner --out "$OUT/gpu_learner_$3.json" --models "$3" --steps 2 \
+      --baseline-steps 1 --profile --variants padded packed-selective+dedup packed-selective+dedup+fuse \
+      packed-full+dedup+cblocks "packed-selective+dedup@32768*32" "packed-selective+dedup+fuse@32768*32" \
+      fsdp-selective+dedup+fuse
     ;;
   learner-sync)  # carry [".whl"]: learner step 7B + 3B, then weight sync 7B (CUDA IPC vs gloo)
     wheels

@@ -106,8 +106,10 @@ class ParallelConfig:
     the H200) or "selective:<k>" (selective on the first k decoder blocks); see policy/checkpointing.py."""
     vision_checkpoint_mode: str = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
-    compile: bool = False
-    """torch.compile each decoder block (policy/compile.py): fuses the elementwise ops between matmuls."""
+    compile: str = ""
+    """torch.compile (policy/compile.py): "" none, "elementwise" (fused RMSNorms, SiLU x up and logprob chunks;
+    matmuls stay eager, so selective checkpointing keeps its savings), "blocks" (whole decoder blocks; pair
+    it with full checkpointing)."""
     mixed_precision: bool = True
     """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32). On one GPU the
     learner still runs FSDP2 (a one-rank group) so that this applies."""

@@ -93,10 +93,10 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.devic
         apply_checkpointing(model, text=cfg.checkpoint_mode, vision=cfg.vision_checkpoint_mode)
     model.config.use_cache = False
     if cfg.compile:
-        from policy.compile import compile_blocks
+        from policy.compile import apply_compile
 
-        compile_blocks(model)
-    root = PackedPolicy(model, chunk_size=chunk_size)
+        apply_compile(model, cfg.compile)
+    root = PackedPolicy(model, chunk_size=chunk_size, compile_logprobs=cfg.compile == "elementwise")
     if not distributed():
         return root
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -18,6 +18,7 @@ of a whole pack never exist at once, in forward or backward.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -156,8 +157,9 @@ class PackedPolicy(nn.Module):
     """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
 
     def __init__(self, model: nn.Module, chunk_size: int = 1024, vision_varlen: bool = True,
-                 banned_token_ids: list[int] | None = None):
-        """banned_token_ids: tokens the generator never samples (default: the image and video pad tokens,
+                 banned_token_ids: list[int] | None = None, compile_logprobs: bool = False):
+        """compile_logprobs: fuse each chunk's fp32 log-softmax / gather / entropy with torch.compile.
+        banned_token_ids: tokens the generator never samples (default: the image and video pad tokens,
         which Parallax's vLLM sampler bans); their logits are masked out before the softmax so that the
         learner's distribution is exactly the one the behaviour logprobs came from. Pass [] to disable."""
         super().__init__()
@@ -167,6 +169,7 @@ class PackedPolicy(nn.Module):
         if banned_token_ids is None:
             banned_token_ids = [model.config.image_token_id, getattr(model.config, "video_token_id", None)]
         self.banned_token_ids = sorted({int(t) for t in banned_token_ids if t is not None})
+        self.compile_logprobs = compile_logprobs
         enable_packed_attention(model, vision=vision_varlen)
 
     def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = True,
@@ -180,7 +183,7 @@ class PackedPolicy(nn.Module):
         states = hidden[0, batch.target_index.to(hidden.device) - 1]
         targets = batch.input_ids[0, batch.target_index].to(hidden.device)
         return chunked_logprobs(self.model.lm_head, states, targets, temperature, self.chunk_size, with_entropy,
-                                self.banned_token_ids)
+                                self.banned_token_ids, compiled=self.compile_logprobs)
 
     def hidden_states(self, batch: PackedBatch, run_vision_always: bool = False) -> torch.Tensor:
         """(1, total, hidden) final hidden states of the packed row."""
@@ -225,20 +228,23 @@ class PackedPolicy(nn.Module):
 
 def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                      chunk_size: int = 1024, with_entropy: bool = True,
-                     banned_token_ids: list[int] | tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     banned_token_ids: list[int] | tuple[int, ...] = (),
+                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of `targets` (and entropies) from hidden `states` (N, d), `chunk_size` rows at a time.
 
-    Tokens in `banned_token_ids` get no probability mass (as in a sampler that bans them)."""
+    Tokens in `banned_token_ids` get no probability mass (as in a sampler that bans them).
+    `compiled`: the per-chunk fp32 softmax work runs as fused torch.compile kernels."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
+    chunk_fn = _compiled_chunk() if compiled else _chunk
     logps, ents = [], []
     use_ckpt = torch.is_grad_enabled() and states.requires_grad
     for s, t in zip(torch.split(states, chunk_size), torch.split(targets, chunk_size)):
         if use_ckpt:
-            lp, ent = checkpoint(_chunk, lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids),
+            lp, ent = checkpoint(chunk_fn, lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids),
                                  use_reentrant=False)
         else:
-            lp, ent = _chunk(lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids))
+            lp, ent = chunk_fn(lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids))
         logps.append(lp)
         ents.append(ent)
     logprobs = torch.cat(logps) if logps else states.new_zeros(0, dtype=torch.float32)
@@ -247,7 +253,26 @@ def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Te
 
 
 def _chunk(lm_head, states, targets, temperature, with_entropy, banned=()):
-    logits = lm_head(states).float()
+    return _token_logp_entropy(lm_head(states), targets, temperature, with_entropy, banned)
+
+
+def _compiled_chunk():
+    """`_chunk` with the softmax part compiled (the lm_head matmul stays an eager mm)."""
+    fused = _fused_logp_entropy()
+
+    def chunk(lm_head, states, targets, temperature, with_entropy, banned=()):
+        return fused(lm_head(states), targets, temperature, with_entropy, banned)
+
+    return chunk
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_logp_entropy():
+    return torch.compile(_token_logp_entropy, dynamic=True)
+
+
+def _token_logp_entropy(logits, targets, temperature, with_entropy, banned=()):
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if banned:

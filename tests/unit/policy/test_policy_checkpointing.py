@@ -43,13 +43,11 @@ def test_parse_mode():
         parse_mode("selective:4", 3)
 
 
-def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_processor, tiny_model):
+@pytest.mark.parametrize("mode", ["elementwise", "blocks"])
+def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, tiny_model, mode):
     import copy
 
-    from policy.checkpointing import apply_checkpointing
-    from policy.compile import compile_blocks
-    from policy.forward import PackedPolicy
-    from policy.packing import pack
+    from policy.compile import apply_compile
     from tests.fixtures.models import make_samples
 
     pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -62,10 +60,16 @@ def test_compiled_blocks_give_the_same_logprobs_and_gradients(tiny_processor, ti
         model.zero_grad(set_to_none=True)
         lp, ent = policy(batch)
         (lp.sum() + ent.sum()).backward()
-        return lp.detach(), model.model.language_model.layers[0].mlp.up_proj.weight.grad.clone()
+        return lp.detach(), ent.detach(), model.model.language_model.layers[0].mlp.up_proj.weight.grad.clone()
 
     eager = run()
-    assert compile_blocks(model) == len(model.model.language_model.layers)
+    n = apply_compile(model, mode)
+    layers = len(model.model.language_model.layers)
+    assert n == layers if mode == "blocks" else n > 3 * layers  # two norms and an MLP per decoder block, + vision
+    policy.compile_logprobs = mode == "elementwise"
     compiled = run()
-    assert (compiled[0] - eager[0]).abs().max() <= 1e-5
-    assert (compiled[1] - eager[1]).abs().max() <= 1e-5 and eager[1].abs().max() > 0
+    for a, b in zip(compiled, eager):
+        assert (a - b).abs().max() <= 1e-5
+    assert eager[2].abs().max() > 0
+    with pytest.raises(ValueError, match="compile mode"):
+        apply_compile(model, "everything")
