@@ -114,7 +114,8 @@ class ParallelConfig:
     """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32). On one GPU the
     learner still runs FSDP2 (a one-rank group) so that this applies."""
     reshard_after_forward: bool = True
-    """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2)."""
+    """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2). Ignored on one rank
+    (nothing to free: the gathered parameters are kept)."""
     backend: str = ""
     """torch.distributed backend; empty = nccl on GPU, gloo on CPU."""
 

@@ -105,7 +105,10 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.devic
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    kwargs = dict(mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    # one rank: the gathered (bf16) parameters are this rank's own, so freeing them after the forward only
+    # buys a second gather-and-cast per block in the backward pass
+    reshard = cfg.reshard_after_forward and dist.get_world_size() > 1
+    kwargs = dict(mp_policy=mp, reshard_after_forward=reshard)
     visual, layers = vision_tower(model), decoder_layers(model)
     if visual is not None:
         for block in visual.blocks:
