@@ -23,13 +23,14 @@ def _opened_in_worker(worker) -> int:
 
 
 def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
+    from safetensors.torch import load_file
+
     from bench.gpu_models import build_model, qwen_config, write_checkpoint
     from bench.gpu_weight_sync import _layer_sums_in_worker, layer_sums
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
     from policy.weight_ipc import IpcSenderConfig, IpcWeightReceiver, IpcWeightSender
-    from safetensors.torch import load_file
     from tasks.prompt import render_prompt_ids
 
     config = qwen_config("tiny")

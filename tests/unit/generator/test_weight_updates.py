@@ -71,7 +71,7 @@ def checkpoint(tmp_path):
 
 def shared(tensors: dict[str, torch.Tensor], layout_id: int = 1, handle: bytes = b"h1"):
     """A learner-side buffer holding `tensors` and its IpcLayout (the handle is fake)."""
-    plan = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 1 << 20)
+    plan = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 1 << 40)  # one buffer
     buffer = torch.zeros(plan.bucket_nbytes[0], dtype=torch.uint8)
     pack_bucket(buffer, plan.tensors, tensors.values())
     manifest = Manifest(version=-1, tensors=plan.tensors, bucket_nbytes=plan.bucket_nbytes, checksums=False)
