@@ -54,6 +54,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    exit_on_sigterm()
     if args.tiny:
         args.prompts, args.max_tokens, args.image_side = [4, 8], 8, 112
     t_start = time.perf_counter()
@@ -64,35 +66,49 @@ def main(argv=None) -> int:
         transport = broker.connect(url)
         t0 = time.perf_counter()
         engine = build_engine(model_dir, args)
-        report = {"command": "python -m bench.gpu_generator " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "model": args.model, "engine_core": "own process" if not engine.in_process else "this process",
-                  "engine_config": engine_settings(args), "engine_start_s": round(time.perf_counter() - t0, 1),
-                  "runs": [], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        warm = prompt_set(engine, 8, args.image_side, seed=99)
-        bare_generate(engine, warm, args.max_tokens)
-        parallax_generate(engine, transport, warm, args, tag="warm")
-        offset = 0
-        for count in args.prompts:
-            prompts = prompt_set(engine, count, args.image_side, seed=offset)
-            offset += count
-            bare = bare_generate(engine, prompts, args.max_tokens)
-            ours = parallax_generate(engine, transport, prompts, args, tag=f"run{count}")
-            row = {"prompts": count, "bare": bare, "parallax": ours,
-                   "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3)}
-            report["runs"].append(row)
-            print(f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
-                  f"({100 * row['parallax_over_bare']:.1f}%)", flush=True)
+        try:
+            report = {"command": "python -m bench.gpu_generator " + " ".join(argv), "model": args.model,
+                      "engine_core": "this process" if engine.in_process else "own process",
+                      "engine_config": engine_settings(args), "engine_start_s": round(time.perf_counter() - t0, 1),
+                      "runs": [], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            bench(engine, transport, args, report)
+            report["seconds"] = round(time.perf_counter() - t_start, 1)
             write(report, args.out)
-        report["seconds"] = round(time.perf_counter() - t_start, 1)
-        write(report, args.out)
-        print(format_table(report), flush=True)
-        if args.smoke_steps > 0:
-            from bench.gpu_smoke import run_smoke
+            print(format_table(report), flush=True)
+            if args.smoke_steps > 0:
+                from bench.gpu_smoke import run_smoke
 
-            smoke_out = args.out.with_name(args.out.name.replace("gpu_generator", "gpu_smoke"))
-            run_smoke(engine, transport, url, model_dir, steps=args.smoke_steps, out=smoke_out, tiny=args.tiny)
-        engine.close()
+                smoke_out = args.out.with_name(args.out.name.replace("gpu_generator", "gpu_smoke"))
+                run_smoke(engine, transport, url, model_dir, steps=args.smoke_steps, out=smoke_out, tiny=args.tiny)
+        finally:
+            engine.close()  # an engine core in its own process would outlive us (with its GPU memory)
     return 0
+
+
+def bench(engine, transport, args, report: dict) -> None:
+    """Warm both paths up, then bare vs Parallax per prompt count; the report is written after each row."""
+    warm = prompt_set(engine, 8, args.image_side, seed=99)
+    bare_generate(engine, warm, args.max_tokens)
+    parallax_generate(engine, transport, warm, args, tag="warm")
+    offset = 0
+    for count in args.prompts:
+        prompts = prompt_set(engine, count, args.image_side, seed=offset)
+        offset += count
+        bare = bare_generate(engine, prompts, args.max_tokens)
+        ours = parallax_generate(engine, transport, prompts, args, tag=f"run{count}")
+        row = {"prompts": count, "bare": bare, "parallax": ours,
+               "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3)}
+        report["runs"].append(row)
+        print(f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
+              f"({100 * row['parallax_over_bare']:.1f}%)", flush=True)
+        write(report, args.out)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (the device script's `timeout`) unwinds like an exception, so engines get closed."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def write(report: dict, out: Path) -> None:

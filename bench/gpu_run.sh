@@ -8,7 +8,9 @@
 #   bash bench/gpu_run.sh stage-learner 2 3b   # carry [".gpu/p2", ".whl"]  } learner round riding along
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
-#   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM, generator bench, pipeline smoke run
+#   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM; generator bench (engine core in its own
+#                                        # process) + pipeline smoke run; 7B CUDA-IPC sync into vLLM; in-process
+#                                        # engine column if time is left (whole call <= ~9.3 min)
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -53,11 +55,25 @@ case "${1:-}" in
   stage)  # carry [".gpu/p$2"]: one vLLM bundle part into /tmp/stage
     stage "$2"; ls -la /tmp/stage
     ;;
-  vllm)  # carry [".gpu/p3"], right after "stage 1" and "stage 2": install vLLM, generator bench + smoke run
+  vllm)  # carry [".gpu/p3"], right after "stage 1" and "stage 2": install vLLM, then (each step time-boxed)
+    # 1. generator bench, 3B, 64 + 512 prompts: bare vLLM vs the Parallax loop on ONE engine whose core runs in
+    #    its own process (the default on CUDA), then the pipeline smoke run on it (CUDA-IPC applies in vLLM's worker);
+    # 2. 7B learner -> vLLM engine (own-process core) through CUDA IPC: 5 timed syncs, per-layer sums, greedy;
+    # 3. the same generator bench on an in-process engine core (the old default), only if >= 150 s are left.
     [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
       || { tail "$OUT/install.log"; exit 3; }
     export PYTHONPATH=/tmp/site
-    run generator 375 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
+    run generator 330 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
+    nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/generator.log"
+    run weight_sync_vllm 190 python3 -m bench.gpu_weight_sync --engine vllm --model 7b --paths ipc --syncs 5 \
+      --out "$OUT/gpu_weight_sync_vllm.json"
+    left=$((555 - SECONDS))
+    if [ "$left" -ge 150 ]; then
+      run generator_inprocess "$left" python3 -m bench.gpu_generator --engine-core inprocess --smoke-steps 0 \
+        --out "$OUT/gpu_generator_inprocess.json"
+    else
+      echo "skipped the in-process column: ${left} s left" | tee -a "$OUT/generator.log"
+    fi
     ;;
   *) echo "usage: bash bench/gpu_run.sh learner-sync | stage 1|2 | vllm"; exit 2 ;;
 esac

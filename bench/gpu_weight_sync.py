@@ -55,6 +55,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from bench.gpu_generator import exit_on_sigterm
+
+    exit_on_sigterm()  # the parent's finally stops the generator, which closes its vLLM engine
     if args.tiny:
         args.model = "tiny"
     device = "cpu" if args.tiny else "cuda"
@@ -203,7 +206,13 @@ def generator_main(path: str, address: str, ctl_port: int, size: str, engine_kin
 
     ctl = TCPStore("127.0.0.1", ctl_port, None, False, datetime.timedelta(seconds=600), wait_for_workers=False)
     engine = make_engine(engine_kind, size, ckpt, device)
-    receiver = make_receiver(path, address, device)
+    try:  # a multi-process vLLM engine core outlives this process unless closed (and keeps its GPU memory)
+        serve(engine, make_receiver(path, address, device), ctl)
+    finally:
+        engine.close()
+
+
+def serve(engine, receiver, ctl) -> None:
     ctl.set("ready", "1")
     while not ctl.check(["stop"]):
         received = receiver.take()
@@ -217,7 +226,6 @@ def generator_main(path: str, address: str, ctl_port: int, size: str, engine_kin
         receiver.mark_served(received.version)
         ctl.set(f"served/{received.version}", str(time.perf_counter() - t0))
     receiver.close()
-    engine.close()  # a multi-process vLLM engine core outlives this process otherwise (and keeps its GPU memory)
 
 
 def make_receiver(path: str, address: str, device: str):
