@@ -29,7 +29,7 @@ wheels() {
 run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECONDS
   local name=$1 secs=$2; shift 2
   echo "=== $name: $*" | tee -a "$OUT/$name.log"
-  timeout "$secs" "$@" 2>&1 | tee -a "$OUT/$name.log"
+  timeout -k 15 "$secs" "$@" 2>&1 | tee -a "$OUT/$name.log"
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
 }
 
@@ -42,7 +42,7 @@ case "${1:-}" in
     ;;
   stage-learner)  # carry [".gpu/p$2", ".whl"]: bundle part $2 into /tmp/stage, then the second learner round on $3
     stage "$2"; ls /tmp/stage; wheels
-    run "learner_$3" 500 python3 -m bench.gpu_learner --out "$OUT/gpu_learner_$3.json" --models "$3" --steps 2 \
+    run "learner_$3" 420 python3 -m bench.gpu_learner --out "$OUT/gpu_learner_$3.json" --models "$3" --steps 2 \
       --baseline-steps 1 --profile --variants padded packed-selective+dedup packed-selective+dedup+fuse \
       packed-full+dedup+cblocks "packed-selective+dedup@32768*32" "packed-selective+dedup+fuse@32768*32" \
       fsdp-selective+dedup+fuse
