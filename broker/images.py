@@ -3,11 +3,13 @@
     store = ImageStore(transport, Names(namespace))
     ref = store.put(png_bytes)          # stored under sha256, expiry refreshed
     pil = store.open(ref)               # fetched, sha256-verified, decoded
+    pils = store.open_many(refs, pool)  # a batch: each blob fetched once, verified + decoded on `pool`
 
 The same bytes are stored once (the key is their sha256); every `put` refreshes the expiry
 (at most every `ttl_s / 4` per process, so a hot image costs no traffic). `get` raises
 `ImageMissing` when the blob expired or was never stored and `ImageCorrupt` when the bytes do
-not hash to the reference.
+not hash to the reference. `open_many` returns such errors per entry instead of raising, so one bad
+image never fails the others.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import hashlib
 import io
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 
 from broker.names import Names
 from broker.schemas import ImageRef
@@ -63,23 +67,54 @@ class ImageStore:
 
     def get(self, ref: ImageRef) -> bytes:
         """The verified bytes of `ref`."""
+        return _verified(ref.sha256, self._fetch(ref))
+
+    def open(self, ref: ImageRef, mode: str | None = "RGB"):
+        """The decoded PIL image of `ref` (converted to `mode` unless None)."""
+        return _decode(self.get(ref), mode)
+
+    def open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None, mode: str | None = "RGB") -> list:
+        """One entry per ref, in order: what `open(ref)` returns, or the ImageError / OSError / ValueError it
+        would raise (as an object: one bad image never fails the others; other exceptions do raise).
+
+        Each distinct blob is fetched once, in this thread (a transport is not thread-safe); its sha256
+        check and decode run on `pool` (hashlib and PIL's decoders release the GIL), or here without one.
+        Refs to the same blob share one image object: treat it as read-only (vLLM and the prompt checker
+        only read pixels)."""
+        return self.start_open_many(refs, pool, mode)()
+
+    def start_open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None,
+                        mode: str | None = "RGB") -> Callable[[], list]:
+        """`open_many` in two halves: fetch every blob and start the decodes now; the returned function
+        waits for them and gives open_many's list (the caller works meanwhile)."""
+        started: dict[str, Future] = {}
+        for ref in refs:
+            if ref.sha256 not in started:
+                started[ref.sha256] = self._start_open(ref, pool, mode)
+
+        def results() -> list:
+            done = {sha: future.result() for sha, future in started.items()}
+            return [done[ref.sha256] for ref in refs]
+
+        return results
+
+    def _start_open(self, ref: ImageRef, pool: Executor | None, mode: str | None) -> Future:
+        try:
+            data = self._fetch(ref)
+        except ImageMissing as exc:
+            return _done(exc)
+        if pool is None:
+            return _done(_decode_or_error(ref.sha256, data, mode))
+        return pool.submit(_decode_or_error, ref.sha256, data, mode)
+
+    def _fetch(self, ref: ImageRef) -> bytes:
+        """The stored bytes of `ref`, unverified; ImageMissing if there are none."""
         data = self.transport.get_blob(self.names.blob(ref.sha256))
         if data is None:
             raise ImageMissing(
                 f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)"
             )
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != ref.sha256:
-            raise ImageCorrupt(f"image {ref.sha256[:16]}...: stored bytes hash to {actual[:16]}...")
         return data
-
-    def open(self, ref: ImageRef, mode: str | None = "RGB"):
-        """The decoded PIL image of `ref` (converted to `mode` unless None)."""
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(self.get(ref)))
-        image.load()
-        return image.convert(mode) if mode and image.mode != mode else image
 
     def _recently_refreshed(self, sha: str) -> bool:
         if self.ttl_s is None:
@@ -103,3 +138,32 @@ def _probe(data: bytes) -> tuple[str, int, int]:
             return (image.format or "").lower(), image.width, image.height
     except (UnidentifiedImageError, OSError) as exc:
         raise ImageError(f"not a decodable image ({len(data)} bytes): {exc}") from None
+
+
+def _verified(sha: str, data: bytes) -> bytes:
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha:
+        raise ImageCorrupt(f"image {sha[:16]}...: stored bytes hash to {actual[:16]}...")
+    return data
+
+
+def _decode(data: bytes, mode: str | None):
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert(mode) if mode and image.mode != mode else image
+
+
+def _decode_or_error(sha: str, data: bytes, mode: str | None):
+    """The decoded image of verified bytes, or the error `open` would raise for them."""
+    try:
+        return _decode(_verified(sha, data), mode)
+    except (ImageError, OSError, ValueError) as exc:
+        return exc
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future

@@ -63,3 +63,71 @@ def test_put_stores_once_and_does_not_overwrite(store):
 def test_non_image_bytes_are_refused(store):
     with pytest.raises(ImageError, match="not a decodable image"):
         store.put(b"definitely not a png")
+
+
+@pytest.fixture
+def pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        yield executor
+
+
+def _noise_png(seed: int, size=(40, 30)) -> bytes:
+    import random
+
+    rng = random.Random(seed)
+    image = Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_open_many_gives_what_open_gives_in_order(store, pool, with_pool):
+    refs = [store.put(_noise_png(seed, size=(40 + seed, 30))) for seed in range(6)]
+    gray = store.put_image(Image.new("L", (16, 16), 77))  # converted to RGB like open does
+    refs.insert(3, gray)
+    opened = store.open_many(refs, pool if with_pool else None)
+    assert len(opened) == len(refs)
+    for ref, image in zip(refs, opened):
+        expected = store.open(ref)
+        assert image.mode == "RGB" and image.size == expected.size
+        assert image.tobytes() == expected.tobytes()
+    assert opened[3].getpixel((5, 5)) == (77, 77, 77)
+    assert store.open_many(refs[:2], pool, mode=None)[0].mode == store.open(refs[0], mode=None).mode
+    assert store.open_many([], pool) == []
+
+
+def test_open_many_fetches_a_repeated_blob_once(store, pool):
+    a, b = store.put(_noise_png(1)), store.put(_noise_png(2))
+    fetched = []
+    get_blob = store.transport.get_blob
+    store.transport.get_blob = lambda key: fetched.append(key) or get_blob(key)
+    try:
+        first, second, third = store.open_many([a, b, a], pool)
+    finally:
+        store.transport.get_blob = get_blob
+    assert sorted(fetched) == sorted([store.names.blob(a.sha256), store.names.blob(b.sha256)])
+    assert first.tobytes() == third.tobytes() == store.open(a).tobytes() != second.tobytes()
+
+
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_open_many_returns_bad_images_as_errors_and_decodes_the_rest(store, pool, with_pool):
+    good = [store.put(_noise_png(seed)) for seed in range(3)]
+    missing = ImageRef(sha256="ab" * 32)
+    real = _noise_png(9)
+    corrupt = ImageRef(sha256=hashlib.sha256(real).hexdigest())
+    store.transport.put_blob(store.names.blob(corrupt.sha256), real[:-4] + b"XXXX", ttl_s=60)
+    not_png = b"\x89PNG\r\n\x1a\n but the rest is garbage"
+    undecodable = ImageRef(sha256=hashlib.sha256(not_png).hexdigest())
+    store.transport.put_blob(store.names.blob(undecodable.sha256), not_png, ttl_s=60)
+    refs = [good[0], missing, good[1], corrupt, undecodable, good[2], missing]
+    out = store.open_many(refs, pool if with_pool else None)
+    assert isinstance(out[1], ImageMissing) and "not in the blob store" in str(out[1]) and out[6] is out[1]
+    assert isinstance(out[3], ImageCorrupt) and "hash to" in str(out[3])
+    assert isinstance(out[4], OSError)  # what open raises for it (PIL's UnidentifiedImageError)
+    with pytest.raises(type(out[4])):
+        store.open(undecodable)
+    for i, ref in ((0, good[0]), (2, good[1]), (5, good[2])):
+        assert out[i].tobytes() == store.open(ref).tobytes()
