@@ -105,8 +105,30 @@ def build_sender(learner):
         return NullSender()
     from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
 
+    if cfg.weight_transport == "cuda-ipc":
+        return _ipc_sender(learner)
+    if cfg.weight_transport != "broadcast":
+        raise ValueError(f"weight_transport must be 'broadcast' or 'cuda-ipc', not {cfg.weight_transport!r}")
     backend = "nccl" if learner.info.device.type == "cuda" else "gloo"
     sender_cfg = SenderConfig(host=cfg.weight_sync_host, backend=backend, timeout_s=cfg.sync_timeout_s)
     sender = WeightSender(sender_cfg, publish=broker_publisher(learner.transport, learner.names))
+    sender.start()
+    return sender
+
+
+def _ipc_sender(learner):
+    """The CUDA-IPC sender, published as "cuda-ipc://host:port" (generator/weight_sync.py)."""
+    from generator.weight_sync import ipc_address
+    from policy.weight_ipc import IpcSenderConfig, IpcWeightSender
+
+    if learner.info.device.type != "cuda":
+        raise ValueError("weight_transport = 'cuda-ipc' needs the learner on a CUDA GPU")
+    if learner.info.world_size != 1:
+        raise ValueError(f"weight_transport = 'cuda-ipc' needs a one-rank learner (this one has "
+                         f"{learner.info.world_size} ranks); use 'broadcast'")
+    transport, names = learner.transport, learner.names
+    sender = IpcWeightSender(IpcSenderConfig(host=learner.cfg.weight_sync_host),
+                             publish=lambda address: transport.set_value(names.weight_sync_address,
+                                                                         ipc_address(address).encode()))
     sender.start()
     return sender
