@@ -100,6 +100,11 @@ class GeneratorConfig:
     """Where this process writes its resolved config and vLLM's cache."""
     batch_prompts: int = 8
     """Prompt records taken from the stream per generate call."""
+    prepare_threads: int = 8
+    """Threads that verify and decode a batch's images before each generate call (generator/prepare.py;
+    hashlib and PIL release the GIL, so they run in parallel with each other and with prompt rendering),
+    at most one per CPU of the process; 0 = serially in the loop thread. With vLLM's engine core in its
+    own process this preparation is the loop's exposed CPU time."""
     max_staleness: int = -1
     """Refuse to start a group while learner_version - served_version > this (-1 = off; the feeder's
     min_version is the primary gate). 0 = synchronous."""

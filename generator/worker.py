@@ -12,7 +12,8 @@ One step:
      `Names.GENERATORS`: several generators shard the stream, each prompt goes to one of them;
   3. the staleness gate (gate.py) splits them into admitted and held; with nothing admitted it waits
      (applying weights as they arrive) for the first held one; held records stay unacked, in order;
-  4. fetch images from the blob store, render the chat-templated prompt ids (one pad per image),
+  4. prepare the batch (prepare.py): fetch each image blob once, verify and decode the images on
+     `prepare_threads` threads while the chat-templated prompt ids (one pad per image) are rendered;
      generate, and publish one RolloutGroup per prompt; ack the records only after their groups
      are published (a crash before that redelivers them). A prompt that cannot be generated
      (missing/undecodable image, too long after image expansion, ...) is dead-lettered with its
@@ -32,14 +33,15 @@ import time
 
 from broker import codec
 from broker.channel import Publisher, Subscriber
-from broker.images import ImageError, ImageMissing, ImageStore
+from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import PromptRecord, RolloutGroup, Sample, WeightVersion
 from broker.transport import BackpressureTimeout, Delivery
 from generator.config import GeneratorConfig, default_generator_id
 from generator.gate import StalenessGate, VersionReader
-from generator.inputs import Request, Result
+from generator.inputs import Result
 from generator.metrics import GeneratorMetrics
+from generator.prepare import make_pool, prepare_batch
 from generator.weights import WeightLoadError, as_update
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class GeneratorWorker:
             learner=VersionReader(transport, self.names.learner_version, ttl_s=config.gate_poll_s),
             max_staleness=config.max_staleness, poll_s=config.gate_poll_s, on_blocked=self.metrics.blocked.inc)
         self.receiver = self._start_receiver()
+        self.pool = make_pool(config.prepare_threads)
         self.published = 0
         self._held: list[tuple[Delivery, PromptRecord]] = []
         self._stop = threading.Event()
@@ -130,13 +133,15 @@ class GeneratorWorker:
 
     def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
         t0 = time.perf_counter()
-        requests, kept = [], []
-        for delivery, record in items:
-            request = self._request(delivery, record)
-            if request is not None:
-                requests.append(request)
-                kept.append((delivery, record, request.prompt_token_ids))
+        prepared = prepare_batch([record for _, record in items], self.images, self.engine.tokenizer, self.pool)
         images_s = time.perf_counter() - t0
+        requests, kept = [], []
+        for (delivery, record), p in zip(items, prepared):
+            if p.request is None:
+                self._reject(delivery, record, p.reason, p.detail)
+                continue
+            requests.append(p.request)
+            kept.append((delivery, record, p.request.prompt_token_ids))
         if not requests:
             return 0
         self.metrics.queue_depth.set(len(requests))
@@ -158,22 +163,6 @@ class GeneratorWorker:
             self.metrics.tokens.inc(sum(s.num_tokens for g in groups for s in g.samples))
             return len(groups)
         return 0
-
-    def _request(self, delivery: Delivery, record: PromptRecord) -> Request | None:
-        """The engine request of one record, or None after dead-lettering it with a reason."""
-        from tasks.prompt import render_prompt_ids
-
-        try:
-            images = [self.images.open(ref) for ref in record.images]
-        except ImageMissing as exc:
-            return self._reject(delivery, record, "image_missing", str(exc))
-        except (ImageError, OSError, ValueError) as exc:
-            return self._reject(delivery, record, "image_undecodable", str(exc))
-        try:
-            ids = render_prompt_ids(self.engine.tokenizer, record.problem, len(images))
-        except ValueError as exc:
-            return self._reject(delivery, record, "image_count_mismatch", str(exc))
-        return Request(ids, images, split=record.split)
 
     def _reject(self, delivery: Delivery, record: PromptRecord, reason: str, detail: str = "") -> None:
         """Dead-letter the prompt with its reason and publish an EMPTY group for it, so that the learner's
@@ -243,9 +232,12 @@ class GeneratorWorker:
         self.transport.set_value(self.names.generator_version(self.generator_id), codec.encode(msg))
 
     def close(self) -> None:
-        """Stop the receiver, release the engine and the broker connection (unacked prompts get redelivered)."""
+        """Stop the receiver and the preparation threads, release the engine and the broker connection
+        (unacked prompts get redelivered)."""
         self.stop()
         if self.receiver is not None:
             self.receiver.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
         self.transport.close()
