@@ -66,10 +66,12 @@ def main(argv=None) -> int:
             runs = {mode: [] for mode in modes}
             for rep in range(args.repeats):
                 for mode, threads in modes.items():
-                    runs[mode].append(one_batch(engine, transport, prompts, threads, tag=f"{mode}{count}r{rep}"))
+                    tag = f"{mode}{count}r{rep}"
+                    runs[mode].append(one_batch(engine, transport, prompts, threads, tag=tag))
             row = summarize(count, runs)
             report["rows"].append(row)
-            print(f"{count} prompts: serial {row['serial']['prepare_s']} s, pool {row['pool']['prepare_s']} s "
+            print(f"{count} prompts: serial {row['serial']['prepare_s']} s, "
+                  f"pool {row['pool']['prepare_s']} s "
                   f"({row['prepare_speedup']}x)", flush=True)
         transport.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,8 +82,10 @@ def main(argv=None) -> int:
 
 
 def notes(cpus: int, threads: int) -> str:
-    bound = (f"; prepare_threads={threads} is capped at this machine's {cpus} cores (more threads were slower "
-             f"and noisier: generator/prepare.py), so the speedup is bounded by {cpus} cores") if cpus < threads else ""
+    bound = ""
+    if cpus < threads:
+        bound = (f"; prepare_threads={threads} is capped at this machine's {cpus} cores (more threads were "
+                 f"slower and noisier: generator/prepare.py), so the speedup is bounded by {cpus} cores")
     return ("prepare_s = the worker's own timings['images'] (fetch + verify + decode + render), step_s = the "
             "whole step with an instant fake engine; medians over the repeats" + bound)
 
@@ -174,7 +178,8 @@ def format_table(report: dict) -> str:
              f"{'serial step':>12} {'pool step':>10} {'speedup':>8} {'checked':>8}"]
     for r in report["rows"]:
         s, p = r["serial"], r["pool"]
-        lines.append(f"{r['prompts']:>8} {s['prepare_s']:>12.3f} {p['prepare_s']:>10.3f} {r['prepare_speedup']:>7.2f}x "
+        lines.append(f"{r['prompts']:>8} {s['prepare_s']:>12.3f} {p['prepare_s']:>10.3f} "
+                     f"{r['prepare_speedup']:>7.2f}x "
                      f"{s['step_s']:>12.3f} {p['step_s']:>10.3f} {r['step_speedup']:>7.2f}x "
                      f"{str(s['checked'] and p['checked']):>8}")
     lines.append("note: " + report["notes"])

@@ -73,7 +73,8 @@ class ImageStore:
         """The decoded PIL image of `ref` (converted to `mode` unless None)."""
         return _decode(self.get(ref), mode)
 
-    def open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None, mode: str | None = "RGB") -> list:
+    def open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None,
+                  mode: str | None = "RGB") -> list:
         """One entry per ref, in order: what `open(ref)` returns, or the ImageError / OSError / ValueError it
         would raise (as an object: one bad image never fails the others; other exceptions do raise).
 

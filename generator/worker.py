@@ -133,7 +133,8 @@ class GeneratorWorker:
 
     def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
         t0 = time.perf_counter()
-        prepared = prepare_batch([record for _, record in items], self.images, self.engine.tokenizer, self.pool)
+        records = [record for _, record in items]
+        prepared = prepare_batch(records, self.images, self.engine.tokenizer, self.pool)
         images_s = time.perf_counter() - t0
         requests, kept = [], []
         for (delivery, record), p in zip(items, prepared):

@@ -62,17 +62,19 @@ def batch(store: ImageStore) -> tuple[list[PromptRecord], dict[str, str]]:
     def rec(pid, images, problem="<image> What is it?"):
         return PromptRecord(prompt_id=pid, data_source="t", problem=problem, images=images, ground_truth="1")
 
-    records = [rec("p0", [good[0]]), rec("missing", [missing]), rec("p1", [good[1], good[2]], "<image><image> Same?"),
-               rec("corrupt", [corrupt_ref(store)]), rec("two-bad", [good[3], missing]),
-               rec("mismatch", [good[0]], "<image><image> Two pads, one image"), rec("p2", [good[0]]),
-               rec("undecodable", [undecodable_ref(store)]), rec("text", [], "No image here"), rec("p3", [good[3]])]
+    records = [rec("p0", [good[0]]), rec("missing", [missing]),
+               rec("p1", [good[1], good[2]], "<image><image> Same?"), rec("corrupt", [corrupt_ref(store)]),
+               rec("two-bad", [good[3], missing]), rec("mismatch", [good[0]], "<image><image> Two pads"),
+               rec("p2", [good[0]]), rec("undecodable", [undecodable_ref(store)]),
+               rec("text", [], "No image here"), rec("p3", [good[3]])]
     reasons = {"missing": "image_missing", "corrupt": "image_undecodable", "two-bad": "image_missing",
                "mismatch": "image_count_mismatch", "undecodable": "image_undecodable"}
     return records, reasons
 
 
 @pytest.mark.parametrize("threads", [0, 4])
-def test_prepare_batch_keeps_order_and_rejects_only_the_bad_records(transport, names, tiny_processor, threads):
+def test_prepare_batch_keeps_order_and_rejects_only_the_bad_records(transport, names, tiny_processor,
+                                                                      threads):
     store = ImageStore(transport, names)
     records, reasons = batch(store)
     pool = ThreadPoolExecutor(threads) if threads else None
@@ -87,7 +89,8 @@ def test_prepare_batch_keeps_order_and_rejects_only_the_bad_records(transport, n
             assert p.request is None and p.reason == reasons[record.prompt_id] and p.detail
             continue
         assert p.reason == "" and p.request.split == record.split
-        assert p.request.prompt_token_ids == render_prompt_ids(tiny_processor, record.problem, len(record.images))
+        expected_ids = render_prompt_ids(tiny_processor, record.problem, len(record.images))
+        assert p.request.prompt_token_ids == expected_ids
         assert [im.tobytes() for im in p.request.images] == [store.open(r).tobytes() for r in record.images]
     assert "not in the blob store" in prepared[1].detail and "hash to" in prepared[3].detail
 
@@ -104,8 +107,9 @@ class FakeEngine:
 
     def generate(self, requests):
         self.requests += requests
-        return [Result(completions=[Completion(token_ids=[5, 6, 7], logprobs=[-0.5, -1.0, -0.25], text="abc",
-                                               finish_reason="length")] * 2, version=0, prompt_len=10, seconds=0.01)
+        completion = Completion(token_ids=[5, 6, 7], logprobs=[-0.5, -1.0, -0.25], text="abc",
+                                finish_reason="length")
+        return [Result(completions=[completion] * 2, version=0, prompt_len=10, seconds=0.01)
                 for _ in requests]
 
     def close(self):
@@ -113,8 +117,8 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize("threads", [0, 4])
-def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(broker_url, names, tiny_processor,
-                                                                             threads):
+def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(broker_url, names,
+                                                                             tiny_processor, threads):
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
@@ -123,10 +127,10 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(bro
     records, reasons = batch(store)
     Publisher(transport, names.prompts).publish_many(records)
     engine = FakeEngine(tiny_processor.tokenizer)
-    worker = GeneratorWorker(GeneratorConfig(namespace=names.namespace, generator_id="gen-prep",
-                                             weight_sync_address="none", block_s=0.05, batch_prompts=len(records),
-                                             prepare_threads=threads, idle_exit_s=0.3),
-                             engine=engine, transport=transport)
+    config = GeneratorConfig(namespace=names.namespace, generator_id="gen-prep", weight_sync_address="none",
+                             block_s=0.05, batch_prompts=len(records), prepare_threads=threads,
+                             idle_exit_s=0.3)
+    worker = GeneratorWorker(config, engine=engine, transport=transport)
     try:
         assert (worker.pool is not None) == (threads > 0)
         assert worker.run() == len(records) - len(reasons)
