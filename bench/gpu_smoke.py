@@ -158,29 +158,19 @@ def start_learner(url, namespace, model_dir, task, steps, work, sync, groups, on
 
 
 def make_worker(engine, transport, names, sync: str, groups: int):
+    """The generator as deployed: its receiver follows whichever weight sync the learner publishes."""
     from generator.config import GeneratorConfig
-    from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver
     from generator.worker import GeneratorWorker
-    from policy.weight_ipc import IpcWeightReceiver
 
-    cfg = GeneratorConfig(namespace=names.namespace, generator_id="gen-smoke", weight_sync_address="none",
+    cfg = GeneratorConfig(namespace=names.namespace, generator_id="gen-smoke", weight_sync_address="",
                           batch_prompts=groups, block_s=0.05, gate_poll_s=0.02)
-    worker = GeneratorWorker(cfg, engine=engine, transport=transport)
-    resolve = broker_resolver(transport, names)
-    if sync == "ipc":
-        worker.receiver = IpcWeightReceiver("gen-smoke", resolve=resolve, version=engine.version)
-    else:
-        worker.receiver = WeightReceiver(ReceiverConfig("gen-smoke", device="cpu" if engine.on_cpu else "cuda"),
-                                         resolve=resolve, version=engine.version).start()
-    return worker
+    return GeneratorWorker(cfg, engine=engine, transport=transport)
 
 
 def learner_role(args) -> int:
     """The learner process: Learner + its feeder, with the chosen weight sender; exits without a final checkpoint."""
     import logging
 
-    import broker
-    from broker.names import Names
     from learner.config import LearnerConfig
     from learner.trainer import Learner
 
@@ -191,15 +181,8 @@ def learner_role(args) -> int:
     cfg.feeder.train_data = args.task
     cfg.checkpoint.every, cfg.checkpoint.resume, cfg.eval.every = 0, False, 0
     cfg.batching.max_tokens_per_microbatch = 16384
-    sender = None
-    if args.sync == "ipc":
-        from learner.weight_sender import broker_publisher
-        from policy.weight_ipc import IpcSenderConfig, IpcWeightSender
-
-        transport = broker.connect(args.broker)
-        sender = IpcWeightSender(IpcSenderConfig(), publish=broker_publisher(transport, Names(args.namespace)))
-        sender.start()
-    learner = Learner(cfg, sender=sender)
+    cfg.weight_transport = "cuda-ipc" if args.sync == "ipc" else "broadcast"
+    learner = Learner(cfg)
     learner.train()
     print(f"learner done: step {learner.state.step}, version {learner.state.version}", flush=True)
     sys.stdout.flush()

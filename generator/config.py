@@ -111,7 +111,8 @@ class GeneratorConfig:
     gate_poll_s: float = 0.5
     """How often a blocked gate re-reads the versions."""
     weight_sync_address: str = ""
-    """Learner weight-sync rendezvous "host:port"; "" = read it from the broker; "none" = no weight sync."""
+    """Learner weight-sync rendezvous: "host:port" (bucketed broadcast) or "cuda-ipc://host:port" (CUDA IPC);
+    "" = follow what the learner publishes on the broker (either kind); "none" = no weight sync."""
     weight_sync_timeout_s: float = 60.0
     """Bound on joining and on every bucket of a weight transfer."""
     metrics_port: int = 0

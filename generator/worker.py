@@ -86,17 +86,15 @@ class GeneratorWorker:
                       tp=self.config.tp, initial_version=self.config.initial_version)
 
     def _start_receiver(self):
-        address = self.config.weight_sync_address
-        if address == "none":
-            return None
-        from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver
+        """The receiver of the kind the learner publishes (generator/weight_sync.py), or None without sync."""
+        from generator.weight_receiver import broker_resolver
+        from generator.weight_sync import start_receiver
 
+        address = self.config.weight_sync_address
         device = "cpu" if getattr(self.engine, "on_cpu", True) else "cuda"
-        receiver = WeightReceiver(
-            ReceiverConfig(generator_id=self.generator_id, address=address, device=device,
-                           timeout_s=self.config.weight_sync_timeout_s),
-            resolve=None if address else broker_resolver(self.transport, self.names), version=self.engine.version)
-        return receiver.start()
+        return start_receiver(self.generator_id, address, broker_resolver(self.transport, self.names),
+                              device=device, version=self.engine.version,
+                              timeout_s=self.config.weight_sync_timeout_s)
 
     # ------------------------------------------------------------------ loop
     def stop(self) -> None:
