@@ -158,8 +158,12 @@ def _decode(data: bytes, mode: str | None):
 
 def _decode_or_error(sha: str, data: bytes, mode: str | None):
     """The decoded image of verified bytes, or the error `open` would raise for them."""
+    from PIL import Image
+
     try:
         return _decode(_verified(sha, data), mode)
+    except Image.DecompressionBombError as exc:  # a hostile or absurd size: this image only, not the batch
+        return ImageError(f"image {sha[:16]}... refused: {exc}")
     except (ImageError, OSError, ValueError) as exc:
         return exc
 

@@ -131,3 +131,11 @@ def test_open_many_returns_bad_images_as_errors_and_decodes_the_rest(store, pool
         store.open(undecodable)
     for i, ref in ((0, good[0]), (2, good[1]), (5, good[2])):
         assert out[i].tobytes() == store.open(ref).tobytes()
+
+
+def test_open_many_refuses_a_decompression_bomb_alone(store, pool, monkeypatch):
+    small, huge = store.put(_noise_png(1, size=(8, 8))), store.put(_png(size=(120, 120)))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # 120 x 120 = 14,400 > 2 x limit: PIL refuses it
+    out = store.open_many([huge, small], pool)
+    assert isinstance(out[0], ImageError) and "refused" in str(out[0])
+    assert out[1].size == (8, 8)
