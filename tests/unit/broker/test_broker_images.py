@@ -11,6 +11,7 @@ from PIL import Image
 import broker
 from broker.images import ImageCorrupt, ImageError, ImageMissing, ImageStore
 from broker.schemas import ImageRef
+from tests.fixtures.models import noisy_png
 
 
 def _png(color=(200, 30, 30), size=(32, 24)) -> bytes:
@@ -74,13 +75,7 @@ def pool():
 
 
 def _noise_png(seed: int, size=(40, 30)) -> bytes:
-    import random
-
-    rng = random.Random(seed)
-    image = Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+    return noisy_png(seed, size)
 
 
 @pytest.mark.parametrize("with_pool", [False, True])

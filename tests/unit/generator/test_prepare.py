@@ -8,12 +8,9 @@ preparation pool and serially in the loop thread.
 from __future__ import annotations
 
 import hashlib
-import io
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from PIL import Image
 
 import broker
 from broker.channel import Publisher, Subscriber
@@ -23,14 +20,11 @@ from broker.schemas import ImageRef, PromptRecord, RolloutGroup
 from generator.inputs import Completion, Result
 from generator.prepare import prepare_batch
 from tasks.prompt import render_prompt_ids
+from tests.fixtures.models import noisy_png
 
 
 def noise_png(seed: int, size=(48, 40)) -> bytes:
-    rng = random.Random(seed)
-    image = Image.frombytes("RGB", size, bytes(rng.randrange(256) for _ in range(size[0] * size[1] * 3)))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
+    return noisy_png(seed, size)
 
 
 @pytest.fixture
