@@ -8,7 +8,8 @@
 #   bash bench/gpu_run.sh stage-learner 2 3b   # carry [".gpu/p2", ".whl"]  } learner round riding along
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
-#   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM; generator bench (engine core in its own
+#   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM; batch-preparation bench on the host's
+#                                        # cores; generator bench (engine core in its own
 #                                        # process) + pipeline smoke run; 7B CUDA-IPC sync into vLLM; in-process
 #                                        # engine column if time is left (whole call <= ~9.3 min)
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
@@ -63,6 +64,7 @@ case "${1:-}" in
     [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
       || { tail "$OUT/install.log"; exit 3; }
     export PYTHONPATH=/tmp/site
+    run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
     run generator 330 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
     nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/generator.log"
     run weight_sync_vllm 190 python3 -m bench.gpu_weight_sync --engine vllm --model 7b --paths ipc --syncs 5 \
