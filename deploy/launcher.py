@@ -68,6 +68,9 @@ class Launcher:
             json.dumps(dataclasses.asdict(self.cfg), indent=2) + "\n"
         )
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # Ctrl-C must stop the run even when this process was started with SIGINT ignored (a shell's
+        # background job, nohup): Python installs its KeyboardInterrupt handler only if SIGINT was at default.
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         code = 0
         try:
             with Progress(self.cfg.progress, title=f"Parallax demo  {self.run_dir}") as self.progress:
@@ -83,6 +86,7 @@ class Launcher:
                 self._finish()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
         return code
 
     def _pipeline(self) -> None:
