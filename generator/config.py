@@ -99,7 +99,13 @@ class GeneratorConfig:
     run_dir: str = "runs/generator"
     """Where this process writes its resolved config and vLLM's cache."""
     batch_prompts: int = 8
-    """Prompt records taken from the stream per generate call."""
+    """Prompt records taken from the stream per generate call (with `continuous`: per admission)."""
+    continuous: bool = False
+    """Continuous batching (generator/streaming.py): prompts enter vLLM as they are prepared and each group
+    is published when it finishes, instead of one generate call per batch; weights apply when the prompts
+    in flight have drained."""
+    max_inflight_prompts: int = 256
+    """With `continuous`: prompts in vLLM at once (each is `n` sequences)."""
     prepare_threads: int = 8
     """Threads that verify and decode a batch's images before each generate call (generator/prepare.py;
     hashlib and PIL release the GIL, so they run in parallel with each other and with prompt rendering),

@@ -138,10 +138,12 @@ class Engine:
     def _params(self, n: int, temperature: float, top_p: float):
         """SamplingParams that never sample a banned token (vLLM's bad-words processor sets its logit to -inf)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         words = [self.tokenizer.convert_ids_to_tokens(t) for t in self.banned_token_ids]
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=self.sampling.max_tokens,
                                 logprobs=0, bad_words=words, skip_special_tokens=True)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets; continuous batching too
         params.update_from_tokenizer(self.tokenizer)
         single = sorted(ids[0] for ids in params.bad_words_token_ids if len(ids) == 1)
         if single != self.banned_token_ids:
@@ -153,24 +155,32 @@ class Engine:
         """vLLM SamplingParams for a prompt of this split (training or evaluation)."""
         return self._train_params if split == "train" else self._eval_params
 
+    def admit(self, request: Request):
+        """(Result, vLLM prompt, SamplingParams) of one request; the Result carries the rejection reason
+        (and the prompt is None) when the prompt may not reach vLLM."""
+        length, reason = self.checker.check(request)
+        sp = self.sampling_params(request.split)
+        result = Result(prompt_len=length, rejected=reason, temperature=sp.temperature)
+        if reason is not None:
+            self.rejected[reason] += 1
+            log.warning("rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
+                        reason, len(request.prompt_token_ids), len(request.images), length)
+            return result, None, sp
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        return result, prompt, sp
+
     def generate(self, requests: list[Request]) -> list[Result]:
         """One Result per request, in order: completions, or a rejection reason."""
         results, prompts, params, index = [], [], [], []
         for i, request in enumerate(requests):
-            length, reason = self.checker.check(request)
-            sp = self.sampling_params(request.split)
-            results.append(Result(prompt_len=length, rejected=reason, temperature=sp.temperature))
-            if reason is not None:
-                self.rejected[reason] += 1
-                log.warning("rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
-                            reason, len(request.prompt_token_ids), len(request.images), length)
-                continue
-            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-            if request.images:
-                prompt["multi_modal_data"] = {"image": list(request.images)}
-            prompts.append(prompt)
-            params.append(sp)
-            index.append(i)
+            result, prompt, sp = self.admit(request)
+            results.append(result)
+            if prompt is not None:
+                prompts.append(prompt)
+                params.append(sp)
+                index.append(i)
         if not prompts:
             return results
         with self._lock:
@@ -180,10 +190,15 @@ class Engine:
                 outputs = self._llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
         for i, output in zip(index, outputs):
-            results[i].completions = [_completion(c) for c in output.outputs]
+            results[i].completions = [self.completion(c) for c in output.outputs]
             results[i].version = version
             results[i].seconds = seconds
         return results
+
+    @staticmethod
+    def completion(output) -> Completion:
+        """Our Completion of one vLLM CompletionOutput (the sampled tokens' logprobs, checked complete)."""
+        return _completion(output)
 
     # ------------------------------------------------------------------ weights
     def apply_weights(self, update, version: int) -> float:

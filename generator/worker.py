@@ -72,6 +72,11 @@ class GeneratorWorker:
             max_staleness=config.max_staleness, poll_s=config.gate_poll_s, on_blocked=self.metrics.blocked.inc)
         self.receiver = self._start_receiver()
         self.pool = make_pool(config.prepare_threads)
+        self.continuous = None
+        if config.continuous:
+            from generator.streaming import ContinuousLoop
+
+            self.continuous = ContinuousLoop(self)
         self.published = 0
         self._held: list[tuple[Delivery, PromptRecord]] = []
         self._stop = threading.Event()
@@ -108,7 +113,7 @@ class GeneratorWorker:
         while not self._stop.is_set():
             if self.step():
                 last_work = time.monotonic()
-            elif self._held:
+            elif self._held or (self.continuous is not None and self.continuous.inflight):
                 last_work = time.monotonic()
             if self.config.max_groups and self.published >= self.config.max_groups:
                 break
@@ -118,7 +123,10 @@ class GeneratorWorker:
         return self.published
 
     def step(self) -> int:
-        """Apply weights, take prompts, gate, generate, publish; returns the number of groups published."""
+        """Apply weights, take prompts, gate, generate, publish; returns the number of groups published.
+        With `continuous`, one step of the continuous loop (streaming.py) instead."""
+        if self.continuous is not None:
+            return self.continuous.step()
         self.sync_weights()
         items = self._held or self.prompts.poll(count=self.config.batch_prompts, block_s=self.config.block_s)
         if not items:
@@ -155,6 +163,10 @@ class GeneratorWorker:
                 continue
             groups.append(self._group(delivery, record, ids, result, images_s))
             done.append(delivery)
+        return self._publish_and_ack(groups, done)
+
+    def _publish_and_ack(self, groups: list[RolloutGroup], done: list[Delivery]) -> int:
+        """Publish the groups, then ack their prompts; the number published (0 if stopped first: no ack)."""
         if groups and self._publish(groups):
             self.prompts.ack(done)
             self.published += len(groups)

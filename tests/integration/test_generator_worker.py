@@ -77,7 +77,11 @@ def rollouts(transport, names, count=100) -> list[RolloutGroup]:
     return [g for _, g in sub.poll(count=count, block_s=0.1)]
 
 
-def test_prompts_in_rollout_groups_out(engine, any_transport, names):
+MODES = {"batch": {}, "continuous": {"continuous": True, "batch_prompts": 2, "max_inflight_prompts": 3}}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_prompts_in_rollout_groups_out(engine, any_transport, names, mode):
     transport = any_transport
     store = ImageStore(transport, names)
     good = [record(store, i) for i in range(3)] + [record(store, 3, split="test")]
@@ -85,7 +89,7 @@ def test_prompts_in_rollout_groups_out(engine, any_transport, names):
                            images=[ImageRef(sha256="0" * 64, width=10, height=10)])
     too_long = msgspec.structs.replace(record(store, 9), prompt_id="long", problem="<image>" + " count" * 300)
     Publisher(transport, names.prompts).publish_many([good[0], missing, good[1], too_long, good[2], good[3]])
-    worker = worker_for(engine, transport, names, generator_id="gen-e2e")
+    worker = worker_for(engine, transport, names, generator_id="gen-e2e", **MODES[mode])
     assert worker.run() == 4
     groups = {g.prompt_id: g for g in rollouts(transport, names)}
     # rejected prompts come back as EMPTY groups, so the learner's feeder never waits for them
@@ -160,12 +164,13 @@ class FakeReceiver:
         pass
 
 
-def test_the_gate_holds_a_prompt_until_its_version_is_served(engine, transport, names, tiny_model_dir):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_gate_holds_a_prompt_until_its_version_is_served(engine, transport, names, tiny_model_dir, mode):
     from safetensors.torch import load_file
 
     store = ImageStore(transport, names)
     Publisher(transport, names.prompts).publish_many([record(store, 0), record(store, 1, min_version=1)])
-    worker = worker_for(engine, transport, names, generator_id="gen-gate")
+    worker = worker_for(engine, transport, names, generator_id="gen-gate", **MODES[mode])
     weights = load_file(str(tiny_model_dir / "model.safetensors"))  # same weights, new version number
     worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=6)
     try:
@@ -254,3 +259,25 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, tra
         from safetensors.torch import load_file
 
         engine.apply_weights(load_file(str(tiny_model_dir / "model.safetensors")).items(), version=0)
+
+
+def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(engine, transport, names,
+                                                                                tiny_model_dir):
+    from safetensors.torch import load_file
+
+    store = ImageStore(transport, names)
+    Publisher(transport, names.prompts).publish_many([record(store, i) for i in range(6)])
+    transport.set_value(names.learner_version, codec.encode(WeightVersion(version=1, source="learner")))
+    worker = worker_for(engine, transport, names, generator_id="gen-cont", **MODES["continuous"])
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # not there at the first look
+    try:
+        assert worker.run() == 6
+        versions = {g.prompt_id: {s.version_start for s in g.samples} | {s.version_end for s in g.samples}
+                    for g in rollouts(transport, names)}
+        # the first admission ran on version 0; then admission waited for those to finish, applied version 1
+        assert versions["p0"] == versions["p1"] == {0}
+        assert all(versions[f"p{i}"] == {1} for i in range(2, 6)), versions
+        assert worker.receiver.served == 1
+    finally:
+        engine.apply_weights(weights.items(), version=0)

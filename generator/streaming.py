@@ -1,0 +1,129 @@
+"""Continuous batching: keep vLLM fed instead of one `generate` call per batch (GeneratorConfig.continuous).
+
+    loop = ContinuousLoop(worker)     # worker.step() delegates here when config.continuous is set
+    loop.step()                       # admit prompts, collect finished groups, publish them
+
+The batch loop (worker.py) prepares a batch, runs `LLM.generate` on it and publishes when the
+slowest sequence ends: the GPU idles while a batch is prepared and runs at low occupancy through the
+long tail of each batch. Here prompts go into vLLM's engine (`LLMEngine.add_request`) as soon as
+they are prepared, `batch_prompts` at a time, up to `max_inflight_prompts` in flight, and each
+group is published (and its prompt acked) the step it finishes. With the engine core in its own
+process (the default on CUDA) the GPU keeps generating while this loop prepares and publishes.
+
+Versions: a group never mixes policy versions. When the learner is ahead of the served version,
+admission pauses; once the prompts in flight have finished, the newest weights are applied (the
+same `sync_weights` as the batch loop) and admission resumes. If the new weights have not arrived
+by then, admission resumes on the current version (the learner's min_version gate still holds).
+Bad prompts are rejected exactly as in the batch loop (same reasons, empty group, dead letter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from generator.inputs import Request, Result
+from generator.prepare import prepare_batch
+
+
+class EngineStream:
+    """Requests in, finished Results out, on a running vLLM engine (generator.engine.Engine)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._ids = itertools.count()
+        self._pending: dict[str, tuple[object, Result, float]] = {}
+
+    @property
+    def inflight(self) -> int:
+        """Prompts submitted and not yet finished."""
+        return len(self._pending)
+
+    def submit(self, request: Request, tag) -> Result | None:
+        """Add `request` to the engine (its groups come back from `poll` with `tag`); a refused prompt's
+        Result (with its reason) is returned at once instead."""
+        engine = self.engine
+        result, prompt, params = engine.admit(request)
+        if result.rejected is not None:
+            return result
+        request_id = f"px-{next(self._ids)}"
+        with engine._no_compile():
+            engine._llm.llm_engine.add_request(request_id, prompt, params)
+        result.version = engine.version
+        self._pending[request_id] = (tag, result, time.perf_counter())
+        return None
+
+    def poll(self) -> list[tuple[object, Result]]:
+        """Run one engine step; the (tag, Result) of every prompt that finished in it."""
+        if not self._pending:
+            return []
+        engine = self.engine
+        with engine._no_compile():
+            outputs = engine._llm.llm_engine.step()
+        done = []
+        for output in outputs:
+            if not output.finished or output.request_id not in self._pending:
+                continue
+            tag, result, t0 = self._pending.pop(output.request_id)
+            result.completions = [engine.completion(c) for c in output.outputs]
+            result.seconds = time.perf_counter() - t0
+            done.append((tag, result))
+        return done
+
+
+class ContinuousLoop:
+    """The continuous step of one GeneratorWorker (see the module docstring)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.stream = EngineStream(worker.engine)
+
+    @property
+    def inflight(self) -> int:
+        return self.stream.inflight
+
+    def step(self) -> int:
+        """Apply weights when idle, admit prompts unless draining, publish what finished; groups published."""
+        worker = self.worker
+        if self.stream.inflight == 0:
+            worker.sync_weights()
+        if not self._draining() and self.stream.inflight < worker.config.max_inflight_prompts:
+            self._admit()
+        worker.metrics.queue_depth.set(self.stream.inflight)
+        finished = self.stream.poll()
+        groups, done = [], []
+        for (delivery, record, ids, images_s), result in finished:
+            groups.append(worker._group(delivery, record, ids, result, images_s))
+            done.append(delivery)
+        return worker._publish_and_ack(groups, done)
+
+    def _draining(self) -> bool:
+        """True while prompts are in flight and the learner is ahead of the served version."""
+        if self.stream.inflight == 0:
+            return False
+        learner = self.worker.gate.learner()
+        return learner is not None and learner > self.worker.engine.version
+
+    def _admit(self) -> None:
+        worker = self.worker
+        room = worker.config.max_inflight_prompts - self.stream.inflight
+        block_s = 0.0 if self.stream.inflight else worker.config.block_s
+        items = worker._held or worker.prompts.poll(count=min(room, worker.config.batch_prompts), block_s=block_s)
+        if not items:
+            return
+        admitted, worker._held = worker.gate.split(items)
+        if not admitted:
+            if self.stream.inflight == 0:
+                worker.gate.wait(worker._held[0][1], while_waiting=worker.sync_weights, stop=worker._stop)
+            return
+        t0 = time.perf_counter()
+        prepared = prepare_batch([record for _, record in admitted], worker.images, worker.engine.tokenizer,
+                                 worker.pool)
+        images_s = time.perf_counter() - t0
+        for (delivery, record), p in zip(admitted, prepared):
+            if p.request is None:
+                worker._reject(delivery, record, p.reason, p.detail)
+                continue
+            refused = self.stream.submit(p.request, (delivery, record, p.request.prompt_token_ids, images_s))
+            if refused is not None:
+                worker._reject(delivery, record, refused.rejected, f"{refused.prompt_len} prompt tokens")
