@@ -15,7 +15,9 @@ logprobs of every sampled token):
   parallax  generator.worker.GeneratorWorker.step() until P RolloutGroups are published: prompt
             records read from the ZeroMQ broker, images fetched from the blob store and decoded,
             prompts rendered and checked, generation, RolloutGroup messages built and published;
-            afterwards the groups are read back and checked (P groups, 256 tokens and logprobs each).
+            afterwards the groups are read back and checked (P groups, 256 tokens and logprobs each);
+  continuous the same loop with GeneratorConfig.continuous (generator/streaming.py): prompts admitted
+            32 at a time into the running engine, groups published as they finish.
 Both paths are warmed up first on 8 prompts; prefix and encoder caches are reset before every timed
 run. tokens/s counts generated tokens.
 With --smoke-steps N the same engine then serves a short learner/generator/reward pipeline run
@@ -90,17 +92,21 @@ def bench(engine, transport, args, report: dict) -> None:
     warm = prompt_set(engine, 8, args.image_side, seed=99)
     bare_generate(engine, warm, args.max_tokens)
     parallax_generate(engine, transport, warm, args, tag="warm")
+    parallax_generate(engine, transport, warm, args, tag="warm-c", continuous=True)
     offset = 0
     for count in args.prompts:
         prompts = prompt_set(engine, count, args.image_side, seed=offset)
         offset += count
         bare = bare_generate(engine, prompts, args.max_tokens)
         ours = parallax_generate(engine, transport, prompts, args, tag=f"run{count}")
-        row = {"prompts": count, "bare": bare, "parallax": ours,
-               "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3)}
+        cont = parallax_generate(engine, transport, prompts, args, tag=f"cont{count}", continuous=True)
+        row = {"prompts": count, "bare": bare, "parallax": ours, "parallax_continuous": cont,
+               "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3),
+               "continuous_over_bare": round(cont["tokens_per_s"] / bare["tokens_per_s"], 3)}
         report["runs"].append(row)
         print(f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
-              f"({100 * row['parallax_over_bare']:.1f}%)", flush=True)
+              f"({100 * row['parallax_over_bare']:.1f}%), continuous {cont['tokens_per_s']} tok/s "
+              f"({100 * row['continuous_over_bare']:.1f}%)", flush=True)
         write(report, args.out)
 
 
@@ -229,8 +235,9 @@ def bare_generate(engine, prompts: list[Prompt], max_tokens: int) -> dict:
     return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds)}
 
 
-def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str) -> dict:
-    """The generator worker's loop on the same prompts, from the broker's prompt stream to published groups."""
+def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, continuous: bool = False) -> dict:
+    """The generator worker's loop on the same prompts, from the broker's prompt stream to published groups:
+    one generate call for all of them, or (continuous) admitted 32 at a time into the running engine."""
     from broker.channel import Publisher, Subscriber
     from broker.images import ImageStore
     from broker.names import Names
@@ -240,7 +247,8 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str) 
 
     names = Names(f"bench-{tag}")
     cfg = GeneratorConfig(namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none",
-                          batch_prompts=len(prompts), block_s=0.05, gate_poll_s=0.02)
+                          batch_prompts=min(32, len(prompts)) if continuous else len(prompts), block_s=0.05,
+                          gate_poll_s=0.02, continuous=continuous, max_inflight_prompts=len(prompts))
     worker = GeneratorWorker(cfg, engine=engine, transport=transport)
     store = ImageStore(transport, names)
     records = [PromptRecord(prompt_id=f"{tag}-{i}", data_source="bench", problem=p.problem,
@@ -270,10 +278,14 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str) 
 def format_table(report: dict) -> str:
     lines = [f"generator bench ({report['model']}, engine core in {report['engine_core']}): tokens/s, "
              "same engine and prompts",
-             f"{'prompts':>8} {'bare tok/s':>11} {'parallax tok/s':>15} {'parallax/bare':>14} {'checked':>8}"]
+             f"{'prompts':>8} {'bare tok/s':>11} {'parallax tok/s':>15} {'parallax/bare':>14} "
+             f"{'continuous tok/s':>17} {'continuous/bare':>16} {'checked':>8}"]
     for r in report["runs"]:
+        cont = r.get("parallax_continuous", {})
         lines.append(f"{r['prompts']:>8} {r['bare']['tokens_per_s']:>11} {r['parallax']['tokens_per_s']:>15} "
-                     f"{100 * r['parallax_over_bare']:>13.1f}% {str(r['parallax']['checked']):>8}")
+                     f"{100 * r['parallax_over_bare']:>13.1f}% {cont.get('tokens_per_s', '-'):>17} "
+                     f"{100 * r.get('continuous_over_bare', 0):>15.1f}% "
+                     f"{str(r['parallax']['checked'] and cont.get('checked', True)):>8}")
     return "\n".join(lines)
 
 
