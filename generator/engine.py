@@ -195,6 +195,16 @@ class Engine:
             results[i].seconds = seconds
         return results
 
+    def add_request(self, request_id: str, prompt: dict, params) -> None:
+        """Continuous batching (streaming.py): add one admitted prompt (`admit`) to the running engine."""
+        with self._lock, self._no_compile():
+            self._llm.llm_engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list:
+        """Continuous batching: one engine step; vLLM's RequestOutputs (only finished ones are final)."""
+        with self._lock, self._no_compile():
+            return self._llm.llm_engine.step()
+
     @staticmethod
     def completion(output) -> Completion:
         """Our Completion of one vLLM CompletionOutput (the sampled tokens' logprobs, checked complete)."""

@@ -23,7 +23,6 @@ import itertools
 import time
 
 from generator.inputs import Request, Result
-from generator.prepare import prepare_batch
 
 
 class EngineStream:
@@ -47,8 +46,7 @@ class EngineStream:
         if result.rejected is not None:
             return result
         request_id = f"px-{next(self._ids)}"
-        with engine._no_compile():
-            engine._llm.llm_engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, prompt, params)
         result.version = engine.version
         self._pending[request_id] = (tag, result, time.perf_counter())
         return None
@@ -58,8 +56,7 @@ class EngineStream:
         if not self._pending:
             return []
         engine = self.engine
-        with engine._no_compile():
-            outputs = engine._llm.llm_engine.step()
+        outputs = engine.step()
         done = []
         for output in outputs:
             if not output.finished or output.request_id not in self._pending:
@@ -116,14 +113,8 @@ class ContinuousLoop:
             if self.stream.inflight == 0:
                 worker.gate.wait(worker._held[0][1], while_waiting=worker.sync_weights, stop=worker._stop)
             return
-        t0 = time.perf_counter()
-        prepared = prepare_batch([record for _, record in admitted], worker.images, worker.engine.tokenizer,
-                                 worker.pool)
-        images_s = time.perf_counter() - t0
-        for (delivery, record), p in zip(admitted, prepared):
-            if p.request is None:
-                worker._reject(delivery, record, p.reason, p.detail)
-                continue
-            refused = self.stream.submit(p.request, (delivery, record, p.request.prompt_token_ids, images_s))
+        prepared, images_s = worker._prepare(admitted)
+        for delivery, record, request in prepared:
+            refused = self.stream.submit(request, (delivery, record, request.prompt_token_ids, images_s))
             if refused is not None:
                 worker._reject(delivery, record, refused.rejected, f"{refused.prompt_len} prompt tokens")

@@ -33,7 +33,8 @@ def split_address(address: str) -> tuple[str, str]:
     if address.startswith(IPC_SCHEME):
         return "ipc", address[len(IPC_SCHEME):]
     if "://" in address:
-        raise ValueError(f"unknown weight-sync address scheme in {address!r} (expected host:port or {IPC_SCHEME}host:port)")
+        raise ValueError(f"unknown weight-sync address scheme in {address!r} "
+                         f"(expected host:port or {IPC_SCHEME}host:port)")
     return "broadcast", address
 
 

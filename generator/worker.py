@@ -137,20 +137,26 @@ class GeneratorWorker:
             return 0
         return self._generate(admitted)
 
-    def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
+    def _prepare(self, items: list[tuple[Delivery, PromptRecord]]) -> tuple[list, float]:
+        """([(delivery, record, request)] of the records that could be prepared, seconds spent); the others
+        are rejected here with their reason (prepare.py)."""
         t0 = time.perf_counter()
-        records = [record for _, record in items]
-        prepared = prepare_batch(records, self.images, self.engine.tokenizer, self.pool)
-        images_s = time.perf_counter() - t0
-        requests, kept = [], []
+        prepared = prepare_batch([record for _, record in items], self.images, self.engine.tokenizer, self.pool)
+        seconds = time.perf_counter() - t0
+        kept = []
         for (delivery, record), p in zip(items, prepared):
             if p.request is None:
                 self._reject(delivery, record, p.reason, p.detail)
-                continue
-            requests.append(p.request)
-            kept.append((delivery, record, p.request.prompt_token_ids))
-        if not requests:
+            else:
+                kept.append((delivery, record, p.request))
+        return kept, seconds
+
+    def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
+        prepared, images_s = self._prepare(items)
+        if not prepared:
             return 0
+        requests = [request for _, _, request in prepared]
+        kept = [(delivery, record, request.prompt_token_ids) for delivery, record, request in prepared]
         self.metrics.queue_depth.set(len(requests))
         try:
             results = self.engine.generate(requests)
