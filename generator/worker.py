@@ -18,6 +18,9 @@ One step:
      are published (a crash before that redelivers them). A prompt that cannot be generated
      (missing/undecodable image, too long after image expansion, ...) is dead-lettered with its
      reason and counted; it never takes the batch down.
+With `continuous` (streaming.py) the same pieces run as continuous batching: prompts enter the
+running engine as they are prepared and each group is published the step it finishes; weights
+apply once the prompts in flight have drained.
 The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so a prompt reclaimed
 and generated twice yields one group id and downstream idempotency drops the copy.
 
