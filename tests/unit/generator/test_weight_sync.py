@@ -118,3 +118,12 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
         build_sender(learner("cuda-ipc", device="cuda", world=2))
     with pytest.raises(ValueError, match="'broadcast' or 'cuda-ipc'"):
         build_sender(learner("nccl"))
+
+
+def test_the_learner_config_names_a_bad_weight_transport():
+    from learner.config import LearnerConfig
+
+    cfg = LearnerConfig(weight_transport="nccl-p2p")
+    with pytest.raises(ValueError, match="weight_transport must be one of"):
+        cfg.validate()
+    LearnerConfig(weight_transport="cuda-ipc").validate()
