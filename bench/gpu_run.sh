@@ -12,6 +12,7 @@
 #                                        # cores; generator bench (engine core in its own
 #                                        # process) + pipeline smoke run; 7B CUDA-IPC sync into vLLM; in-process
 #                                        # engine column if time is left (whole call <= ~9.3 min)
+#   bash bench/gpu_run.sh continuous     # (no carry) right after "vllm": batch loop vs continuous batching, 3B
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -76,6 +77,13 @@ case "${1:-}" in
     else
       echo "skipped the in-process column: ${left} s left" | tee -a "$OUT/generator.log"
     fi
+    ;;
+  continuous)  # right after "vllm" (vLLM in /tmp/site, the random 3B checkpoint in /tmp/parallax-ckpt/3b):
+    # the generator loop, one generate call per batch vs continuous batching, long-tailed lengths
+    export PYTHONPATH=/tmp/site
+    run generator_continuous 420 python3 -m bench.generator_continuous --gpu --model /tmp/parallax-ckpt/3b \
+      --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 --image-side 448 --repeats 2 \
+      --out "$OUT/generator_continuous_h200.json"
     ;;
   *) echo "usage: bash bench/gpu_run.sh learner-sync | stage 1|2 | vllm"; exit 2 ;;
 esac

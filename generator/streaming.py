@@ -74,6 +74,7 @@ class ContinuousLoop:
     def __init__(self, worker):
         self.worker = worker
         self.stream = EngineStream(worker.engine)
+        self._quiet_until = 0.0
 
     @property
     def inflight(self) -> int:
@@ -103,10 +104,13 @@ class ContinuousLoop:
 
     def _admit(self) -> None:
         worker = self.worker
+        if not worker._held and self.stream.inflight and time.monotonic() < self._quiet_until:
+            return  # the stream was empty a moment ago: no broker round trip per engine step
         room = worker.config.max_inflight_prompts - self.stream.inflight
         block_s = 0.0 if self.stream.inflight else worker.config.block_s
         items = worker._held or worker.prompts.poll(count=min(room, worker.config.batch_prompts), block_s=block_s)
         if not items:
+            self._quiet_until = time.monotonic() + worker.config.block_s
             return
         admitted, worker._held = worker.gate.split(items)
         if not admitted:
