@@ -102,31 +102,11 @@ def build_engine(args):
 
 def run_mode(engine, transport, prompts, args, continuous: bool, tag: str) -> dict:
     """One pass of the worker over `prompts`; wall seconds, tokens, groups read back and checked."""
-    from broker.channel import Publisher, Subscriber
-    from broker.images import ImageStore
-    from broker.names import Names
-    from broker.schemas import PromptRecord, RolloutGroup
-    from generator.config import GeneratorConfig
-    from generator.worker import GeneratorWorker
+    from bench.gpu_generator import worker_pass
 
-    names = Names(f"bench-cont-{tag}-{time.time_ns()}")
-    cfg = GeneratorConfig(namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none",
-                          batch_prompts=args.admit if continuous else args.batch, block_s=0.02,
-                          continuous=continuous, max_inflight_prompts=args.batch, prepare_threads=2)
-    worker = GeneratorWorker(cfg, engine=engine, transport=transport)
-    store = ImageStore(transport, names)
-    records = [PromptRecord(prompt_id=f"{tag}-{i}", data_source="bench", problem=p.problem,
-                            images=[store.put(p.png)], ground_truth="0") for i, p in enumerate(prompts)]
-    Publisher(transport, names.prompts).publish_many(records)
-    engine._reset_caches()
-    t0 = time.perf_counter()
-    while worker.published < len(prompts):
-        worker.step()
-    seconds = time.perf_counter() - t0
-    if worker.pool is not None:  # the worker itself stays open: close() would close the shared engine
-        worker.pool.shutdown()
-    sub = Subscriber(transport, names.rollouts, Names.REWARD, "bench-check", expect=RolloutGroup)
-    groups = [g for _, g in sub.poll(count=len(prompts) + 1, block_s=1.0)]
+    _, seconds, groups = worker_pass(
+        engine, transport, prompts, f"cont-{tag}", batch_prompts=args.admit if continuous else args.batch,
+        block_s=0.02, continuous=continuous, max_inflight_prompts=args.batch, prepare_threads=2)
     lengths = [s.num_tokens for g in groups for s in g.samples]
     ok = (len(groups) == len(prompts) and all(len(g.samples) == args.n for g in groups)
           and all(s.num_tokens == len(s.logprobs()) for g in groups for s in g.samples))

@@ -238,6 +238,22 @@ def bare_generate(engine, prompts: list[Prompt], max_tokens: int) -> dict:
 def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, continuous: bool = False) -> dict:
     """The generator worker's loop on the same prompts, from the broker's prompt stream to published groups:
     one generate call for all of them, or (continuous) admitted 32 at a time into the running engine."""
+    worker, seconds, groups = worker_pass(
+        engine, transport, prompts, tag, batch_prompts=min(32, len(prompts)) if continuous else len(prompts),
+        block_s=0.05, gate_poll_s=0.02, continuous=continuous, max_inflight_prompts=len(prompts))
+    samples = [s for g in groups for s in g.samples]
+    tokens = sum(s.num_tokens for s in samples)
+    ok = (len(groups) == len(prompts)
+          and all(s.num_tokens == args.max_tokens == len(s.logprobs()) for s in samples))
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds),
+            "groups_published": worker.published, "groups_read_back": len(groups), "checked": ok,
+            "rejected": dict(engine.rejected)}
+
+
+def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
+    """Publish `prompts` as prompt records, step a GeneratorWorker (GeneratorConfig(**settings)) until all
+    are published, read the groups back: (worker, seconds, groups). The worker stays open (its close()
+    would close the shared engine); its preparation pool is shut down."""
     from broker.channel import Publisher, Subscriber
     from broker.images import ImageStore
     from broker.names import Names
@@ -245,10 +261,9 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, 
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
-    names = Names(f"bench-{tag}")
+    names = Names(f"bench-{tag}-{time.time_ns()}")
     cfg = GeneratorConfig(namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none",
-                          batch_prompts=min(32, len(prompts)) if continuous else len(prompts), block_s=0.05,
-                          gate_poll_s=0.02, continuous=continuous, max_inflight_prompts=len(prompts))
+                          **settings)
     worker = GeneratorWorker(cfg, engine=engine, transport=transport)
     store = ImageStore(transport, names)
     records = [PromptRecord(prompt_id=f"{tag}-{i}", data_source="bench", problem=p.problem,
@@ -259,6 +274,8 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, 
     while worker.published < len(prompts):
         worker.step()
     seconds = time.perf_counter() - t0
+    if worker.pool is not None:
+        worker.pool.shutdown()
     sub = Subscriber(transport, names.rollouts, Names.REWARD, "bench-check", expect=RolloutGroup)
     groups = []
     while len(groups) < len(prompts):
@@ -266,13 +283,7 @@ def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, 
         if not got:
             break
         groups += [g for _, g in got]
-    samples = [s for g in groups for s in g.samples]
-    tokens = sum(s.num_tokens for s in samples)
-    ok = (len(groups) == len(prompts)
-          and all(s.num_tokens == args.max_tokens == len(s.logprobs()) for s in samples))
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds),
-            "groups_published": worker.published, "groups_read_back": len(groups), "checked": ok,
-            "rejected": dict(engine.rejected)}
+    return worker, seconds, groups
 
 
 def format_table(report: dict) -> str:
