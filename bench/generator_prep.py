@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -46,9 +45,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from bench.gpu_generator import Broker, prompt_set
+    from generator.prepare import usable_cpus
 
     engine = FakeEngine(tokenizer(), args.max_tokens)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cpus()
     report = {"bench": "generator_prep", "command": " ".join(["python -m bench.generator_prep", *argv]),
               "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -120,39 +120,25 @@ class FakeEngine:
         return [Result(completions=[self.completion], version=0, prompt_len=len(r.prompt_token_ids))
                 for r in requests]
 
+    def _reset_caches(self):
+        pass
+
     def close(self):
         pass
 
 
 def one_batch(engine, transport, prompts, threads: int, tag: str) -> dict:
     """One worker step on all `prompts` as one batch; prepare and step seconds, checked."""
-    from broker.channel import Publisher, Subscriber
-    from broker.images import ImageStore
-    from broker.names import Names
-    from broker.schemas import PromptRecord, RolloutGroup
-    from generator.config import GeneratorConfig
-    from generator.worker import GeneratorWorker
+    from bench.gpu_generator import worker_pass
 
-    names = Names(f"bench-prep-{tag}")
-    cfg = GeneratorConfig(namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none",
-                          batch_prompts=len(prompts), block_s=1.0, prepare_threads=threads)
-    worker = GeneratorWorker(cfg, engine=engine, transport=transport)
-    store = ImageStore(transport, names)
-    records = [PromptRecord(prompt_id=f"{tag}-{i}", data_source="bench", problem=p.problem,
-                            images=[store.put(p.png)], ground_truth="0") for i, p in enumerate(prompts)]
-    Publisher(transport, names.prompts).publish_many(records)
-    t0 = time.perf_counter()
-    published = worker.step()
-    step_s = time.perf_counter() - t0
-    groups = [g for _, g in Subscriber(transport, names.rollouts, Names.REWARD, "check",
-                                       expect=RolloutGroup).poll(count=len(prompts), block_s=1.0)]
+    worker, step_s, groups = worker_pass(engine, transport, prompts, f"prep-{tag}", batch_prompts=len(prompts),
+                                         block_s=1.0, prepare_threads=threads)
+    published = worker.published
     side = prompts[0].image.size
     checked = (published == len(groups) == len(prompts) and len(engine.last) == len(prompts)
                and all(r.images[0].size == side and r.images[0].mode == "RGB" for r in engine.last)
                and all(g.prompt_token_ids == p.ids for g, p in zip(groups, prompts)))
     threads_used = worker.pool._max_workers if worker.pool is not None else 0
-    if worker.pool is not None:
-        worker.pool.shutdown()  # not worker.close(): the transport is shared
     return {"prepare_s": groups[0].timings["images"] if groups else float("nan"), "step_s": step_s,
             "threads": threads_used, "checked": checked}
 

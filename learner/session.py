@@ -119,6 +119,7 @@ def build_sender(learner):
 def _ipc_sender(learner):
     """The CUDA-IPC sender, published as "cuda-ipc://host:port" (generator/weight_sync.py)."""
     from generator.weight_sync import ipc_address
+    from learner.weight_sender import broker_publisher
     from policy.weight_ipc import IpcSenderConfig, IpcWeightSender
 
     if learner.info.device.type != "cuda":
@@ -126,9 +127,8 @@ def _ipc_sender(learner):
     if learner.info.world_size != 1:
         raise ValueError(f"weight_transport = 'cuda-ipc' needs a one-rank learner (this one has "
                          f"{learner.info.world_size} ranks); use 'broadcast'")
-    transport, names = learner.transport, learner.names
+    publish = broker_publisher(learner.transport, learner.names)
     sender = IpcWeightSender(IpcSenderConfig(host=learner.cfg.weight_sync_host),
-                             publish=lambda address: transport.set_value(names.weight_sync_address,
-                                                                         ipc_address(address).encode()))
+                             publish=lambda address: publish(ipc_address(address)))
     sender.start()
     return sender
