@@ -43,7 +43,7 @@ def parse_args(argv):
     p.add_argument("--prompts", nargs="+", type=int, default=[64, 512])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--image-side", type=int, default=448)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="leaves the rest of the GPU to the smoke run's learner")
     p.add_argument("--checkpoint-dir", default="/tmp/parallax-ckpt")
     p.add_argument("--smoke-steps", type=int, default=4, help="pipeline smoke run afterwards (0 = none)")

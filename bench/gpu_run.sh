@@ -9,10 +9,11 @@
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
 #   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM; batch-preparation bench on the host's
-#                                        # cores; generator bench (engine core in its own
-#                                        # process) + pipeline smoke run; 7B CUDA-IPC sync into vLLM; in-process
-#                                        # engine column if time is left (whole call <= ~9.3 min)
-#   bash bench/gpu_run.sh continuous     # (no carry) right after "vllm": batch loop vs continuous batching, 3B
+#                                        # cores; generator bench (engine core in its own process: batch and
+#                                        # continuous loops) + pipeline smoke run; then "continuous" if time is
+#                                        # left (whole call <= ~9.3 min)
+#   bash bench/gpu_run.sh continuous     # (no carry) after "vllm": batch loop vs continuous batching, 3B
+#   bash bench/gpu_run.sh vllm-extra     # (no carry) after "vllm": 7B CUDA-IPC sync into vLLM, in-process column
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +34,12 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECO
   echo "=== $name: $*" | tee -a "$OUT/$name.log"
   timeout -k 15 "$secs" "$@" 2>&1 | tee -a "$OUT/$name.log"
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+}
+
+continuous() {  # the generator loop, one generate call per batch vs continuous batching, long-tailed lengths
+  PYTHONPATH=/tmp/site run generator_continuous "$1" python3 -m bench.generator_continuous --gpu \
+    --model /tmp/parallax-ckpt/3b --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 \
+    --image-side 448 --repeats 2 --out "$OUT/generator_continuous_h200.json"
 }
 
 case "${1:-}" in
@@ -58,32 +65,29 @@ case "${1:-}" in
     stage "$2"; ls -la /tmp/stage
     ;;
   vllm)  # carry [".gpu/p3"], right after "stage 1" and "stage 2": install vLLM, then (each step time-boxed)
-    # 1. generator bench, 3B, 64 + 512 prompts: bare vLLM vs the Parallax loop on ONE engine whose core runs in
-    #    its own process (the default on CUDA), then the pipeline smoke run on it (CUDA-IPC applies in vLLM's worker);
-    # 2. 7B learner -> vLLM engine (own-process core) through CUDA IPC: 5 timed syncs, per-layer sums, greedy;
-    # 3. the same generator bench on an in-process engine core (the old default), only if >= 150 s are left.
+    # 1. batch preparation on the host's cores (bench.generator_prep, instant fake engine);
+    # 2. generator bench, 3B, 64 + 512 prompts: bare vLLM vs the Parallax loop (batch and continuous) on ONE
+    #    engine whose core runs in its own process (the default on CUDA), then the pipeline smoke run on it;
+    # 3. batch loop vs continuous batching on long-tailed lengths (the "continuous" call), if >= 150 s are left.
+    # (Session 3's call also ran the 7B CUDA-IPC sync into vLLM and the in-process column: "vllm-extra".)
     [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
       || { tail "$OUT/install.log"; exit 3; }
     export PYTHONPATH=/tmp/site
     run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
     run generator 330 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
     nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/generator.log"
+    left=$((555 - SECONDS))
+    if [ "$left" -ge 150 ]; then continuous "$left"; else echo "skipped continuous: ${left} s left"; fi
+    ;;
+  vllm-extra)  # after "vllm": 7B CUDA-IPC sync into vLLM, the in-process engine column
+    export PYTHONPATH=/tmp/site
     run weight_sync_vllm 190 python3 -m bench.gpu_weight_sync --engine vllm --model 7b --paths ipc --syncs 5 \
       --out "$OUT/gpu_weight_sync_vllm.json"
-    left=$((555 - SECONDS))
-    if [ "$left" -ge 150 ]; then
-      run generator_inprocess "$left" python3 -m bench.gpu_generator --engine-core inprocess --smoke-steps 0 \
-        --out "$OUT/gpu_generator_inprocess.json"
-    else
-      echo "skipped the in-process column: ${left} s left" | tee -a "$OUT/generator.log"
-    fi
+    run generator_inprocess 330 python3 -m bench.gpu_generator --engine-core inprocess --smoke-steps 0 \
+      --out "$OUT/gpu_generator_inprocess.json"
     ;;
-  continuous)  # right after "vllm" (vLLM in /tmp/site, the random 3B checkpoint in /tmp/parallax-ckpt/3b):
-    # the generator loop, one generate call per batch vs continuous batching, long-tailed lengths
-    export PYTHONPATH=/tmp/site
-    run generator_continuous 420 python3 -m bench.generator_continuous --gpu --model /tmp/parallax-ckpt/3b \
-      --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 --image-side 448 --repeats 2 \
-      --out "$OUT/generator_continuous_h200.json"
+  continuous)  # right after "vllm" (vLLM in /tmp/site, the random 3B checkpoint in /tmp/parallax-ckpt/3b)
+    continuous 420
     ;;
-  *) echo "usage: bash bench/gpu_run.sh learner-sync | stage 1|2 | vllm"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_run.sh learner | learner-sync | stage-learner N M | stage 1|2 | vllm | vllm-extra | continuous"; exit 2 ;;
 esac
