@@ -10,7 +10,7 @@ through a ZeroMQ broker process, bench.gpu_generator.prompt_set) and the same co
   batch       GeneratorConfig.continuous = False: take `--batch` prompts, one `generate` call, publish,
               repeat; each call lasts as long as its longest response;
   continuous  GeneratorConfig.continuous = True (generator/streaming.py): `--batch` prompts in flight,
-              a finished prompt's slot is refilled at once (admitted `--admit` at a time).
+              freed slots are refilled `--admit` at a time.
 RL responses are long-tailed (most answers are short, a few run to max_tokens). A random-weight model
 never stops by itself, so the bench makes the lengths long-tailed: a random `--stop-frac` of the
 vocabulary are stop tokens for both modes (each sampled token ends the response with that chance:
@@ -34,7 +34,8 @@ from pathlib import Path
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="checkpoint directory (default: the tiny model, built locally)")
+    p.add_argument("--model", default="",
+                   help="checkpoint directory, or 3b/7b for random weights (default: the tiny model, built locally)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--batch", type=int, default=16, help="prompts in vLLM at once, both modes")
@@ -82,6 +83,13 @@ def build_engine(args):
     from generator.engine import Engine
 
     model = args.model
+    if model in ("3b", "7b"):  # a random-weight checkpoint of the published shapes (bench/gpu_models.py)
+        from bench.gpu_models import qwen_config, write_checkpoint
+
+        from bench.gpu_generator import release_gpu_cache
+
+        model = str(write_checkpoint(qwen_config(model), Path("/tmp/parallax-ckpt") / model))
+        release_gpu_cache()  # the engine core (another process) needs the writer's cached blocks
     if not model:
         from policy.builder import build_tiny_model
 

@@ -171,16 +171,7 @@ def write_checkpoint(config, path: str | Path, seed: int = 0, device: str = "cud
     del model
     preset = Preset(tokenizer_vocab=0, hidden=0, layers=0, heads=0, kv_heads=0, ffn=0, vision_depth=0,
                     vision_hidden=0, vision_heads=0, vision_ffn=0, min_pixels=56 * 56, max_pixels=448 * 448)
-    try:
-        processor = _make_processor(tokenizer, preset)
-    except TypeError:  # torchvision present (the GPU image): the processor insists on a video processor
-        from transformers import Qwen2_5_VLProcessor
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-        processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=448 * 448),
-                                        tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
-                                        chat_template=tokenizer.chat_template)
+    processor = _make_processor(tokenizer, preset)
     processor.save_pretrained(path)
     (path / "parallax_gpu_build.json").write_text(json.dumps({"seed": seed}))
     return path

@@ -13,6 +13,8 @@
 #                                        # continuous loops) + pipeline smoke run; then "continuous" if time is
 #                                        # left (whole call <= ~9.3 min)
 #   bash bench/gpu_run.sh continuous     # (no carry) after "vllm": batch loop vs continuous batching, 3B
+#   bash bench/gpu_run.sh vllm-continuous  # carry [".gpu/p3"] after the stage calls: install, "continuous",
+#                                        # batch-preparation bench, GPU tests
 #   bash bench/gpu_run.sh vllm-extra     # (no carry) after "vllm": 7B CUDA-IPC sync into vLLM, in-process column
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
@@ -38,7 +40,7 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECO
 
 continuous() {  # the generator loop, one generate call per batch vs continuous batching, long-tailed lengths
   PYTHONPATH=/tmp/site run generator_continuous "$1" python3 -m bench.generator_continuous --gpu \
-    --model /tmp/parallax-ckpt/3b --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 \
+    --model 3b --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 \
     --image-side 448 --repeats 2 --out "$OUT/generator_continuous_h200.json"
 }
 
@@ -78,6 +80,15 @@ case "${1:-}" in
     nvidia-smi --query-gpu=memory.used --format=csv | tee -a "$OUT/generator.log"
     left=$((555 - SECONDS))
     if [ "$left" -ge 150 ]; then continuous "$left"; else echo "skipped continuous: ${left} s left"; fi
+    ;;
+  vllm-continuous)  # carry [".gpu/p3"], after "stage 1" and "stage 2" (session 4's second chain): install vLLM,
+    # the continuous comparison, the batch-preparation bench, then the GPU tests with the time left
+    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
+      || { tail "$OUT/install.log"; exit 3; }
+    export PYTHONPATH=/tmp/site
+    continuous 300
+    run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
+    run gpu_tests $((570 - SECONDS)) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
     ;;
   vllm-extra)  # after "vllm": 7B CUDA-IPC sync into vLLM, the in-process engine column
     export PYTHONPATH=/tmp/site

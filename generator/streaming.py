@@ -7,7 +7,10 @@ The batch loop (worker.py) prepares a batch, runs `LLM.generate` on it and publi
 slowest sequence ends: the GPU idles while a batch is prepared and runs at low occupancy through the
 long tail of each batch. Here prompts go into vLLM's engine (`LLMEngine.add_request`) as soon as
 they are prepared, `batch_prompts` at a time, up to `max_inflight_prompts` in flight, and each
-group is published (and its prompt acked) the step it finishes. With the engine core in its own
+group is published (and its prompt acked) the step it finishes. Freed slots are refilled only once
+`batch_prompts` of them are free: a prompt admitted alone costs a step that mixes its vision encoding
+and prefill with everyone's decode, which runs outside vLLM's decode CUDA graphs (on the H200, refilling
+each slot at once made a long-tailed run 0.77x the batch loop). With the engine core in its own
 process (the default on CUDA) the GPU keeps generating while this loop prepares and publishes.
 
 Versions: a group never mixes policy versions. When the learner is ahead of the served version,
@@ -107,6 +110,8 @@ class ContinuousLoop:
         if not worker._held and self.stream.inflight and time.monotonic() < self._quiet_until:
             return  # the stream was empty a moment ago: no broker round trip per engine step
         room = worker.config.max_inflight_prompts - self.stream.inflight
+        if self.stream.inflight and room < min(worker.config.batch_prompts, worker.config.max_inflight_prompts):
+            return  # refill a whole admission at once: its prefills run as one batch, not one per step
         block_s = 0.0 if self.stream.inflight else worker.config.block_s
         items = worker._held or worker.prompts.poll(count=min(room, worker.config.batch_prompts), block_s=block_s)
         if not items:

@@ -148,12 +148,21 @@ def _write_checkpoint(path: Path, preset: Preset, seed: int) -> None:
 
 
 def _make_processor(tokenizer, preset: Preset):
+    """The PIL image processor where torchvision is absent (this CPU stack); with torchvision installed
+    (a GPU box) transformers insists on a video processor, so the torchvision pair is built instead."""
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels)
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                               chat_template=tokenizer.chat_template)
+    pixels = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels)
+    try:
+        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil(**pixels), tokenizer=tokenizer,
+                                   chat_template=tokenizer.chat_template)
+    except TypeError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                                   video_processor=Qwen2VLVideoProcessor(), chat_template=tokenizer.chat_template)
 
 
 def _make_config(tokenizer, preset: Preset):

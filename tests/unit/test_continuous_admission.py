@@ -1,0 +1,41 @@
+"""ContinuousLoop's admission: freed slots are refilled a whole admission (`batch_prompts`) at a time."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from generator.streaming import ContinuousLoop
+
+
+class Prompts:
+    def __init__(self):
+        self.polls = []
+
+    def poll(self, count, block_s):
+        self.polls.append(count)
+        return []  # an empty stream: nothing to prepare
+
+
+def loop_with(inflight: int, batch: int = 4, max_inflight: int = 8) -> tuple[ContinuousLoop, Prompts]:
+    prompts = Prompts()
+    worker = SimpleNamespace(config=SimpleNamespace(max_inflight_prompts=max_inflight, batch_prompts=batch, block_s=0.0),
+                             prompts=prompts, _held=[], engine=None)
+    loop = ContinuousLoop(worker)
+    loop.stream = SimpleNamespace(inflight=inflight)
+    return loop, prompts
+
+
+@pytest.mark.parametrize("inflight, polled", [(0, [4]), (3, [4]), (4, [4]), (5, []), (7, [])])
+def test_refills_only_when_a_whole_admission_fits(inflight, polled):
+    loop, prompts = loop_with(inflight)
+    loop._admit()
+    assert prompts.polls == polled
+
+
+def test_admission_larger_than_the_window_still_fills_it():
+    loop, prompts = loop_with(inflight=0, batch=16, max_inflight=8)
+    loop._admit()
+    assert prompts.polls == [8]
+    loop, prompts = loop_with(inflight=2, batch=16, max_inflight=8)
+    loop._admit()
+    assert prompts.polls == []
