@@ -99,7 +99,8 @@ class GeneratorConfig:
     run_dir: str = "runs/generator"
     """Where this process writes its resolved config and vLLM's cache."""
     batch_prompts: int = 8
-    """Prompt records taken from the stream per generate call (with `continuous`: per admission)."""
+    """Prompt records taken from the stream per generate call (with `continuous`: per admission, and freed
+    slots are refilled only once this many are free, so that the new prompts' prefills run batched)."""
     continuous: bool = False
     """Continuous batching (generator/streaming.py): prompts enter vLLM as they are prepared and each group
     is published when it finishes, instead of one generate call per batch; weights apply when the prompts
