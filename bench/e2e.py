@@ -1,6 +1,8 @@
-"""End to end: steps/s and the time breakdown of the CPU demo, synchronous (K=0) vs asynchronous (K=1, 2).
+"""End to end: steps/s and the time breakdown of the CPU demo, synchronous (K=0) vs asynchronous (K=1, 2),
+and the generator's loop modes side by side.
 
     python -m bench.e2e [--preset small] [--steps 12] [--warmup 3] [--ks 0 1 2]
+    python -m bench.e2e --ks 1 --modes batch drain inflight --out bench/results/e2e_modes.json
 
 One format warm start (deploy/warmstart.py) is made first and shared; then, for each staleness
 bound K, the all-in-one launcher (`python -m deploy`) runs the whole pipeline on it (redis,
@@ -15,7 +17,11 @@ one invocation. From each run's learner/metrics.jsonl, over the steps after the 
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
              generator's clock: with K >= 1 this overlaps the learner's train time);
   staleness  mean learner version minus the samples' starting version.
-K = 0 is the synchronous reference; the table reports each K's speedup over it. Prints a table
+Generator modes (`--modes`, each run at every K): batch = one generate call per batch, weights
+applied between calls; drain = continuous batching, a new version waits for the prompts in flight;
+inflight = continuous batching, a new version is applied at once and the running sequences are
+recomputed under it (GeneratorConfig.weight_update).
+K = 0 (batch) is the synchronous reference; the table reports each run's speedup over it. Prints a table
 and writes bench/results/e2e.json (with the machine's load average: the 2 cores are shared).
 """
 
@@ -61,6 +67,8 @@ class BenchConfig:
     """Where runs go ("" = a temporary directory, removed afterwards)."""
     out: Path = Path("bench/results/e2e.json")
     """Where the JSON results go."""
+    modes: tuple[str, ...] = ("batch",)
+    """Generator loop modes to compare at every K: batch | drain | inflight."""
     extra: list[str] = field(default_factory=list)
     """More launcher flags for every run (e.g. --generator.sampling.n 4)."""
 
@@ -110,9 +118,16 @@ def run(argv: list[str], log: Path, timeout_s: float = 900.0) -> None:
         raise RuntimeError(f"{' '.join(argv[:4])} failed ({code}); see {log}:\n{log.read_text()[-2000:]}")
 
 
-def run_k(cfg: BenchConfig, k: int, model: Path, work: Path) -> dict:
-    """One launcher run at staleness bound k; returns its measured row."""
-    run_dir = work / f"k{k}"
+MODE_FLAGS = {
+    "batch": [],
+    "drain": ["--generator.continuous", "--generator.weight-update", "drain"],
+    "inflight": ["--generator.continuous", "--generator.weight-update", "inflight"],
+}
+
+
+def run_k(cfg: BenchConfig, k: int, model: Path, work: Path, mode: str = "batch") -> dict:
+    """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
+    run_dir = work / f"k{k}-{mode}"
     args = [
         "--run-dir",
         str(run_dir),
@@ -144,13 +159,15 @@ def run_k(cfg: BenchConfig, k: int, model: Path, work: Path) -> dict:
         "0",
         "--reward.metrics-port",
         "0",
+        *MODE_FLAGS[mode],
         *cfg.extra,
     ]
     load_before = os.getloadavg()[0]
     t0 = time.time()
-    run([sys.executable, "-m", "deploy", *args], work / f"k{k}.log", cfg.timeout_s)
+    run([sys.executable, "-m", "deploy", *args], work / f"k{k}-{mode}.log", cfg.timeout_s)
     lines = [json.loads(x) for x in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
     return measure(lines, k, cfg.warmup) | {
+        "mode": mode,
         "run_s": time.time() - t0,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
@@ -189,16 +206,21 @@ def measure(lines: list[dict], k: int, warmup: int) -> dict:
     }
 
 
+def reference(rows: list[dict]) -> dict:
+    """The row every speedup is against: K = 0 with the batch loop if it ran, else the first row."""
+    return next((r for r in rows if r["k"] == 0 and r.get("mode", "batch") == "batch"), rows[0])
+
+
 def format_table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["k"] == 0), rows[0])
+    base = reference(rows)
     head = (
-        f"{'K':>2} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} {'train':>6} {'sync':>6} "
+        f"{'K':>2} {'mode':>8} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} {'train':>6} {'sync':>6} "
         f"{'generate':>8} {'staleness':>9}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(
-            f"{r['k']:>2} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base['steps_per_s']:>7.2f}x "
+            f"{r['k']:>2} {r.get('mode', 'batch'):>8} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base['steps_per_s']:>7.2f}x "
             f"{r['step_s']:>7.2f} {r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r['sync_s']:>6.3f} "
             f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f}"
         )
@@ -207,6 +229,9 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
+    unknown = [m for m in cfg.modes if m not in MODE_FLAGS]
+    if unknown:
+        raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="parallax-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -214,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         model = warm_start(cfg, work)
         rows = []
         for k in cfg.ks:
-            print(f"K={k}: {cfg.warmup} + {cfg.steps} steps ...", flush=True)
-            rows.append(run_k(cfg, k, model, work))
-            print(format_table(rows), flush=True)
+            for mode in cfg.modes:
+                print(f"K={k} {mode}: {cfg.warmup} + {cfg.steps} steps ...", flush=True)
+                rows.append(run_k(cfg, k, model, work, mode))
+                print(format_table(rows), flush=True)
     finally:
         if not cfg.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    base = next((r for r in rows if r["k"] == 0), rows[0])
+    base = reference(rows)
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_s"] / base["steps_per_s"]
     report = {

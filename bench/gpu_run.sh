@@ -15,6 +15,7 @@
 #   bash bench/gpu_run.sh continuous     # (no carry) after "vllm": batch loop vs continuous batching, 3B
 #   bash bench/gpu_run.sh vllm-continuous  # carry [".gpu/p3"] after the stage calls: install, "continuous",
 #                                        # batch-preparation bench, GPU tests
+#   bash bench/gpu_run.sh vllm-tests [K]  # carry [".gpu/p3"] after the stage calls: install, GPU tests (-k K)
 #   bash bench/gpu_run.sh vllm-extra     # (no carry) after "vllm": 7B CUDA-IPC sync into vLLM, in-process column
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
@@ -89,6 +90,11 @@ case "${1:-}" in
     continuous 300
     run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
     run gpu_tests $((570 - SECONDS)) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+    ;;
+  vllm-tests)  # carry [".gpu/p3"], after "stage 1" and "stage 2": install vLLM, then the GPU tests
+    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
+      || { tail "$OUT/install.log"; exit 3; }
+    PYTHONPATH=/tmp/site run gpu_tests 500 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ${2:+-k "$2"}
     ;;
   vllm-extra)  # after "vllm": 7B CUDA-IPC sync into vLLM, the in-process engine column
     export PYTHONPATH=/tmp/site

@@ -66,6 +66,7 @@ def run_children(argv: list[str], cfg: GeneratorConfig, groups: list[list[int]])
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(GeneratorConfig, argv, description=__doc__)
+    cfg.validate()
     groups = engine_groups(parse_gpus(cfg.gpus), cfg.tp)
     if len(groups) > 1:
         return run_children(argv, cfg, groups)

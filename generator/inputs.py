@@ -56,7 +56,9 @@ class Result:
 
     completions: list[Completion] = field(default_factory=list)
     version: int = -1
-    """Policy version served while the group was generated (weights never change mid-batch)."""
+    """Policy version served when the group started (weights never change mid-batch)."""
+    version_end: int = -1
+    """Policy version served when it finished, if it can differ (continuous loop with in-flight updates)."""
     temperature: float = 1.0
     prompt_len: int = 0
     """Prompt length after image expansion."""

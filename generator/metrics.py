@@ -31,6 +31,9 @@ class GeneratorMetrics:
         self.weight_load = Histogram("parallax_generator_weight_load_seconds",
                                      "One weight update, received version to new version served",
                                      buckets=WEIGHT_LOAD_BUCKETS, registry=r)
+        self.inflight_updates = Counter("parallax_generator_inflight_updates",
+                                        "Weight updates applied with sequences running (weight_update = inflight)",
+                                        registry=r)
         self.rejected = Counter("parallax_generator_rejected_prompts",
                                 "Prompts rejected before generation, by reason", ["reason"], registry=r)
         for reason in REASONS:

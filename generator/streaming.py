@@ -13,10 +13,18 @@ and prefill with everyone's decode, which runs outside vLLM's decode CUDA graphs
 each slot at once made a long-tailed run 0.77x the batch loop). With the engine core in its own
 process (the default on CUDA) the GPU keeps generating while this loop prepares and publishes.
 
-Versions: a group never mixes policy versions. When the learner is ahead of the served version,
-admission pauses; once the prompts in flight have finished, the newest weights are applied (the
-same `sync_weights` as the batch loop) and admission resumes. If the new weights have not arrived
-by then, admission resumes on the current version (the learner's min_version gate still holds).
+Versions (`GeneratorConfig.weight_update`):
+  drain     a group never mixes policy versions. When the learner is ahead of the served version,
+            admission pauses; once the prompts in flight have finished, the newest weights are applied
+            (the same `sync_weights` as the batch loop) and admission resumes. If the new weights have
+            not arrived by then, admission resumes on the current version (the learner's min_version
+            gate still holds).
+  inflight  new weights are applied between two engine steps as soon as they arrive, with the
+            prompts in flight kept: vLLM preempts them and recomputes their KV cache under the new
+            weights (AReaL's interruptible generation), so nothing waits for the longest response.
+            A group then carries version_start (admission) < version_end (finish); every token's
+            behaviour logprob is from the version that sampled it, which is what the learner's
+            importance correction needs, and its staleness counts from version_start.
 Bad prompts are rejected exactly as in the batch loop (same reasons, empty group, dead letter).
 """
 
@@ -65,6 +73,7 @@ class EngineStream:
             if not output.finished or output.request_id not in self._pending:
                 continue
             tag, result, t0 = self._pending.pop(output.request_id)
+            result.version_end = engine.version  # > result.version after an in-flight update
             result.completions = [engine.completion(c) for c in output.outputs]
             result.seconds = time.perf_counter() - t0
             done.append((tag, result))
@@ -77,6 +86,7 @@ class ContinuousLoop:
     def __init__(self, worker):
         self.worker = worker
         self.stream = EngineStream(worker.engine)
+        self.inflight_updates = worker.config.weight_update == "inflight"
         self._quiet_until = 0.0
 
     @property
@@ -88,6 +98,8 @@ class ContinuousLoop:
         worker = self.worker
         if self.stream.inflight == 0:
             worker.sync_weights()
+        elif self.inflight_updates:
+            worker.sync_weights(running=True)
         if not self._draining() and self.stream.inflight < worker.config.max_inflight_prompts:
             self._admit()
         worker.metrics.queue_depth.set(self.stream.inflight)
@@ -99,8 +111,8 @@ class ContinuousLoop:
         return worker._publish_and_ack(groups, done)
 
     def _draining(self) -> bool:
-        """True while prompts are in flight and the learner is ahead of the served version."""
-        if self.stream.inflight == 0:
+        """True while prompts are in flight and the learner is ahead of the served version (drain mode)."""
+        if self.stream.inflight == 0 or self.inflight_updates:
             return False
         learner = self.worker.gate.learner()
         return learner is not None and learner > self.worker.engine.version

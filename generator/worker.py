@@ -54,6 +54,7 @@ class GeneratorWorker:
     """One engine's consume-generate-publish loop; see the module docstring."""
 
     def __init__(self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None):
+        config.validate()
         self.config = config
         self.generator_id = config.generator_id or default_generator_id()
         self.names = Names(config.namespace)
@@ -203,7 +204,8 @@ class GeneratorWorker:
                images_s: float) -> RolloutGroup:
         samples = [
             Sample.of(token_ids=c.token_ids, logprobs=c.logprobs, response_text=c.text,
-                      version_start=result.version, version_end=result.version, finish_reason=c.finish_reason)
+                      version_start=result.version, version_end=max(result.version, result.version_end),
+                      finish_reason=c.finish_reason)
             for c in result.completions
         ]
         return RolloutGroup(
@@ -226,20 +228,24 @@ class GeneratorWorker:
                     return False
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self) -> bool:
-        """Apply the newest received version, if any; True when a new version is now served."""
+    def sync_weights(self, running: bool = False) -> bool:
+        """Apply the newest received version, if any; True when a new version is now served. `running`:
+        requests are in flight in the engine and stay there (continuous loop, weight_update = inflight)."""
         if self.receiver is None:
             return False
         received = self.receiver.take()
         if received is None:
             return False
         try:  # a CUDA-IPC version goes to the engine as its reference (read inside vLLM's worker)
-            seconds = self.engine.apply_weights(as_update(received), received.version)
+            extra = {"running": True} if running else {}
+            seconds = self.engine.apply_weights(as_update(received), received.version, **extra)
         except WeightLoadError as exc:
             log.error("version %d not applied, still serving %d: %s", received.version, self.engine.version, exc)
             self.receiver.mark_served(self.engine.version)
             return False
         self.receiver.mark_served(received.version)
+        if running:
+            self.metrics.inflight_updates.inc()
         self.metrics.weight_load.observe(received.seconds + seconds)
         self.metrics.served_version.set(received.version)
         self.announce(seconds=received.seconds + seconds, num_bytes=received.num_bytes)

@@ -267,3 +267,54 @@ def test_refused_or_failed_updates_keep_the_last_good_version(engine, base_weigh
         engine.apply_weights(other.items(), version=version + 1)
     assert engine.version == version
     assert greedy(engine, ids, [red()]) == before  # the half-written weights were rolled back
+
+
+def test_inflight_update_recomputes_running_sequences_under_the_new_weights(engine, base_weights, other_model_dir,
+                                                                             tiny_model, tiny_processor):
+    """weight_update = inflight: new weights applied between two engine steps with a request running. The
+    tokens sampled before the update keep the old weights' logprobs; the later ones have the new weights'
+    logprobs on the whole sequence, i.e. vLLM recomputed the prompt's and earlier tokens' KV cache under
+    the new weights instead of continuing from the old cache."""
+    from policy.loading import load_model
+    from safetensors.torch import load_file
+
+    from generator.inputs import Request
+
+    problem = "<image> What colour is the shape?"
+    enc = hf_inputs(tiny_processor, problem, [blue_circle()])
+    _, prompt, params = engine.admit(Request(prompt_ids(engine, problem), [blue_circle()]))
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.n, params.seed = 1, 5
+    params.output_kind = RequestOutputKind.CUMULATIVE  # see the tokens sampled before the update
+    engine.add_request("inflight-0", prompt, params)
+    before: list[int] = []
+    for _ in range(20):  # until a few tokens exist
+        outs = [o for o in engine.step() if o.request_id == "inflight-0"]
+        if outs:
+            before = list(outs[-1].outputs[0].token_ids)
+            assert not outs[-1].finished
+        if len(before) >= 3:
+            break
+    assert len(before) >= 3
+    try:
+        engine.apply_weights(load_file(str(other_model_dir / "model.safetensors")).items(), version=5, running=True)
+        assert engine.version == 5
+        final = None
+        for _ in range(4 * MAX_TOKENS):
+            done = [o for o in engine.step() if o.request_id == "inflight-0" and o.finished]
+            if done:
+                final = done[0].outputs[0]
+                break
+        assert final is not None
+        tokens, logprobs = list(final.token_ids), torch.tensor(engine.completion(final).logprobs)
+        m = len(before)
+        assert tokens[:m] == before and len(tokens) > m, (before, tokens)
+        old = hf_logprobs(tiny_model, enc, tokens, TEMPERATURE, engine.banned_token_ids)
+        new = hf_logprobs(load_model(other_model_dir), enc, tokens, TEMPERATURE, engine.banned_token_ids)
+        assert (logprobs[:m] - old[:m]).abs().max().item() <= 1e-4
+        assert (logprobs[m:] - new[m:]).abs().max().item() <= 1e-4
+        assert (logprobs[m:] - old[m:]).abs().max().item() > 1e-2  # the two policies really differ here
+    finally:
+        engine.apply_weights(base_weights.items(), version=0)

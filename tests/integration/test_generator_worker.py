@@ -281,3 +281,27 @@ def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(
         assert worker.receiver.served == 1
     finally:
         engine.apply_weights(weights.items(), version=0)
+
+
+def test_continuous_inflight_update_applies_at_once_and_tags_the_spanned_versions(engine, transport, names,
+                                                                                  tiny_model_dir):
+    from safetensors.torch import load_file
+
+    store = ImageStore(transport, names)
+    Publisher(transport, names.prompts).publish_many([record(store, i) for i in range(6)])
+    transport.set_value(names.learner_version, codec.encode(WeightVersion(version=1, source="learner")))
+    worker = worker_for(engine, transport, names, generator_id="gen-inflight", weight_update="inflight",
+                        **MODES["continuous"])
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # arrives after one engine step
+    try:
+        assert worker.run() == 6
+        spans = {g.prompt_id: {(s.version_start, s.version_end) for s in g.samples}
+                 for g in rollouts(transport, names)}
+        # p0 and p1 were running when version 1 arrived: kept in the engine, finished on version 1
+        assert spans["p0"] == spans["p1"] == {(0, 1)}, spans
+        assert all(spans[f"p{i}"] == {(1, 1)} for i in range(2, 6)), spans
+        assert worker.metrics.value("parallax_generator_inflight_updates_total") == 1
+        assert worker.receiver.served == 1 and engine.version == 1
+    finally:
+        engine.apply_weights(weights.items(), version=0)
