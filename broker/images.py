@@ -26,6 +26,8 @@ from broker.schemas import ImageRef
 from broker.transport import Transport
 
 DEFAULT_TTL_S = 24 * 3600.0
+FETCH_CHUNK = 64
+"""Blobs fetched per round trip by open_many (bounds one reply: 64 x ~100 KB images)."""
 _RECENT_MAX = 10_000
 
 
@@ -78,8 +80,9 @@ class ImageStore:
         """One entry per ref, in order: what `open(ref)` returns, or the ImageError / OSError / ValueError it
         would raise (as an object: one bad image never fails the others; other exceptions do raise).
 
-        Each distinct blob is fetched once, in this thread (a transport is not thread-safe); its sha256
-        check and decode run on `pool` (hashlib and PIL's decoders release the GIL), or here without one.
+        Each distinct blob is fetched once, FETCH_CHUNK per round trip (`Transport.get_blobs`), in this
+        thread (a transport is not thread-safe); its sha256 check and decode run on `pool` (hashlib and
+        PIL's decoders release the GIL), or here without one.
         Refs to the same blob share one image object: treat it as read-only (vLLM and the prompt checker
         only read pixels)."""
         return self.start_open_many(refs, pool, mode)()
@@ -88,10 +91,13 @@ class ImageStore:
                         mode: str | None = "RGB") -> Callable[[], list]:
         """`open_many` in two halves: fetch every blob and start the decodes now; the returned function
         waits for them and gives open_many's list (the caller works meanwhile)."""
+        distinct = list({ref.sha256: ref for ref in refs}.values())
         started: dict[str, Future] = {}
-        for ref in refs:
-            if ref.sha256 not in started:
-                started[ref.sha256] = self._start_open(ref, pool, mode)
+        for at in range(0, len(distinct), FETCH_CHUNK):
+            chunk = distinct[at:at + FETCH_CHUNK]
+            blobs = self.transport.get_blobs([self.names.blob(ref.sha256) for ref in chunk])
+            for ref, data in zip(chunk, blobs, strict=True):
+                started[ref.sha256] = self._start_decode(ref, data, pool, mode)
 
         def results() -> list:
             done = {sha: future.result() for sha, future in started.items()}
@@ -99,11 +105,9 @@ class ImageStore:
 
         return results
 
-    def _start_open(self, ref: ImageRef, pool: Executor | None, mode: str | None) -> Future:
-        try:
-            data = self._fetch(ref)
-        except ImageMissing as exc:
-            return _done(exc)
+    def _start_decode(self, ref: ImageRef, data: bytes | None, pool: Executor | None, mode: str | None) -> Future:
+        if data is None:
+            return _done(_missing(ref))
         if pool is None:
             return _done(_decode_or_error(ref.sha256, data, mode))
         return pool.submit(_decode_or_error, ref.sha256, data, mode)
@@ -112,9 +116,7 @@ class ImageStore:
         """The stored bytes of `ref`, unverified; ImageMissing if there are none."""
         data = self.transport.get_blob(self.names.blob(ref.sha256))
         if data is None:
-            raise ImageMissing(
-                f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)"
-            )
+            raise _missing(ref)
         return data
 
     def _recently_refreshed(self, sha: str) -> bool:
@@ -128,6 +130,10 @@ class ImageStore:
         self._refreshed.move_to_end(sha)
         while len(self._refreshed) > _RECENT_MAX:
             self._refreshed.popitem(last=False)
+
+
+def _missing(ref: ImageRef) -> ImageMissing:
+    return ImageMissing(f"image {ref.sha256[:16]}... is not in the blob store (expired or never stored)")
 
 
 def _probe(data: bytes) -> tuple[str, int, int]:

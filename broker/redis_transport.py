@@ -282,6 +282,12 @@ class RedisTransport(Transport):
         with self._errors("get_blob"):
             return self._redis.get(key)
 
+    def get_blobs(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        with self._errors("get_blobs"):
+            return self._redis.mget(list(keys))
+
     def set_value(self, key: str, value: bytes) -> None:
         with self._errors("set_value"):
             self._redis.set(key, value)

@@ -89,6 +89,11 @@ class Transport(abc.ABC):
     def get_blob(self, key: str) -> bytes | None:
         """The bytes stored under `key`, or None when absent or expired."""
 
+    def get_blobs(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get_blob` of each key, in order, in one round trip where the transport can (this default
+        asks one by one)."""
+        return [self.get_blob(key) for key in keys]
+
     @abc.abstractmethod
     def set_value(self, key: str, value: bytes) -> None:
         """Set a small latest-value entry."""

@@ -74,6 +74,7 @@ class ZmqBroker:
             "ensure_group": self._ensure_group,
             "put_blob": lambda c, r, f, key, ttl: ("ok", state.put_blob(key, f[0], ttl), None),
             "get_blob": self._get_blob,
+            "get_blobs": self._get_blobs,
             "set_value": lambda c, r, f, key, value: ("ok", state.values.__setitem__(key, value), None),
             "set_value_nx": lambda c, r, f, key, value: ("ok", state.values.setdefault(key, value) is value, None),
             "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
@@ -208,6 +209,10 @@ class ZmqBroker:
     def _get_blob(self, client, rid, frames, key):
         data = self.state.get_blob(key)
         return ("ok", False, None) if data is None else ("ok", True, None, [data])
+
+    def _get_blobs(self, client, rid, frames, keys):
+        blobs = [self.state.get_blob(key) for key in keys]
+        return "ok", [b is not None for b in blobs], None, [b for b in blobs if b is not None]
 
     # ---- timers ----------------------------------------------------------------------------------
     def _on_tick(self) -> None:

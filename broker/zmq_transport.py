@@ -201,6 +201,13 @@ class ZmqTransport(Transport):
         _, found, payloads = self._request("get_blob", key)
         return payloads[0] if found else None
 
+    def get_blobs(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        _, found, payloads = self._request("get_blobs", list(keys))
+        present = iter(payloads)
+        return [next(present) if hit else None for hit in found]
+
     def set_value(self, key: str, value: bytes) -> None:
         self._request("set_value", key, value)
 

@@ -245,6 +245,10 @@ def test_blobs_round_trip_expire_and_values(connect, names):
     time.sleep(0.4)
     assert t.get_blob(short) is None
 
+    # a batch: in order, None where absent or expired, duplicates answered each time
+    assert t.get_blobs([key, short, names.blob("22" * 32), key]) == [b"\x89PNG...", None, None, b"\x89PNG..."]
+    assert t.get_blobs([]) == []
+
     assert t.get_value(names.learner_version) is None
     t.set_value(names.learner_version, b"v1")
     t.set_value(names.learner_version, b"v2")

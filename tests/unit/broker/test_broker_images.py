@@ -94,17 +94,22 @@ def test_open_many_gives_what_open_gives_in_order(store, pool, with_pool):
     assert store.open_many([], pool) == []
 
 
-def test_open_many_fetches_a_repeated_blob_once(store, pool):
-    a, b = store.put(_noise_png(1)), store.put(_noise_png(2))
-    fetched = []
-    get_blob = store.transport.get_blob
-    store.transport.get_blob = lambda key: fetched.append(key) or get_blob(key)
+def test_open_many_fetches_each_blob_once_in_few_round_trips(store, pool, monkeypatch):
+    import broker.images
+
+    monkeypatch.setattr(broker.images, "FETCH_CHUNK", 2)
+    a, b, c = (store.put(_noise_png(seed)) for seed in (1, 2, 3))
+    calls = []
+    get_blobs = store.transport.get_blobs
+    store.transport.get_blobs = lambda keys: calls.append(list(keys)) or get_blobs(keys)
     try:
-        first, second, third = store.open_many([a, b, a], pool)
+        first, second, third, fourth = store.open_many([a, b, a, c], pool)
     finally:
-        store.transport.get_blob = get_blob
-    assert sorted(fetched) == sorted([store.names.blob(a.sha256), store.names.blob(b.sha256)])
+        store.transport.get_blobs = get_blobs
+    blob = store.names.blob
+    assert calls == [[blob(a.sha256), blob(b.sha256)], [blob(c.sha256)]]  # distinct blobs, 2 per trip
     assert first.tobytes() == third.tobytes() == store.open(a).tobytes() != second.tobytes()
+    assert fourth.tobytes() == store.open(c).tobytes()
 
 
 @pytest.mark.parametrize("with_pool", [False, True])
