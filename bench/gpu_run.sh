@@ -16,6 +16,7 @@
 #   bash bench/gpu_run.sh vllm-continuous  # carry [".gpu/p3"] after the stage calls: install, "continuous",
 #                                        # batch-preparation bench, GPU tests
 #   bash bench/gpu_run.sh vllm-tests [K]  # carry [".gpu/p3"] after the stage calls: install, GPU tests (-k K)
+#   bash bench/gpu_run.sh vllm-smoke     # carry [".gpu/p3"] after the stage calls: smoke run, in-flight updates
 #   bash bench/gpu_run.sh vllm-extra     # (no carry) after "vllm": 7B CUDA-IPC sync into vLLM, in-process column
 # GPU tests: python3 -m pytest -q -m gpu tests/gpu (after "vllm": pyzmq comes with the bundle).
 set -uo pipefail
@@ -95,6 +96,13 @@ case "${1:-}" in
     [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
       || { tail "$OUT/install.log"; exit 3; }
     PYTHONPATH=/tmp/site run gpu_tests 500 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ${2:+-k "$2"}
+    ;;
+  vllm-smoke)  # carry [".gpu/p3"], after "stage 1" and "stage 2": install vLLM, then the pipeline smoke run with
+    # continuous batching and in-flight weight updates (512-token responses: generation outlasts a learner step)
+    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
+      || { tail "$OUT/install.log"; exit 3; }
+    PYTHONPATH=/tmp/site run smoke_inflight 330 python3 -m bench.gpu_smoke --steps 4 --mode inflight \
+      --max-tokens 512 --out "$OUT/gpu_smoke_inflight.json"
     ;;
   vllm-extra)  # after "vllm": 7B CUDA-IPC sync into vLLM, the in-process engine column
     export PYTHONPATH=/tmp/site

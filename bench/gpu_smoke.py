@@ -40,6 +40,9 @@ def parse_args(argv):
     p.add_argument("--task", default="")
     p.add_argument("--run-dir", default="/tmp/parallax-smoke/learner")
     p.add_argument("--groups", type=int, default=8, help="groups (prompts) per learner step")
+    p.add_argument("--max-tokens", type=int, default=128, help="response length (forced: ignore_eos)")
+    p.add_argument("--mode", default="batch", choices=["batch", "drain", "inflight"],
+                   help="generator loop: batch, or continuous batching with new weights drained or in flight")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_smoke.json"))
     return p.parse_args(argv)
@@ -59,12 +62,14 @@ def main(argv=None) -> int:
 
         transport = broker.connect(url)
         engine = build_engine(model_dir, gargs)
-        run_smoke(engine, transport, url, model_dir, steps=args.steps, out=args.out, tiny=args.tiny, sync=args.sync)
+        run_smoke(engine, transport, url, model_dir, steps=args.steps, out=args.out, tiny=args.tiny, sync=args.sync,
+                  mode=args.mode, max_tokens=args.max_tokens)
     return 0
 
 
 def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: Path, tiny: bool = False,
-              sync: str = "", groups: int = 8, n: int = 4, max_tokens: int = 128, timeout_s: float = 240.0) -> dict:
+              sync: str = "", groups: int = 8, n: int = 4, max_tokens: int = 128, timeout_s: float = 240.0,
+              mode: str = "batch") -> dict:
     """Run the pipeline for `steps` learner steps on `engine` (this process is the generator)."""
     from broker.names import Names
     from generator.config import SamplingConfig
@@ -84,7 +89,7 @@ def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: P
     t0 = time.time()
     reward = start_reward(url, names.namespace, work)
     learner = start_learner(url, names.namespace, model_dir, task, steps, work, sync, groups, engine.on_cpu)
-    worker = make_worker(engine, transport, names, sync, groups)
+    worker = make_worker(engine, transport, names, sync, groups, mode)
     deadline = time.monotonic() + timeout_s
 
     def watch() -> None:  # a step may wait in the staleness gate for a version the finished learner never sends
@@ -110,7 +115,7 @@ def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: P
         if worker.receiver is not None:
             worker.receiver.close()
     report = summarise(work, names, transport, worker, loads, learner_rc, time.time() - t0, sync, steps,
-                       dict(groups=groups, n=n, max_tokens=max_tokens))
+                       dict(groups=groups, n=n, max_tokens=max_tokens, mode=mode))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(report), flush=True)
@@ -122,9 +127,10 @@ def track_loads(engine) -> list[dict]:
     loads: list[dict] = []
     apply = engine.apply_weights
 
-    def timed(named_tensors, version: int) -> float:
-        seconds = apply(named_tensors, version)
-        loads.append({"version": version, "apply_s": round(seconds, 4), "served_at": time.time()})
+    def timed(named_tensors, version: int, **kwargs) -> float:
+        seconds = apply(named_tensors, version, **kwargs)
+        loads.append({"version": version, "apply_s": round(seconds, 4), "served_at": time.time(),
+                      "requests_running": bool(kwargs.get("running"))})
         return seconds
 
     engine.apply_weights = timed
@@ -157,13 +163,15 @@ def start_learner(url, namespace, model_dir, task, steps, work, sync, groups, on
     return _python(args, work / "learner.log", env)
 
 
-def make_worker(engine, transport, names, sync: str, groups: int):
-    """The generator as deployed: its receiver follows whichever weight sync the learner publishes."""
+def make_worker(engine, transport, names, sync: str, groups: int, mode: str = "batch"):
+    """The generator as deployed: its receiver follows whichever weight sync the learner publishes;
+    `mode` batch, or continuous batching with weight_update drain / inflight."""
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
     cfg = GeneratorConfig(namespace=names.namespace, generator_id="gen-smoke", weight_sync_address="",
-                          batch_prompts=groups, block_s=0.05, gate_poll_s=0.02)
+                          batch_prompts=groups, block_s=0.05, gate_poll_s=0.02, continuous=mode != "batch",
+                          weight_update="inflight" if mode == "inflight" else "drain")
     return GeneratorWorker(cfg, engine=engine, transport=transport)
 
 
@@ -202,7 +210,7 @@ def summarise(work: Path, names, transport, worker, loads, learner_rc, seconds, 
         msg = codec.decode(raw)
         announced[msg.version] = msg.timestamp
     keys = ("step", "version", "tokens", "tokens_per_s", "mfu", "train_s", "sync_s", "wait_s", "samples",
-            "response_len", "entropy", "mismatch_kl", "grad_norm")
+            "response_len", "entropy", "mismatch_kl", "grad_norm", "staleness_mean", "staleness_max")
     steps_out = [{k: round(v, 4) if isinstance(v, float) else v for k, v in line.items() if k in keys}
                  for line in lines]
     stamps = {int(line["version"]): line["time"] for line in lines}
@@ -216,6 +224,7 @@ def summarise(work: Path, names, transport, worker, loads, learner_rc, seconds, 
                 "groups_published": worker.published, "versions_applied": loads,
                 "apply_s_median": applies[len(applies) // 2] if applies else None,
                 "weight_failures": getattr(worker.engine, "weight_failures", 0),
+                "inflight_updates": worker.metrics.value("parallax_generator_inflight_updates_total"),
                 "receiver": receiver_stats(worker.receiver),
                 "served_version": worker.engine.version},
             "logs": {"learner": tail(work / "learner.log"), "reward": tail(work / "reward.log")}}
