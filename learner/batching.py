@@ -36,6 +36,8 @@ class TrainSample:
     advantage: float
     version_start: int
     images: list[ImageRef] = field(default_factory=list)
+    version_end: int = -1
+    """The version serving when the response finished (> version_start after an in-flight update)."""
     reward: float = 0.0
     accuracy: float = 0.0
     data_source: str = ""
@@ -54,7 +56,8 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
             out.append(TrainSample(
                 group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=sample.token_ids().tolist(),
                 behaviour_logprobs=sample.logprobs().tolist(), advantage=float(adv),
-                version_start=sample.version_start, images=list(g.images), reward=score.reward,
+                version_start=sample.version_start, version_end=sample.version_end, images=list(g.images),
+                reward=score.reward,
                 accuracy=score.accuracy, data_source=g.data_source, truncated=sample.finish_reason == "length",
             ))
     return out
@@ -84,6 +87,11 @@ def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | 
 def staleness(version: int, sample: TrainSample) -> int:
     """How many versions behind the learner the sample's policy was when it started."""
     return version - sample.version_start
+
+
+def spans_versions(sample: TrainSample) -> bool:
+    """True when the policy changed while the response was generated (the generator's in-flight updates)."""
+    return sample.version_end > sample.version_start
 
 
 def filter_stale(samples: Sequence[TrainSample], version: int, max_staleness: int) -> tuple[list[TrainSample], int]:

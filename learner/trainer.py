@@ -6,7 +6,8 @@
 
 One `train_step(groups)` (every rank, same groups):
   1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples; samples older than
-     the staleness bound are dropped (counted); staleness observed per sample;
+     the staleness bound (counted from version_start) are dropped (counted); staleness observed
+     per sample, and samples whose policy changed mid-response (in-flight updates) counted;
   2. per PPO mini-batch: token-budget packed micro-batches spread over the ranks (the same
      plan on every rank; ranks with fewer micro-batches run zero-weighted dummies so FSDP's
      collectives line up);
@@ -44,6 +45,7 @@ from learner.batching import (
     filter_truncated,
     plan_microbatches,
     sample_length,
+    spans_versions,
     staleness,
     to_samples,
 )
@@ -149,7 +151,7 @@ class Learner:
         cfg = self.cfg
         advantages = batch_advantages([[s.reward for s in g.scores] for g in groups], cfg.algo.estimator,
                                       cfg.algo.adv_eps)
-        samples = to_samples(groups, advantages)
+        samples = all_samples = to_samples(groups, advantages)
         ages = [staleness(self.state.step, s) for s in samples]
         for age in ages:
             self.metrics.staleness.observe(age)
@@ -160,6 +162,7 @@ class Learner:
             values["truncated_masked"] = float(n_truncated)
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
+            values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
         if samples:
             self._optimize(samples, values)
         self._record_consumed(groups)

@@ -13,6 +13,7 @@ from learner.batching import (
     filter_truncated,
     plan_microbatches,
     sample_length,
+    spans_versions,
     to_samples,
     validate_group,
 )
@@ -95,6 +96,20 @@ def test_truncated_samples_are_masked_after_their_group_advantages(tiny_processo
     assert masked == 1 and [s.truncated for s in kept] == [False, False]
     # the truncated sample still shaped the baseline: mean reward 1/3, not 1/2
     assert [s.advantage for s in kept] == pytest.approx([2 / 3, -1 / 3])
+
+
+def test_samples_keep_both_versions_and_spans_are_counted(tiny_processor, store):
+    import msgspec
+
+    group = make_group(tiny_processor, store, [1.0, 0.0], seed=5, version=2)
+    spanned = msgspec.structs.replace(group.group.samples[1], version_end=3)  # an in-flight update
+    group = msgspec.structs.replace(group, group=msgspec.structs.replace(
+        group.group, samples=[group.group.samples[0], spanned]))
+    samples = to_samples([group], [[0.5, -0.5]])
+    assert [(s.version_start, s.version_end) for s in samples] == [(2, 2), (2, 3)]
+    assert [spans_versions(s) for s in samples] == [False, True]
+    assert filter_stale(samples, version=3, max_staleness=1)[1] == 0  # staleness counts from version_start
+    assert filter_stale(samples, version=4, max_staleness=1)[1] == 2
 
 
 def test_validate_group_names_the_problem(tiny_processor, store):

@@ -90,6 +90,7 @@ def test_feeder_drives_training_within_the_staleness_bound(tiny_model_dir, tiny_
     lines = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(x["stale_samples"] for x in lines) == 0
     assert all(x["staleness_max"] <= 1 for x in lines) and any("staleness_mean" in x for x in lines)
+    assert all(x["version_spanning"] == 0 for x in lines if "staleness_mean" in x)  # batch-loop samples
     assert learner.registry.get_sample_value("parallax_learner_staleness_bucket", {"le": "1.0"}) == \
         learner.registry.get_sample_value("parallax_learner_staleness_count")
     # The round started after step 2 finishes while step 4 is collected (its prompts queue behind it).
