@@ -40,6 +40,11 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECO
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
 }
 
+install_vllm() {  # after "stage 1" and "stage 2" (parts in /tmp/stage): vLLM into /tmp/site, once per machine
+  [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
+    || { tail "$OUT/install.log"; exit 3; }
+}
+
 continuous() {  # the generator loop, one generate call per batch vs continuous batching, long-tailed lengths
   PYTHONPATH=/tmp/site run generator_continuous "$1" python3 -m bench.generator_continuous --gpu \
     --model 3b --prompts 256 --batch 64 --admit 16 --max-tokens 512 --stop-frac 0.003 \
@@ -74,8 +79,7 @@ case "${1:-}" in
     #    engine whose core runs in its own process (the default on CUDA), then the pipeline smoke run on it;
     # 3. batch loop vs continuous batching on long-tailed lengths (the "continuous" call), if >= 150 s are left.
     # (Session 3's call also ran the 7B CUDA-IPC sync into vLLM and the in-process column: "vllm-extra".)
-    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
-      || { tail "$OUT/install.log"; exit 3; }
+    install_vllm
     export PYTHONPATH=/tmp/site
     run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
     run generator 330 python3 -m bench.gpu_generator --out "$OUT/gpu_generator.json" --smoke-steps 3
@@ -85,22 +89,19 @@ case "${1:-}" in
     ;;
   vllm-continuous)  # carry [".gpu/p3"], after "stage 1" and "stage 2" (session 4's second chain): install vLLM,
     # the continuous comparison, the batch-preparation bench, then the GPU tests with the time left
-    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
-      || { tail "$OUT/install.log"; exit 3; }
+    install_vllm
     export PYTHONPATH=/tmp/site
     continuous 300
     run generator_prep 60 python3 -m bench.generator_prep --repeats 3 --out "$OUT/generator_prep_h200.json"
     run gpu_tests $((570 - SECONDS)) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
     ;;
   vllm-tests)  # carry [".gpu/p3"], after "stage 1" and "stage 2": install vLLM, then the GPU tests
-    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
-      || { tail "$OUT/install.log"; exit 3; }
+    install_vllm
     PYTHONPATH=/tmp/site run gpu_tests 500 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ${2:+-k "$2"}
     ;;
   vllm-smoke)  # carry [".gpu/p3"], after "stage 1" and "stage 2": install vLLM, then the pipeline smoke run with
     # continuous batching and in-flight weight updates (512-token responses: generation outlasts a learner step)
-    [ -d /tmp/site/vllm ] || bash .gpu/p3/install-on-device.sh .gpu/p3 > "$OUT/install.log" 2>&1 \
-      || { tail "$OUT/install.log"; exit 3; }
+    install_vllm
     PYTHONPATH=/tmp/site run smoke_inflight 330 python3 -m bench.gpu_smoke --steps 4 --mode inflight \
       --max-tokens 512 --out "$OUT/gpu_smoke_inflight.json"
     ;;
@@ -114,5 +115,6 @@ case "${1:-}" in
   continuous)  # right after "vllm" (vLLM in /tmp/site, the random 3B checkpoint in /tmp/parallax-ckpt/3b)
     continuous 420
     ;;
-  *) echo "usage: bash bench/gpu_run.sh learner | learner-sync | stage-learner N M | stage 1|2 | vllm | vllm-extra | continuous"; exit 2 ;;
+  *) echo "usage: bash bench/gpu_run.sh learner | learner-sync | stage-learner N M | stage 1|2 | vllm |"\
+       "vllm-continuous | vllm-tests [K] | vllm-smoke | vllm-extra | continuous"; exit 2 ;;
 esac

@@ -127,10 +127,10 @@ def track_loads(engine) -> list[dict]:
     loads: list[dict] = []
     apply = engine.apply_weights
 
-    def timed(named_tensors, version: int, **kwargs) -> float:
-        seconds = apply(named_tensors, version, **kwargs)
+    def timed(named_tensors, version: int, running: bool = False) -> float:
+        seconds = apply(named_tensors, version, running=running)
         loads.append({"version": version, "apply_s": round(seconds, 4), "served_at": time.time(),
-                      "requests_running": bool(kwargs.get("running"))})
+                      "requests_running": running})
         return seconds
 
     engine.apply_weights = timed

@@ -20,7 +20,8 @@ One step:
      reason and counted; it never takes the batch down.
 With `continuous` (streaming.py) the same pieces run as continuous batching: prompts enter the
 running engine as they are prepared and each group is published the step it finishes; weights
-apply once the prompts in flight have drained.
+apply once the prompts in flight have drained, or between two engine steps with the prompts kept
+running (weight_update = "inflight").
 The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so a prompt reclaimed
 and generated twice yields one group id and downstream idempotency drops the copy.
 
@@ -237,8 +238,7 @@ class GeneratorWorker:
         if received is None:
             return False
         try:  # a CUDA-IPC version goes to the engine as its reference (read inside vLLM's worker)
-            extra = {"running": True} if running else {}
-            seconds = self.engine.apply_weights(as_update(received), received.version, **extra)
+            seconds = self.engine.apply_weights(as_update(received), received.version, running=running)
         except WeightLoadError as exc:
             log.error("version %d not applied, still serving %d: %s", received.version, self.engine.version, exc)
             self.receiver.mark_served(self.engine.version)
