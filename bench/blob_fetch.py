@@ -46,11 +46,15 @@ def main(argv=None) -> int:
             print(format_table(rows), flush=True)
     import broker.images
 
-    report = {"bench": "blob_fetch", "command": " ".join(["python -m bench.blob_fetch", *argv]),
-              "machine": {"platform": platform.platform(), "python": platform.python_version()},
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-              | {"fetch_chunk": broker.images.FETCH_CHUNK, "mean_png_bytes": sum(map(len, pngs)) // len(pngs)},
-              "rows": rows, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = {
+        "bench": "blob_fetch",
+        "command": " ".join(["python -m bench.blob_fetch", *argv]),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        | {"fetch_chunk": broker.images.FETCH_CHUNK, "mean_png_bytes": sum(map(len, pngs)) // len(pngs)},
+        "rows": rows,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -99,7 +103,11 @@ def measure(name: str, url: str, pngs: list[bytes], repeats: int) -> dict:
         return [transport.get_blob(key) for key in keys]
 
     def batched():
-        return [b for at in range(0, len(keys), FETCH_CHUNK) for b in transport.get_blobs(keys[at:at + FETCH_CHUNK])]
+        return [
+            b
+            for at in range(0, len(keys), FETCH_CHUNK)
+            for b in transport.get_blobs(keys[at : at + FETCH_CHUNK])
+        ]
 
     times = {"one_by_one": [], "batched": []}
     for fetch in (one_by_one, batched):
@@ -111,17 +119,26 @@ def measure(name: str, url: str, pngs: list[bytes], repeats: int) -> dict:
             times[mode].append(time.perf_counter() - t0)
     transport.close()
     med = {mode: statistics.median(ts) for mode, ts in times.items()}
-    return {"broker": name, "blobs": len(keys), "one_by_one_s": round(med["one_by_one"], 4),
-            "batched_s": round(med["batched"], 4), "speedup": round(med["one_by_one"] / med["batched"], 2),
-            "runs": times}
+    return {
+        "broker": name,
+        "blobs": len(keys),
+        "one_by_one_s": round(med["one_by_one"], 4),
+        "batched_s": round(med["batched"], 4),
+        "speedup": round(med["one_by_one"] / med["batched"], 2),
+        "runs": times,
+    }
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["image blob fetches for one batch, median seconds (same transport, same blobs)",
-             f"{'broker':<7} {'blobs':>6} {'one-by-one s':>13} {'batched s':>10} {'speedup':>8}"]
+    lines = [
+        "image blob fetches for one batch, median seconds (same transport, same blobs)",
+        f"{'broker':<7} {'blobs':>6} {'one-by-one s':>13} {'batched s':>10} {'speedup':>8}",
+    ]
     for r in rows:
-        lines.append(f"{r['broker']:<7} {r['blobs']:>6} {r['one_by_one_s']:>13.4f} {r['batched_s']:>10.4f} "
-                     f"{r['speedup']:>7.2f}x")
+        lines.append(
+            f"{r['broker']:<7} {r['blobs']:>6} {r['one_by_one_s']:>13.4f} {r['batched_s']:>10.4f} "
+            f"{r['speedup']:>7.2f}x"
+        )
     return "\n".join(lines)
 
 

@@ -49,10 +49,15 @@ def main(argv=None) -> int:
 
     engine = FakeEngine(tokenizer(), args.max_tokens)
     cpus = usable_cpus()
-    report = {"bench": "generator_prep", "command": " ".join(["python -m bench.generator_prep", *argv]),
-              "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "notes": notes(cpus, args.threads), "rows": [], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = {
+        "bench": "generator_prep",
+        "command": " ".join(["python -m bench.generator_prep", *argv]),
+        "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "notes": notes(cpus, args.threads),
+        "rows": [],
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     modes = {"serial": 0, "pool": args.threads}
     with Broker() as url:
         import broker
@@ -70,9 +75,12 @@ def main(argv=None) -> int:
                     runs[mode].append(one_batch(engine, transport, prompts, threads, tag=tag))
             row = summarize(count, runs)
             report["rows"].append(row)
-            print(f"{count} prompts: serial {row['serial']['prepare_s']} s, "
-                  f"pool {row['pool']['prepare_s']} s "
-                  f"({row['prepare_speedup']}x)", flush=True)
+            print(
+                f"{count} prompts: serial {row['serial']['prepare_s']} s, "
+                f"pool {row['pool']['prepare_s']} s "
+                f"({row['prepare_speedup']}x)",
+                flush=True,
+            )
         transport.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -84,10 +92,14 @@ def main(argv=None) -> int:
 def notes(cpus: int, threads: int) -> str:
     bound = ""
     if cpus < threads:
-        bound = (f"; prepare_threads={threads} is capped at this machine's {cpus} cores (more threads were "
-                 f"slower and noisier: generator/prepare.py), so the speedup is bounded by {cpus} cores")
-    return ("prepare_s = the worker's own timings['images'] (fetch + verify + decode + render), step_s = the "
-            "whole step with an instant fake engine; medians over the repeats" + bound)
+        bound = (
+            f"; prepare_threads={threads} is capped at this machine's {cpus} cores (more threads were "
+            f"slower and noisier: generator/prepare.py), so the speedup is bounded by {cpus} cores"
+        )
+    return (
+        "prepare_s = the worker's own timings['images'] (fetch + verify + decode + render), step_s = the "
+        "whole step with an instant fake engine; medians over the repeats" + bound
+    )
 
 
 def tokenizer():
@@ -109,16 +121,22 @@ class FakeEngine:
         from generator.inputs import Completion
 
         self.tokenizer = tokenizer
-        self.completion = Completion(token_ids=[7] * max_tokens, logprobs=[-1.0] * max_tokens,
-                                     text="x " * max_tokens, finish_reason="length")
+        self.completion = Completion(
+            token_ids=[7] * max_tokens,
+            logprobs=[-1.0] * max_tokens,
+            text="x " * max_tokens,
+            finish_reason="length",
+        )
         self.last = []
 
     def generate(self, requests):
         from generator.inputs import Result
 
         self.last = requests
-        return [Result(completions=[self.completion], version=0, prompt_len=len(r.prompt_token_ids))
-                for r in requests]
+        return [
+            Result(completions=[self.completion], version=0, prompt_len=len(r.prompt_token_ids))
+            for r in requests
+        ]
 
     def _reset_caches(self):
         pass
@@ -131,25 +149,42 @@ def one_batch(engine, transport, prompts, threads: int, tag: str) -> dict:
     """One worker step on all `prompts` as one batch; prepare and step seconds, checked."""
     from bench.gpu_generator import worker_pass
 
-    worker, step_s, groups = worker_pass(engine, transport, prompts, f"prep-{tag}", batch_prompts=len(prompts),
-                                         block_s=1.0, prepare_threads=threads)
+    worker, step_s, groups = worker_pass(
+        engine,
+        transport,
+        prompts,
+        f"prep-{tag}",
+        batch_prompts=len(prompts),
+        block_s=1.0,
+        prepare_threads=threads,
+    )
     published = worker.published
     side = prompts[0].image.size
-    checked = (published == len(groups) == len(prompts) and len(engine.last) == len(prompts)
-               and all(r.images[0].size == side and r.images[0].mode == "RGB" for r in engine.last)
-               and all(g.prompt_token_ids == p.ids for g, p in zip(groups, prompts)))
+    checked = (
+        published == len(groups) == len(prompts)
+        and len(engine.last) == len(prompts)
+        and all(r.images[0].size == side and r.images[0].mode == "RGB" for r in engine.last)
+        and all(g.prompt_token_ids == p.ids for g, p in zip(groups, prompts))
+    )
     threads_used = worker.pool._max_workers if worker.pool is not None else 0
-    return {"prepare_s": groups[0].timings["images"] if groups else float("nan"), "step_s": step_s,
-            "threads": threads_used, "checked": checked}
+    return {
+        "prepare_s": groups[0].timings["images"] if groups else float("nan"),
+        "step_s": step_s,
+        "threads": threads_used,
+        "checked": checked,
+    }
 
 
 def summarize(count: int, runs: dict[str, list[dict]]) -> dict:
     row = {"prompts": count}
     for mode, rs in runs.items():
-        row[mode] = {"prepare_s": round(statistics.median(r["prepare_s"] for r in rs), 4),
-                     "step_s": round(statistics.median(r["step_s"] for r in rs), 4),
-                     "prepare_s_all": [round(r["prepare_s"], 4) for r in rs], "threads": rs[0]["threads"],
-                     "checked": all(r["checked"] for r in rs)}
+        row[mode] = {
+            "prepare_s": round(statistics.median(r["prepare_s"] for r in rs), 4),
+            "step_s": round(statistics.median(r["step_s"] for r in rs), 4),
+            "prepare_s_all": [round(r["prepare_s"], 4) for r in rs],
+            "threads": rs[0]["threads"],
+            "checked": all(r["checked"] for r in rs),
+        }
     row["prepare_speedup"] = round(row["serial"]["prepare_s"] / row["pool"]["prepare_s"], 2)
     row["step_speedup"] = round(row["serial"]["step_s"] / row["pool"]["step_s"], 2)
     return row
@@ -157,17 +192,21 @@ def summarize(count: int, runs: dict[str, list[dict]]) -> dict:
 
 def format_table(report: dict) -> str:
     threads = report["rows"][0]["pool"]["threads"] if report["rows"] else report["config"]["threads"]
-    lines = [f"generator batch preparation, seconds per batch (median of {report['config']['repeats']}; "
-             f"{report['machine']['cpus']} cores): serial vs a pool of {threads} threads "
-             f"(prepare_threads={report['config']['threads']}, capped at the cores)",
-             f"{'prompts':>8} {'serial prep':>12} {'pool prep':>10} {'speedup':>8} "
-             f"{'serial step':>12} {'pool step':>10} {'speedup':>8} {'checked':>8}"]
+    lines = [
+        f"generator batch preparation, seconds per batch (median of {report['config']['repeats']}; "
+        f"{report['machine']['cpus']} cores): serial vs a pool of {threads} threads "
+        f"(prepare_threads={report['config']['threads']}, capped at the cores)",
+        f"{'prompts':>8} {'serial prep':>12} {'pool prep':>10} {'speedup':>8} "
+        f"{'serial step':>12} {'pool step':>10} {'speedup':>8} {'checked':>8}",
+    ]
     for r in report["rows"]:
         s, p = r["serial"], r["pool"]
-        lines.append(f"{r['prompts']:>8} {s['prepare_s']:>12.3f} {p['prepare_s']:>10.3f} "
-                     f"{r['prepare_speedup']:>7.2f}x "
-                     f"{s['step_s']:>12.3f} {p['step_s']:>10.3f} {r['step_speedup']:>7.2f}x "
-                     f"{str(s['checked'] and p['checked']):>8}")
+        lines.append(
+            f"{r['prompts']:>8} {s['prepare_s']:>12.3f} {p['prepare_s']:>10.3f} "
+            f"{r['prepare_speedup']:>7.2f}x "
+            f"{s['step_s']:>12.3f} {p['step_s']:>10.3f} {r['step_speedup']:>7.2f}x "
+            f"{str(s['checked'] and p['checked']):>8}"
+        )
     lines.append("note: " + report["notes"])
     return "\n".join(lines)
 

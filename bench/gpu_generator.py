@@ -43,12 +43,20 @@ def parse_args(argv):
     p.add_argument("--prompts", nargs="+", type=int, default=[64, 512])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--image-side", type=int, default=448)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                   help="leaves the rest of the GPU to the smoke run's learner")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="leaves the rest of the GPU to the smoke run's learner",
+    )
     p.add_argument("--checkpoint-dir", default="/tmp/parallax-ckpt")
     p.add_argument("--smoke-steps", type=int, default=4, help="pipeline smoke run afterwards (0 = none)")
-    p.add_argument("--engine-core", default="process", choices=["process", "inprocess"],
-                   help="vLLM's engine core in its own process (default) or in this one")
+    p.add_argument(
+        "--engine-core",
+        default="process",
+        choices=["process", "inprocess"],
+        help="vLLM's engine core in its own process (default) or in this one",
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_generator.json"))
     return p.parse_args(argv)
@@ -69,10 +77,15 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         engine = build_engine(model_dir, args)
         try:
-            report = {"command": "python -m bench.gpu_generator " + " ".join(argv), "model": args.model,
-                      "engine_core": "this process" if engine.in_process else "own process",
-                      "engine_config": engine_settings(args), "engine_start_s": round(time.perf_counter() - t0, 1),
-                      "runs": [], "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            report = {
+                "command": "python -m bench.gpu_generator " + " ".join(argv),
+                "model": args.model,
+                "engine_core": "this process" if engine.in_process else "own process",
+                "engine_config": engine_settings(args),
+                "engine_start_s": round(time.perf_counter() - t0, 1),
+                "runs": [],
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
             bench(engine, transport, args, report)
             report["seconds"] = round(time.perf_counter() - t_start, 1)
             write(report, args.out)
@@ -81,7 +94,9 @@ def main(argv=None) -> int:
                 from bench.gpu_smoke import run_smoke
 
                 smoke_out = args.out.with_name(args.out.name.replace("gpu_generator", "gpu_smoke"))
-                run_smoke(engine, transport, url, model_dir, steps=args.smoke_steps, out=smoke_out, tiny=args.tiny)
+                run_smoke(
+                    engine, transport, url, model_dir, steps=args.smoke_steps, out=smoke_out, tiny=args.tiny
+                )
         finally:
             engine.close()  # an engine core in its own process would outlive us (with its GPU memory)
     return 0
@@ -100,13 +115,21 @@ def bench(engine, transport, args, report: dict) -> None:
         bare = bare_generate(engine, prompts, args.max_tokens)
         ours = parallax_generate(engine, transport, prompts, args, tag=f"run{count}")
         cont = parallax_generate(engine, transport, prompts, args, tag=f"cont{count}", continuous=True)
-        row = {"prompts": count, "bare": bare, "parallax": ours, "parallax_continuous": cont,
-               "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3),
-               "continuous_over_bare": round(cont["tokens_per_s"] / bare["tokens_per_s"], 3)}
+        row = {
+            "prompts": count,
+            "bare": bare,
+            "parallax": ours,
+            "parallax_continuous": cont,
+            "parallax_over_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3),
+            "continuous_over_bare": round(cont["tokens_per_s"] / bare["tokens_per_s"], 3),
+        }
         report["runs"].append(row)
-        print(f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
-              f"({100 * row['parallax_over_bare']:.1f}%), continuous {cont['tokens_per_s']} tok/s "
-              f"({100 * row['continuous_over_bare']:.1f}%)", flush=True)
+        print(
+            f"{count} prompts: bare {bare['tokens_per_s']} tok/s, parallax {ours['tokens_per_s']} tok/s "
+            f"({100 * row['parallax_over_bare']:.1f}%), continuous {cont['tokens_per_s']} tok/s "
+            f"({100 * row['continuous_over_bare']:.1f}%)",
+            flush=True,
+        )
         write(report, args.out)
 
 
@@ -151,10 +174,16 @@ class Broker:
         from broker.redis_server import free_port
 
         port = free_port()
-        code = ("from broker.zmq_broker import ZmqBrokerConfig, serve_forever; "
-                f"serve_forever(ZmqBrokerConfig(bind='tcp://127.0.0.1:{port}'))")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                                     cwd=str(Path(__file__).resolve().parents[1]))
+        code = (
+            "from broker.zmq_broker import ZmqBrokerConfig, serve_forever; "
+            f"serve_forever(ZmqBrokerConfig(bind='tcp://127.0.0.1:{port}'))"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
         line = self.proc.stdout.readline()
         if "listening" not in line:
             raise RuntimeError(f"zmq broker did not start: {line!r}")
@@ -167,9 +196,15 @@ class Broker:
 
 def engine_settings(args) -> dict:
     in_process = getattr(args, "engine_core", "process") == "inprocess"
-    return dict(enforce_eager=args.tiny, in_process=in_process, max_num_seqs=1024, max_model_len=1024 if args.tiny else 4096,
-                gpu_memory_utilization=args.gpu_memory_utilization, keep_rollback_copy=False,
-                kv_cache_gb=0.5 if args.tiny else 0.0)
+    return dict(
+        enforce_eager=args.tiny,
+        in_process=in_process,
+        max_num_seqs=1024,
+        max_model_len=1024 if args.tiny else 4096,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        keep_rollback_copy=False,
+        kv_cache_gb=0.5 if args.tiny else 0.0,
+    )
 
 
 def build_engine(model_dir: str, args):
@@ -178,9 +213,12 @@ def build_engine(model_dir: str, args):
 
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/parallax-vllm-cache")
     t0 = time.perf_counter()
-    engine = Engine(model_dir, EngineConfig(**engine_settings(args)),
-                    SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens),
-                    run_dir="/tmp/parallax-gen-run")
+    engine = Engine(
+        model_dir,
+        EngineConfig(**engine_settings(args)),
+        SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens),
+        run_dir="/tmp/parallax-gen-run",
+    )
     force_length(engine)
     print(f"engine ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return engine
@@ -225,7 +263,9 @@ def bare_generate(engine, prompts: list[Prompt], max_tokens: int) -> dict:
     """vLLM's LLM.generate on the same engine: ids + PIL images, plain SamplingParams."""
     from vllm import SamplingParams
 
-    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(
+        n=1, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
+    )
     inputs = [{"prompt_token_ids": p.ids, "multi_modal_data": {"image": p.image}} for p in prompts]
     engine._reset_caches()
     t0 = time.perf_counter()
@@ -235,19 +275,36 @@ def bare_generate(engine, prompts: list[Prompt], max_tokens: int) -> dict:
     return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds)}
 
 
-def parallax_generate(engine, transport, prompts: list[Prompt], args, tag: str, continuous: bool = False) -> dict:
+def parallax_generate(
+    engine, transport, prompts: list[Prompt], args, tag: str, continuous: bool = False
+) -> dict:
     """The generator worker's loop on the same prompts, from the broker's prompt stream to published groups:
     one generate call for all of them, or (continuous) admitted 32 at a time into the running engine."""
     worker, seconds, groups = worker_pass(
-        engine, transport, prompts, tag, batch_prompts=min(32, len(prompts)) if continuous else len(prompts),
-        block_s=0.05, gate_poll_s=0.02, continuous=continuous, max_inflight_prompts=len(prompts))
+        engine,
+        transport,
+        prompts,
+        tag,
+        batch_prompts=min(32, len(prompts)) if continuous else len(prompts),
+        block_s=0.05,
+        gate_poll_s=0.02,
+        continuous=continuous,
+        max_inflight_prompts=len(prompts),
+    )
     samples = [s for g in groups for s in g.samples]
     tokens = sum(s.num_tokens for s in samples)
-    ok = (len(groups) == len(prompts)
-          and all(s.num_tokens == args.max_tokens == len(s.logprobs()) for s in samples))
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds),
-            "groups_published": worker.published, "groups_read_back": len(groups), "checked": ok,
-            "rejected": dict(engine.rejected)}
+    ok = len(groups) == len(prompts) and all(
+        s.num_tokens == args.max_tokens == len(s.logprobs()) for s in samples
+    )
+    return {
+        "seconds": round(seconds, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / seconds),
+        "groups_published": worker.published,
+        "groups_read_back": len(groups),
+        "checked": ok,
+        "rejected": dict(engine.rejected),
+    }
 
 
 def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
@@ -262,12 +319,21 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
     from generator.worker import GeneratorWorker
 
     names = Names(f"bench-{tag}-{time.time_ns()}")
-    cfg = GeneratorConfig(namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none",
-                          **settings)
+    cfg = GeneratorConfig(
+        namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none", **settings
+    )
     worker = GeneratorWorker(cfg, engine=engine, transport=transport)
     store = ImageStore(transport, names)
-    records = [PromptRecord(prompt_id=f"{tag}-{i}", data_source="bench", problem=p.problem,
-                            images=[store.put(p.png)], ground_truth="0") for i, p in enumerate(prompts)]
+    records = [
+        PromptRecord(
+            prompt_id=f"{tag}-{i}",
+            data_source="bench",
+            problem=p.problem,
+            images=[store.put(p.png)],
+            ground_truth="0",
+        )
+        for i, p in enumerate(prompts)
+    ]
     Publisher(transport, names.prompts).publish_many(records)
     engine._reset_caches()
     t0 = time.perf_counter()
@@ -287,16 +353,20 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
 
 
 def format_table(report: dict) -> str:
-    lines = [f"generator bench ({report['model']}, engine core in {report['engine_core']}): tokens/s, "
-             "same engine and prompts",
-             f"{'prompts':>8} {'bare tok/s':>11} {'parallax tok/s':>15} {'parallax/bare':>14} "
-             f"{'continuous tok/s':>17} {'continuous/bare':>16} {'checked':>8}"]
+    lines = [
+        f"generator bench ({report['model']}, engine core in {report['engine_core']}): tokens/s, "
+        "same engine and prompts",
+        f"{'prompts':>8} {'bare tok/s':>11} {'parallax tok/s':>15} {'parallax/bare':>14} "
+        f"{'continuous tok/s':>17} {'continuous/bare':>16} {'checked':>8}",
+    ]
     for r in report["runs"]:
         cont = r.get("parallax_continuous", {})
-        lines.append(f"{r['prompts']:>8} {r['bare']['tokens_per_s']:>11} {r['parallax']['tokens_per_s']:>15} "
-                     f"{100 * r['parallax_over_bare']:>13.1f}% {cont.get('tokens_per_s', '-'):>17} "
-                     f"{100 * r.get('continuous_over_bare', 0):>15.1f}% "
-                     f"{str(r['parallax']['checked'] and cont.get('checked', True)):>8}")
+        lines.append(
+            f"{r['prompts']:>8} {r['bare']['tokens_per_s']:>11} {r['parallax']['tokens_per_s']:>15} "
+            f"{100 * r['parallax_over_bare']:>13.1f}% {cont.get('tokens_per_s', '-'):>17} "
+            f"{100 * r.get('continuous_over_bare', 0):>15.1f}% "
+            f"{str(r['parallax']['checked'] and cont.get('checked', True)):>8}"
+        )
     return "\n".join(lines)
 
 

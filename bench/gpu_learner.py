@@ -38,19 +38,28 @@ from bench.gpu_models import build_model, lm_params, padded_batch, qwen_config, 
 PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100/H200 SXM (the MFU denominator)."""
 
-DEFAULT_VARIANTS = ("padded", "packed-full", "packed-selective", "packed-selective+dedup",
-                    "packed-selective+dedup+fuse")
+DEFAULT_VARIANTS = (
+    "padded",
+    "packed-full",
+    "packed-selective",
+    "packed-selective+dedup",
+    "packed-selective+dedup+fuse",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["7b", "3b"], help="model sizes, in order")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                   help="padded | packed-<ac> | fsdp-<ac>, ac = full | selective | selective:<k> | none; flags "
-                        "+dedup (one vision pass per group image), +vsel (selective AC in the vision tower), "
-                        "+fuse (torch.compile of the elementwise ops and logprob chunks), +cblocks (torch.compile "
-                        "of whole decoder blocks); suffix @<tokens> sets the micro-batch "
-                        "token budget (default 16384), *<n> the number of samples (default --samples)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(DEFAULT_VARIANTS),
+        help="padded | packed-<ac> | fsdp-<ac>, ac = full | selective | selective:<k> | none; flags "
+        "+dedup (one vision pass per group image), +vsel (selective AC in the vision tower), "
+        "+fuse (torch.compile of the elementwise ops and logprob chunks), +cblocks (torch.compile "
+        "of whole decoder blocks); suffix @<tokens> sets the micro-batch "
+        "token budget (default 16384), *<n> the number of samples (default --samples)",
+    )
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt (they share its image)")
     p.add_argument("--profile", action="store_true", help="profile one extra step of every packed variant")
@@ -68,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.models, args.samples = ["tiny"], 3
-    report = {"command": "python -m bench.gpu_learner " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": machine(device), "models": {}, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = {
+        "command": "python -m bench.gpu_learner " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(device),
+        "models": {},
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     for size in args.models:
         report["models"][size] = run_model(size, args, device)
         write(report, args.out)
@@ -105,15 +118,29 @@ def run_model(size: str, args: argparse.Namespace, device: torch.device) -> dict
 
     def samples_of(n: int) -> list:
         if n not in sets:
-            sets[n] = synthetic_samples(config, n=n, seed=1, image_side=side, group_size=args.group_size,
-                                        response=(3, 12) if args.tiny else (256, 1024))
+            sets[n] = synthetic_samples(
+                config,
+                n=n,
+                seed=1,
+                image_side=side,
+                group_size=args.group_size,
+                response=(3, 12) if args.tiny else (256, 1024),
+            )
         return sets[n]
 
     samples = samples_of(args.samples)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    out = {"params": counts, "tokens_per_step": tokens, "samples": len(samples),
-           "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
-    print(f"[{size}] built in {out['build_s']} s: N_LM {counts['n_lm'] / 1e9:.2f} B, {tokens} tokens/step", flush=True)
+    out = {
+        "params": counts,
+        "tokens_per_step": tokens,
+        "samples": len(samples),
+        "build_s": round(time.perf_counter() - t0, 1),
+        "variants": {},
+    }
+    print(
+        f"[{size}] built in {out['build_s']} s: N_LM {counts['n_lm'] / 1e9:.2f} B, {tokens} tokens/step",
+        flush=True,
+    )
     out["numerics"] = guarded(lambda: compare_logprobs(model, config, samples, device, args.chunk))
     print(f"[{size}] packed vs padded logprobs: {out['numerics']}", flush=True)
     for variant in args.variants:
@@ -160,23 +187,34 @@ def cleanup(device: torch.device) -> None:
 def rates(seconds: list[float], tokens: int, n_lm: int) -> dict:
     step = statistics.median(seconds)
     tps = tokens / step
-    return {"step_s": round(step, 3), "tokens_per_s": round(tps), "lm_mfu": round(6 * n_lm * tps / (PEAK_TFLOPS * 1e12), 4)}
+    return {
+        "step_s": round(step, 3),
+        "tokens_per_s": round(tps),
+        "lm_mfu": round(6 * n_lm * tps / (PEAK_TFLOPS * 1e12), 4),
+    }
 
 
 def summary(res: dict) -> str:
     if "error" in res:
         return res["error"]
     if "tokens_per_s" in res:
-        return (f"{res['tokens_per_s']} tok/s, LM-MFU {100 * res['lm_mfu']:.1f}%, step {res['step_s']} s, "
-                f"peak {res.get('peak_gb', 0)} GB")
+        return (
+            f"{res['tokens_per_s']} tok/s, LM-MFU {100 * res['lm_mfu']:.1f}%, step {res['step_s']} s, "
+            f"peak {res.get('peak_gb', 0)} GB"
+        )
     return json.dumps(res)
 
 
 # ---------------------------------------------------------------------------------------------- steps
 def use_sdpa(model) -> None:
     """Back to transformers' own SDPA attention everywhere (PackedPolicy switches it to varlen)."""
-    for cfg in (model.config.text_config, model.model.language_model.config, model.config.vision_config,
-                model.model.visual.config, model.config):
+    for cfg in (
+        model.config.text_config,
+        model.model.language_model.config,
+        model.config.vision_config,
+        model.model.visual.config,
+        model.config,
+    ):
         cfg._attn_implementation = "sdpa"
 
 
@@ -194,31 +232,46 @@ def compare_logprobs(model, config, samples, device, chunk) -> dict:
         got, _ = policy(pack(samples, config.image_token_id).to(device), with_entropy=False)
     model.train()
     diff = (got.float() - ref.float()).abs()
-    return {"max_abs_diff": round(float(diff.max()), 4), "mean_abs_diff": round(float(diff.mean()), 5),
-            "tokens": int(diff.numel()), "mean_logprob": round(float(ref.float().mean()), 3)}
+    return {
+        "max_abs_diff": round(float(diff.max()), 4),
+        "mean_abs_diff": round(float(diff.mean()), 5),
+        "tokens": int(diff.numel()),
+        "mean_logprob": round(float(ref.float().mean()), 3),
+    }
 
 
 def padded_logprobs(model, batch: dict) -> torch.Tensor:
     """Response-token logprobs of the padded batch in sample order (flattened), fp32."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], pixel_values=batch["pixel_values"],
-                image_grid_thw=batch["image_grid_thw"], use_cache=False)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"],
+        use_cache=False,
+    )
     logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
     token = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
     return token[batch["response_mask"][:, 1:]]
 
 
 def parse_variant(variant: str) -> dict:
-    """"<base>[+flag...][@tokens][*samples]" -> its parts; base padded | packed-<ac> | fsdp-<ac>."""
+    """ "<base>[+flag...][@tokens][*samples]" -> its parts; base padded | packed-<ac> | fsdp-<ac>."""
     rest, _, samples = variant.partition("*")
     rest, _, budget = rest.partition("@")
     base, *flags = rest.split("+")
     unknown = set(flags) - {"dedup", "vsel", "fuse", "cblocks"}
     if unknown or not (base == "padded" or base.startswith(("packed-", "fsdp-"))):
         raise ValueError(f"unknown variant {variant!r}")
-    return {"base": base, "mode": base.partition("-")[2], "dedup": "dedup" in flags, "vision_selective": "vsel" in flags,
-            "compile": "elementwise" if "fuse" in flags else "blocks" if "cblocks" in flags else "", "max_tokens": int(budget) if budget else 16384,
-            "samples": int(samples) if samples else None}
+    return {
+        "base": base,
+        "mode": base.partition("-")[2],
+        "dedup": "dedup" in flags,
+        "vision_selective": "vsel" in flags,
+        "compile": "elementwise" if "fuse" in flags else "blocks" if "cblocks" in flags else "",
+        "max_tokens": int(budget) if budget else 16384,
+        "samples": int(samples) if samples else None,
+    }
 
 
 def run_variant(model, config, samples, variant: str, args, device) -> dict:
@@ -246,8 +299,13 @@ def run_variant(model, config, samples, variant: str, args, device) -> dict:
         forward = _packed_forward(policy)
     else:
         return run_fsdp(config, samples, v, vision_mode, args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01,
-                                  fused=device.type == "cuda", foreach=device.type != "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=1e-6,
+        weight_decay=0.01,
+        fused=device.type == "cuda",
+        foreach=device.type != "cuda",
+    )
     try:
         return timed(model, optimizer, forward, inputs, steps, args, device, v)
     finally:
@@ -263,8 +321,12 @@ def run_fsdp(config, samples, v: dict, vision_mode: str, args, device) -> dict:
 
     init_distributed()
     model = build_model(config, device, torch.float32, seed=0).train()
-    pcfg = ParallelConfig(checkpoint_mode=v["mode"], vision_checkpoint_mode=vision_mode, compile=v["compile"],
-                          activation_checkpointing=v["mode"] != "none")
+    pcfg = ParallelConfig(
+        checkpoint_mode=v["mode"],
+        vision_checkpoint_mode=vision_mode,
+        compile=v["compile"],
+        activation_checkpointing=v["mode"] != "none",
+    )
     root = apply_parallelism(model, pcfg, device, chunk_size=args.chunk)
     optimizer, _ = build_optimizer(root, OptimConfig(lr=1e-6))
     inputs = packs(samples, config, v["max_tokens"], device, v["dedup"])
@@ -282,10 +344,16 @@ def timed(model, optimizer, forward, inputs, steps, args, device, v: dict) -> di
         if i >= args.warmup:
             times.append(step_s)
             opt_times.append(opt_s)
-    res = {"seconds": [round(t, 4) for t in times], "optimizer_s": round(statistics.median(opt_times), 4),
-           "micro_batches": len(inputs), "max_tokens_per_microbatch": v["max_tokens"] if v["base"] != "padded" else None}
+    res = {
+        "seconds": [round(t, 4) for t in times],
+        "optimizer_s": round(statistics.median(opt_times), 4),
+        "micro_batches": len(inputs),
+        "max_tokens_per_microbatch": v["max_tokens"] if v["base"] != "padded" else None,
+    }
     if v["base"] != "padded":
-        res["vision_encodes"] = sum(int(x.image_grid_thw.shape[0]) for x in inputs if x.image_grid_thw is not None)
+        res["vision_encodes"] = sum(
+            int(x.image_grid_thw.shape[0]) for x in inputs if x.image_grid_thw is not None
+        )
     if device.type == "cuda":
         res["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 1)
         res["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 1e9, 1)
@@ -308,15 +376,24 @@ def profile_step(model, optimizer, forward, inputs, device, top: int = 25) -> di
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step_s, _ = train_step(model, optimizer, forward, inputs, device)
-    kernels = sorted(((e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
-                      if e.device_type.name == "CUDA" and e.self_device_time_total > 0), key=lambda x: -x[1])
+    kernels = sorted(
+        (
+            (e.key, e.self_device_time_total / 1e6, e.count)
+            for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+        ),
+        key=lambda x: -x[1],
+    )
     busy = sum(t for _, t, _ in kernels)
     classes: dict[str, float] = {}
     for name, t, _ in kernels:
         classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + t
-    return {"step_s": round(step_s, 3), "gpu_busy_s": round(busy, 3),
-            "by_class_s": {k: round(t, 3) for k, t in sorted(classes.items(), key=lambda x: -x[1])},
-            "top_kernels": [[name[:90], round(t, 4), n] for name, t, n in kernels[:top]]}
+    return {
+        "step_s": round(step_s, 3),
+        "gpu_busy_s": round(busy, 3),
+        "by_class_s": {k: round(t, 3) for k, t in sorted(classes.items(), key=lambda x: -x[1])},
+        "top_kernels": [[name[:90], round(t, 4), n] for name, t, n in kernels[:top]],
+    }
 
 
 def kernel_class(name: str) -> str:
@@ -344,8 +421,10 @@ def packs(samples, config, max_tokens: int, device, dedup: bool = False) -> list
 
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     groups = [s.image_keys[0] if s.image_keys else i for i, s in enumerate(samples)] if dedup else None
-    return [pack([samples[i] for i in b], config.image_token_id, dedup_images=dedup).to(device)
-            for b in plan_microbatches(lengths, max_tokens, groups)]
+    return [
+        pack([samples[i] for i in b], config.image_token_id, dedup_images=dedup).to(device)
+        for b in plan_microbatches(lengths, max_tokens, groups)
+    ]
 
 
 def train_step(model, optimizer, forward, inputs, device) -> tuple[float, float]:
@@ -378,8 +457,14 @@ def _loss(logprobs: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, denom:
     gen = torch.Generator(device="cpu").manual_seed(0)
     adv = (torch.randn(num_seqs, generator=gen)).to(logprobs.device)[seq_index]
     behaviour = logprobs.detach() + 0.01
-    batch = TokenBatch(logprobs=logprobs, behaviour_logprobs=behaviour, advantages=adv, seq_index=seq_index,
-                       num_seqs=num_seqs, entropy=entropy)
+    batch = TokenBatch(
+        logprobs=logprobs,
+        behaviour_logprobs=behaviour,
+        advantages=adv,
+        seq_index=seq_index,
+        num_seqs=num_seqs,
+        entropy=entropy,
+    )
     loss, _ = policy_loss(LossConfig(), batch, denom)
     return loss
 
@@ -399,7 +484,9 @@ def _packed_forward(policy):
     def forward(batch, n_total: int) -> torch.Tensor:
         logprobs, entropy = policy(batch, with_entropy=True)
         lens = torch.tensor(batch.response_lens, device=logprobs.device)
-        seq_index = torch.repeat_interleave(torch.arange(len(batch.response_lens), device=logprobs.device), lens)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(batch.response_lens), device=logprobs.device), lens
+        )
         return _loss(logprobs, seq_index, len(batch.response_lens), float(n_total), entropy)
 
     forward.count = lambda batch: int(batch.target_index.numel())
@@ -407,16 +494,20 @@ def _packed_forward(policy):
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'model':<5} {'variant':<24} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'opt s':>6} {'peak GB':>8} "
-             f"{'x padded':>8}"]
+    lines = [
+        f"{'model':<5} {'variant':<24} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'opt s':>6} {'peak GB':>8} "
+        f"{'x padded':>8}"
+    ]
     for size, m in report["models"].items():
         for variant, r in m["variants"].items():
             if "error" in r:
                 lines.append(f"{size:<5} {variant:<24} {r['error']}")
                 continue
-            lines.append(f"{size:<5} {variant:<24} {r['tokens_per_s']:>8} {100 * r['lm_mfu']:>6.1f}% "
-                         f"{r['step_s']:>7.3f} {r['optimizer_s']:>6.3f} {r.get('peak_gb', 0):>8} "
-                         f"{r.get('speedup_vs_padded', ''):>8}")
+            lines.append(
+                f"{size:<5} {variant:<24} {r['tokens_per_s']:>8} {100 * r['lm_mfu']:>6.1f}% "
+                f"{r['step_s']:>7.3f} {r['optimizer_s']:>6.3f} {r.get('peak_gb', 0):>8} "
+                f"{r.get('speedup_vs_padded', ''):>8}"
+            )
         lines.append(f"{size:<5} numerics (packed vs padded logprobs): {m.get('numerics')}")
     return "\n".join(lines)
 

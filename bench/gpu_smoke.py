@@ -41,8 +41,12 @@ def parse_args(argv):
     p.add_argument("--run-dir", default="/tmp/parallax-smoke/learner")
     p.add_argument("--groups", type=int, default=8, help="groups (prompts) per learner step")
     p.add_argument("--max-tokens", type=int, default=128, help="response length (forced: ignore_eos)")
-    p.add_argument("--mode", default="batch", choices=["batch", "drain", "inflight"],
-                   help="generator loop: batch, or continuous batching with new weights drained or in flight")
+    p.add_argument(
+        "--mode",
+        default="batch",
+        choices=["batch", "drain", "inflight"],
+        help="generator loop: batch, or continuous batching with new weights drained or in flight",
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_smoke.json"))
     return p.parse_args(argv)
@@ -62,14 +66,37 @@ def main(argv=None) -> int:
 
         transport = broker.connect(url)
         engine = build_engine(model_dir, gargs)
-        run_smoke(engine, transport, url, model_dir, steps=args.steps, out=args.out, tiny=args.tiny, sync=args.sync,
-                  mode=args.mode, max_tokens=args.max_tokens)
+        run_smoke(
+            engine,
+            transport,
+            url,
+            model_dir,
+            steps=args.steps,
+            out=args.out,
+            tiny=args.tiny,
+            sync=args.sync,
+            mode=args.mode,
+            max_tokens=args.max_tokens,
+        )
     return 0
 
 
-def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: Path, tiny: bool = False,
-              sync: str = "", groups: int = 8, n: int = 4, max_tokens: int = 128, timeout_s: float = 240.0,
-              mode: str = "batch") -> dict:
+def run_smoke(
+    engine,
+    transport,
+    url: str,
+    model_dir: str,
+    *,
+    steps: int,
+    out: Path,
+    tiny: bool = False,
+    sync: str = "",
+    groups: int = 8,
+    n: int = 4,
+    max_tokens: int = 128,
+    timeout_s: float = 240.0,
+    mode: str = "batch",
+) -> dict:
     """Run the pipeline for `steps` learner steps on `engine` (this process is the generator)."""
     from broker.names import Names
     from generator.config import SamplingConfig
@@ -92,7 +119,9 @@ def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: P
     worker = make_worker(engine, transport, names, sync, groups, mode)
     deadline = time.monotonic() + timeout_s
 
-    def watch() -> None:  # a step may wait in the staleness gate for a version the finished learner never sends
+    def watch() -> (
+        None
+    ):  # a step may wait in the staleness gate for a version the finished learner never sends
         while learner.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         worker.stop()
@@ -114,8 +143,18 @@ def run_smoke(engine, transport, url: str, model_dir: str, *, steps: int, out: P
                 proc.kill()
         if worker.receiver is not None:
             worker.receiver.close()
-    report = summarise(work, names, transport, worker, loads, learner_rc, time.time() - t0, sync, steps,
-                       dict(groups=groups, n=n, max_tokens=max_tokens, mode=mode))
+    report = summarise(
+        work,
+        names,
+        transport,
+        worker,
+        loads,
+        learner_rc,
+        time.time() - t0,
+        sync,
+        steps,
+        dict(groups=groups, n=n, max_tokens=max_tokens, mode=mode),
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(report), flush=True)
@@ -129,8 +168,14 @@ def track_loads(engine) -> list[dict]:
 
     def timed(named_tensors, version: int, running: bool = False) -> float:
         seconds = apply(named_tensors, version, running=running)
-        loads.append({"version": version, "apply_s": round(seconds, 4), "served_at": time.time(),
-                      "requests_running": running})
+        loads.append(
+            {
+                "version": version,
+                "apply_s": round(seconds, 4),
+                "served_at": time.time(),
+                "requests_running": running,
+            }
+        )
         return seconds
 
     engine.apply_weights = timed
@@ -140,13 +185,20 @@ def track_loads(engine) -> list[dict]:
 def _python(code_or_args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, *code_or_args], stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        return subprocess.Popen(
+            [sys.executable, *code_or_args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
 
 
 def start_reward(url: str, namespace: str, work: Path) -> subprocess.Popen:
-    code = ("from reward_service.config import RewardConfig; from reward_service.worker import run_worker; "
-            f"run_worker(RewardConfig(broker={url!r}, namespace={namespace!r}, metrics_port=0, block_s=0.05))")
+    code = (
+        "from reward_service.config import RewardConfig; from reward_service.worker import run_worker; "
+        f"run_worker(RewardConfig(broker={url!r}, namespace={namespace!r}, metrics_port=0, block_s=0.05))"
+    )
     return _python(["-c", code], work / "reward.log")
 
 
@@ -155,11 +207,35 @@ def start_learner(url, namespace, model_dir, task, steps, work, sync, groups, on
     if not on_cpu:  # one FSDP2 rank: bf16 compute, fp32 master weights and optimizer state
         from broker.redis_server import free_port
 
-        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())}
-    args = ["-m", "bench.gpu_smoke", "--role", "learner", "--broker", url, "--namespace", namespace,
-            "--model", model_dir, "--task", str(task), "--steps", str(steps), "--run-dir", str(work / "learner"),
-            "--sync", sync, "--groups", str(groups)]
+        env = {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
+    args = [
+        "-m",
+        "bench.gpu_smoke",
+        "--role",
+        "learner",
+        "--broker",
+        url,
+        "--namespace",
+        namespace,
+        "--model",
+        model_dir,
+        "--task",
+        str(task),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(work / "learner"),
+        "--sync",
+        sync,
+        "--groups",
+        str(groups),
+    ]
     return _python(args, work / "learner.log", env)
 
 
@@ -169,9 +245,16 @@ def make_worker(engine, transport, names, sync: str, groups: int, mode: str = "b
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
-    cfg = GeneratorConfig(namespace=names.namespace, generator_id="gen-smoke", weight_sync_address="",
-                          batch_prompts=groups, block_s=0.05, gate_poll_s=0.02, continuous=mode != "batch",
-                          weight_update="inflight" if mode == "inflight" else "drain")
+    cfg = GeneratorConfig(
+        namespace=names.namespace,
+        generator_id="gen-smoke",
+        weight_sync_address="",
+        batch_prompts=groups,
+        block_s=0.05,
+        gate_poll_s=0.02,
+        continuous=mode != "batch",
+        weight_update="inflight" if mode == "inflight" else "drain",
+    )
     return GeneratorWorker(cfg, engine=engine, transport=transport)
 
 
@@ -183,8 +266,15 @@ def learner_role(args) -> int:
     from learner.trainer import Learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = LearnerConfig(model=args.model, broker=args.broker, namespace=args.namespace, run_dir=args.run_dir,
-                        max_steps=args.steps, idle_exit_s=120.0, weight_sync=True)
+    cfg = LearnerConfig(
+        model=args.model,
+        broker=args.broker,
+        namespace=args.namespace,
+        run_dir=args.run_dir,
+        max_steps=args.steps,
+        idle_exit_s=120.0,
+        weight_sync=True,
+    )
     cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = args.groups, 1, False
     cfg.feeder.train_data = args.task
     cfg.checkpoint.every, cfg.checkpoint.resume, cfg.eval.every = 0, False, 0
@@ -209,33 +299,62 @@ def summarise(work: Path, names, transport, worker, loads, learner_rc, seconds, 
     if raw:
         msg = codec.decode(raw)
         announced[msg.version] = msg.timestamp
-    keys = ("step", "version", "tokens", "tokens_per_s", "mfu", "train_s", "sync_s", "wait_s", "samples",
-            "response_len", "entropy", "mismatch_kl", "grad_norm", "staleness_mean", "staleness_max")
-    steps_out = [{k: round(v, 4) if isinstance(v, float) else v for k, v in line.items() if k in keys}
-                 for line in lines]
+    keys = (
+        "step",
+        "version",
+        "tokens",
+        "tokens_per_s",
+        "mfu",
+        "train_s",
+        "sync_s",
+        "wait_s",
+        "samples",
+        "response_len",
+        "entropy",
+        "mismatch_kl",
+        "grad_norm",
+        "staleness_mean",
+        "staleness_max",
+    )
+    steps_out = [
+        {k: round(v, 4) if isinstance(v, float) else v for k, v in line.items() if k in keys}
+        for line in lines
+    ]
     stamps = {int(line["version"]): line["time"] for line in lines}
     for load in loads:  # served time minus the learner's step-log time (written right after its sync)
         if load["version"] in stamps:
             load["served_after_log_s"] = round(load["served_at"] - stamps[load["version"]], 3)
     applies = sorted(load["apply_s"] for load in loads)
-    return {"sync": sync, "steps_requested": steps, "learner_exit": learner_rc, "seconds": round(seconds, 1),
-            "shape": shape, "learner_steps": steps_out, "generator": {
-                "engine_core": "this process" if getattr(worker.engine, "in_process", True) else "own process",
-                "groups_published": worker.published, "versions_applied": loads,
-                "apply_s_median": applies[len(applies) // 2] if applies else None,
-                "weight_failures": getattr(worker.engine, "weight_failures", 0),
-                "inflight_updates": worker.metrics.value("parallax_generator_inflight_updates_total"),
-                "receiver": receiver_stats(worker.receiver),
-                "served_version": worker.engine.version},
-            "logs": {"learner": tail(work / "learner.log"), "reward": tail(work / "reward.log")}}
+    return {
+        "sync": sync,
+        "steps_requested": steps,
+        "learner_exit": learner_rc,
+        "seconds": round(seconds, 1),
+        "shape": shape,
+        "learner_steps": steps_out,
+        "generator": {
+            "engine_core": "this process" if getattr(worker.engine, "in_process", True) else "own process",
+            "groups_published": worker.published,
+            "versions_applied": loads,
+            "apply_s_median": applies[len(applies) // 2] if applies else None,
+            "weight_failures": getattr(worker.engine, "weight_failures", 0),
+            "inflight_updates": worker.metrics.value("parallax_generator_inflight_updates_total"),
+            "receiver": receiver_stats(worker.receiver),
+            "served_version": worker.engine.version,
+        },
+        "logs": {"learner": tail(work / "learner.log"), "reward": tail(work / "reward.log")},
+    }
 
 
 def receiver_stats(receiver) -> dict:
     stats = getattr(receiver, "stats", None)
     if stats is None:
         return {}
-    return {k: getattr(stats, k) for k in ("joins", "versions", "failures", "apply_failures", "last_error")
-            if hasattr(stats, k)}
+    return {
+        k: getattr(stats, k)
+        for k in ("joins", "versions", "failures", "apply_failures", "last_error")
+        if hasattr(stats, k)
+    }
 
 
 def tail(path: Path, lines: int = 15) -> list[str]:
@@ -243,17 +362,23 @@ def tail(path: Path, lines: int = 15) -> list[str]:
 
 
 def format_table(report: dict) -> str:
-    out = [f"smoke run ({report['sync']} weight sync): {len(report['learner_steps'])} learner steps in "
-           f"{report['seconds']} s, learner exit {report['learner_exit']}",
-           f"{'step':>4} {'tokens':>7} {'tok/s':>8} {'MFU':>6} {'train s':>8} {'sync s':>7} {'wait s':>7}"]
+    out = [
+        f"smoke run ({report['sync']} weight sync): {len(report['learner_steps'])} learner steps in "
+        f"{report['seconds']} s, learner exit {report['learner_exit']}",
+        f"{'step':>4} {'tokens':>7} {'tok/s':>8} {'MFU':>6} {'train s':>8} {'sync s':>7} {'wait s':>7}",
+    ]
     for s in report["learner_steps"]:
-        out.append(f"{int(s.get('step', 0)):>4} {int(s.get('tokens', 0)):>7} {s.get('tokens_per_s', 0):>8.0f} "
-                   f"{100 * s.get('mfu', 0):>5.1f}% {s.get('train_s', 0):>8.2f} {s.get('sync_s', 0):>7.3f} "
-                   f"{s.get('wait_s', 0):>7.2f}")
+        out.append(
+            f"{int(s.get('step', 0)):>4} {int(s.get('tokens', 0)):>7} {s.get('tokens_per_s', 0):>8.0f} "
+            f"{100 * s.get('mfu', 0):>5.1f}% {s.get('train_s', 0):>8.2f} {s.get('sync_s', 0):>7.3f} "
+            f"{s.get('wait_s', 0):>7.2f}"
+        )
     g = report["generator"]
-    out.append(f"generator (engine core in {g['engine_core']}): {g['groups_published']} groups, serving version "
-               f"{g['served_version']}; weight applies (version, s): "
-               f"{[(v['version'], v['apply_s']) for v in g['versions_applied']]}, median {g['apply_s_median']}")
+    out.append(
+        f"generator (engine core in {g['engine_core']}): {g['groups_published']} groups, serving version "
+        f"{g['served_version']}; weight applies (version, s): "
+        f"{[(v['version'], v['apply_s']) for v in g['versions_applied']]}, median {g['apply_s_median']}"
+    )
     return "\n".join(out)
 
 

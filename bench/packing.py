@@ -64,10 +64,22 @@ class BenchConfig:
 
 
 SHAPES = {
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
+    "3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 """Text-model shapes of the published Qwen2.5-VL-3B/7B-Instruct configs (vision tower shared below)."""
 
@@ -78,15 +90,36 @@ def model_from_shapes(name: str, dtype: str, device: str):
 
     from policy.loading import resolve_dtype
 
-    text = dict(SHAPES[name], vocab_size=151936, rope_parameters={
-        "rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}, max_position_embeddings=128000,
-        rms_norm_eps=1e-6, pad_token_id=151643)
-    vision = dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=text["hidden_size"],
-                  fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, tokens_per_second=2)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
-                              vision_start_token_id=151652, vision_end_token_id=151653,
-                              tie_word_embeddings=text["tie_word_embeddings"])
+    text = dict(
+        SHAPES[name],
+        vocab_size=151936,
+        rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        pad_token_id=151643,
+    )
+    vision = dict(
+        depth=32,
+        hidden_size=1280,
+        num_heads=16,
+        intermediate_size=3420,
+        out_hidden_size=text["hidden_size"],
+        fullatt_block_indexes=[7, 15, 23, 31],
+        window_size=112,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        tokens_per_second=2,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration(config).to(resolve_dtype(dtype))
@@ -99,7 +132,7 @@ def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[Sample
     vocab = cfg.text_config.vocab_size
     special = {cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id}
     vision = cfg.vision_config
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     merge = vision.spatial_merge_size
 
     def ids(n):
@@ -114,39 +147,56 @@ def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[Sample
         a = max(1, round(math.sqrt(want)))
         b = max(1, want // a)
         text = ids(max(4, int(config.text_tokens * config.scale)))
-        prompt = text[:2] + [cfg.vision_start_token_id] + [cfg.image_token_id] * (a * b) + [
-            cfg.vision_end_token_id] + text[2:]
+        prompt = (
+            text[:2]
+            + [cfg.vision_start_token_id]
+            + [cfg.image_token_id] * (a * b)
+            + [cfg.vision_end_token_id]
+            + text[2:]
+        )
         grid = (1, a * merge, b * merge)
         pixels = torch.randn(a * b * merge * merge, patch_dim)
-        samples.append(Sample(prompt_ids=prompt, response_ids=ids(scaled(config.response_tokens)),
-                              image_grid_thw=[grid], pixel_values=pixels))
+        samples.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=ids(scaled(config.response_tokens)),
+                image_grid_thw=[grid],
+                pixel_values=pixels,
+            )
+        )
     return samples
 
 
-def padded_step(model, samples: list[Sample], micro_batch: int, pad_id: int, backward: bool) -> list[torch.Tensor]:
+def padded_step(
+    model, samples: list[Sample], micro_batch: int, pad_id: int, backward: bool
+) -> list[torch.Tensor]:
     """The baseline: right-padded micro-batches through the HF forward; returns per-sample logprobs."""
     device, out = model.device, []
     image_id = model.config.image_token_id
     for i in range(0, len(samples), micro_batch):
-        mb = samples[i:i + micro_batch]
+        mb = samples[i : i + micro_batch]
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in mb)
         ids = torch.full((len(mb), length), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, s in enumerate(mb):
             seq = s.prompt_ids + s.response_ids
-            ids[j, :len(seq)] = torch.tensor(seq)
-            mask[j, :len(seq)] = 1
+            ids[j, : len(seq)] = torch.tensor(seq)
+            mask[j, : len(seq)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == image_id).long(),
-                       pixel_values=torch.cat([s.pixel_values for s in mb]).to(device, model.dtype),
-                       image_grid_thw=torch.tensor([g for s in mb for g in s.image_grid_thw], device=device),
-                       use_cache=False).logits
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            mm_token_type_ids=(ids == image_id).long(),
+            pixel_values=torch.cat([s.pixel_values for s in mb]).to(device, model.dtype),
+            image_grid_thw=torch.tensor([g for s in mb for g in s.image_grid_thw], device=device),
+            use_cache=False,
+        ).logits
         logp = logits.float().log_softmax(-1)
         per = []
         for j, s in enumerate(mb):
             p, r = len(s.prompt_ids), len(s.response_ids)
             target = torch.tensor(s.response_ids, device=device).unsqueeze(-1)
-            per.append(logp[j, p - 1:p + r - 1].gather(-1, target).squeeze(-1))
+            per.append(logp[j, p - 1 : p + r - 1].gather(-1, target).squeeze(-1))
         if backward:
             (-torch.cat(per).sum()).backward()
         out.extend(x.detach() for x in per)
@@ -169,7 +219,9 @@ def token_bins(samples: list[Sample], budget: int) -> list[list[Sample]]:
     return bins
 
 
-def packed_step(policy: PackedPolicy, samples: list[Sample], budget: int, backward: bool) -> list[torch.Tensor]:
+def packed_step(
+    policy: PackedPolicy, samples: list[Sample], budget: int, backward: bool
+) -> list[torch.Tensor]:
     """Packed micro-batches through PackedPolicy; returns per-sample logprobs."""
     out = []
     image_id = policy.image_token_id
@@ -210,8 +262,10 @@ def run(config: BenchConfig) -> dict:
     samples = synth_samples(config, model, random.Random(config.seed))
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     real_tokens = sum(lengths)
-    padded_tokens = sum(max(lengths[i:i + config.micro_batch]) * len(lengths[i:i + config.micro_batch])
-                        for i in range(0, len(lengths), config.micro_batch))
+    padded_tokens = sum(
+        max(lengths[i : i + config.micro_batch]) * len(lengths[i : i + config.micro_batch])
+        for i in range(0, len(lengths), config.micro_batch)
+    )
     budget = max(max(lengths), config.micro_batch * real_tokens // len(lengths))
     pad_id = model.config.text_config.pad_token_id or 0
 
@@ -244,37 +298,59 @@ def run(config: BenchConfig) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             times[name].append(_timed(fn, config.device))
             model.zero_grad(set_to_none=True)
-            peak[name] = torch.cuda.max_memory_allocated() / 2**30 if config.device.startswith("cuda") else None
+            peak[name] = (
+                torch.cuda.max_memory_allocated() / 2**30 if config.device.startswith("cuda") else None
+            )
     rows = {}
     for name in paths:
         best = min(times[name])
-        rows[name] = {"tokens_per_s": real_tokens / best, "step_s": best, "steps_s": times[name],
-                      "peak_gib": peak[name],
-                      "forwards": len(token_bins(samples, budget)) if name == "packed"
-                      else math.ceil(len(samples) / config.micro_batch),
-                      "computed_tokens": real_tokens if name == "packed" else padded_tokens}
+        rows[name] = {
+            "tokens_per_s": real_tokens / best,
+            "step_s": best,
+            "steps_s": times[name],
+            "peak_gib": peak[name],
+            "forwards": len(token_bins(samples, budget))
+            if name == "packed"
+            else math.ceil(len(samples) / config.micro_batch),
+            "computed_tokens": real_tokens if name == "packed" else padded_tokens,
+        }
     result = {
-        "bench": "packing", "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
-        "model": str(path), "params": sum(p.numel() for p in model.parameters()),
-        "device": config.device, "host": platform.node(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "samples": len(samples), "real_tokens": real_tokens,
-        "padded_tokens": padded_tokens, "pad_fraction": 1 - real_tokens / padded_tokens,
-        "packed_token_budget": budget, "logprob_max_abs_diff": max_diff, "paths": rows,
+        "bench": "packing",
+        "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+        "model": str(path),
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": config.device,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "samples": len(samples),
+        "real_tokens": real_tokens,
+        "padded_tokens": padded_tokens,
+        "pad_fraction": 1 - real_tokens / padded_tokens,
+        "packed_token_budget": budget,
+        "logprob_max_abs_diff": max_diff,
+        "paths": rows,
         "ratio_packed_over_padded": rows["packed"]["tokens_per_s"] / rows["padded"]["tokens_per_s"],
     }
     return result
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'path':<8} {'tokens/s':>10} {'step s':>8} {'forwards':>9} {'computed tok':>13} {'peak GiB':>9}"]
+    lines = [
+        f"{'path':<8} {'tokens/s':>10} {'step s':>8} {'forwards':>9} {'computed tok':>13} {'peak GiB':>9}"
+    ]
     for name, row in result["paths"].items():
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
-        lines.append(f"{name:<8} {row['tokens_per_s']:>10.0f} {row['step_s']:>8.3f} {row['forwards']:>9} "
-                     f"{row['computed_tokens']:>13} {peak:>9}")
-    lines.append(f"packed/padded = {result['ratio_packed_over_padded']:.2f}x   pad fraction "
-                 f"{result['pad_fraction']:.1%}   {result['samples']} samples, {result['real_tokens']} real tokens, "
-                 f"{result['params'] / 1e6:.1f} M params on {result['device']}   logprob max |diff| "
-                 f"{result['logprob_max_abs_diff']:.1e}")
+        lines.append(
+            f"{name:<8} {row['tokens_per_s']:>10.0f} {row['step_s']:>8.3f} {row['forwards']:>9} "
+            f"{row['computed_tokens']:>13} {peak:>9}"
+        )
+    lines.append(
+        f"packed/padded = {result['ratio_packed_over_padded']:.2f}x   pad fraction "
+        f"{result['pad_fraction']:.1%}   {result['samples']} samples, {result['real_tokens']} real tokens, "
+        f"{result['params'] / 1e6:.1f} M params on {result['device']}   logprob max |diff| "
+        f"{result['logprob_max_abs_diff']:.1e}"
+    )
     return "\n".join(lines)
 
 

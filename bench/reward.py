@@ -40,8 +40,10 @@ from pathlib import Path
 import tyro
 
 GROUP = 8
-FILLER = ("Let the angle be x. Since the triangle is isosceles, the base angles are equal. "
-          "By the Pythagorean theorem, a^2 + b^2 = c^2. The area is half the base times the height. ")
+FILLER = (
+    "Let the angle be x. Since the triangle is isosceles, the base angles are equal. "
+    "By the Pythagorean theorem, a^2 + b^2 = c^2. The area is half the base times the height. "
+)
 
 
 @dataclass
@@ -75,8 +77,11 @@ def _truth(rng: random.Random) -> tuple[str, list[str], list[str]]:
         return f"{n}.5", [f"\\frac{{{2 * n + 1}}}{{2}}"], [f"{n}.25", f"{n + 1}.5"]
     if kind == "sqrt":
         a, b = rng.randint(2, 9), rng.choice([2, 3, 5, 6, 7])
-        return f"{a}\\sqrt{{{b}}}", [f"{a} \\sqrt {b}", f"\\sqrt{{{a * a * b}}}"], \
-            [f"{a + 1}\\sqrt{{{b}}}", f"{a * a * b}", f"{round(a * b ** 0.5, 2)}"]
+        return (
+            f"{a}\\sqrt{{{b}}}",
+            [f"{a} \\sqrt {b}", f"\\sqrt{{{a * a * b}}}"],
+            [f"{a + 1}\\sqrt{{{b}}}", f"{a * a * b}", f"{round(a * b**0.5, 2)}"],
+        )
     p, q = rng.choice([(1, 2), (3, 4), (5, 3), (7, 2), (15, 4)])
     return f"\\frac{{{p}}}{{{q}}}", [f"{p}/{q}", f"{p / q:g}"], [f"\\frac{{{q}}}{{{p}}}", f"{p + 1}/{q}"]
 
@@ -112,7 +117,7 @@ def pathological_items() -> list[tuple[str, str, str]]:
         ("megabyte-whitespace", " " * 1_000_000 + "x<" + " " * 1_000_000, "4"),
         ("megabyte-in-box", t + "\\boxed{" + "1+" * 500_000 + "1}", "4"),
         ("deep-braces", t + "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}", "1"),
-        ("unicode-junk", t + "\\boxed{" + "é漢\u200b\U0001F600\x07\u202e" * 50 + "}", irr),
+        ("unicode-junk", t + "\\boxed{" + "é漢\u200b\U0001f600\x07\u202e" * 50 + "}", irr),
         ("nested-fracs", t + "\\boxed{" + "\\frac{1}{" * 3000 + "2" + "}" * 3000 + "}", irr),
         ("left-right-bomb", t + "\\boxed{" + "\\left(" * 5000 + "1" + "\\right)" * 5000 + "}", irr),
         ("power-tower-braced", t + "\\boxed{9^{9^{9^9}}}", irr),
@@ -139,9 +144,17 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 
 
 def _row(path: str, workload: str, n: int, wall: float, cpu: float, latencies: list[float], **extra) -> dict:
-    return {"path": path, "workload": workload, "samples": n, "wall_s": wall, "cpu_s": cpu,
-            "samples_per_s": n / wall, "samples_per_cpu_s": n / cpu if cpu else None,
-            **_quantiles(latencies), **extra}
+    return {
+        "path": path,
+        "workload": workload,
+        "samples": n,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "samples_per_s": n / wall,
+        "samples_per_cpu_s": n / cpu if cpu else None,
+        **_quantiles(latencies),
+        **extra,
+    }
 
 
 def bench_reference_typical(groups) -> tuple[dict, list[tuple[float, float]]]:
@@ -166,10 +179,21 @@ def _proc_cpu_s(pid: int) -> float:
 def _make_group(gid: str, truth: str, responses: list[str]):
     from broker.schemas import RolloutGroup, Sample
 
-    samples = [Sample.of(token_ids=[], logprobs=[], response_text=r, version_start=0,
-                         version_end=0, finish_reason="stop") for r in responses]
-    return RolloutGroup(group_id=gid, prompt_id=gid, data_source="geometry3k", prompt_token_ids=[],
-                        images=[], ground_truth=truth, samples=samples)
+    samples = [
+        Sample.of(
+            token_ids=[], logprobs=[], response_text=r, version_start=0, version_end=0, finish_reason="stop"
+        )
+        for r in responses
+    ]
+    return RolloutGroup(
+        group_id=gid,
+        prompt_id=gid,
+        data_source="geometry3k",
+        prompt_token_ids=[],
+        images=[],
+        ground_truth=truth,
+        samples=samples,
+    )
 
 
 def bench_ours_typical(groups, timeout_s: float) -> tuple[dict, list[tuple[float, float]]]:
@@ -193,8 +217,16 @@ def bench_ours_typical(groups, timeout_s: float) -> tuple[dict, list[tuple[float
         wall = time.perf_counter() - wall0
         cpu = time.process_time() - cpu0 + _proc_cpu_s(pid) - child0
         timeouts = grader.timeouts
-    return _row("ours", "typical", len(results), wall, cpu, latencies, timeouts=timeouts,
-                latency_note="per sample: grader answer to answer (first of a group includes the send)"), results
+    return _row(
+        "ours",
+        "typical",
+        len(results),
+        wall,
+        cpu,
+        latencies,
+        timeouts=timeouts,
+        latency_note="per sample: grader answer to answer (first of a group includes the send)",
+    ), results
 
 
 def bench_ours_pathological(items, timeout_s: float) -> dict:
@@ -210,19 +242,26 @@ def bench_ours_pathological(items, timeout_s: float) -> dict:
             latencies.append(time.perf_counter() - t)
             per_item[name] = {"seconds": latencies[-1], "timed_out": outcome.timed_out}
         wall = time.perf_counter() - wall0
-    return _row("ours", "pathological", len(items), wall, 0.0, latencies, timeouts=grader.timeouts,
-                items=per_item)
+    return _row(
+        "ours", "pathological", len(items), wall, 0.0, latencies, timeouts=grader.timeouts, items=per_item
+    )
 
 
-_REF_CHILD = ("import json,sys; from bench.reward import easyr1_score; d=json.load(sys.stdin); "
-              "print(easyr1_score(d['r'], d['t']))")
+_REF_CHILD = (
+    "import json,sys; from bench.reward import easyr1_score; d=json.load(sys.stdin); "
+    "print(easyr1_score(d['r'], d['t']))"
+)
 
 
 def bench_reference_pathological(items, kill_s: float) -> dict:
     latencies, per_item, killed = [], {}, 0
     for name, response, truth in items:
-        proc = subprocess.Popen([sys.executable, "-c", _REF_CHILD], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _REF_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(0.0)
         t = time.perf_counter()
         try:
@@ -234,8 +273,17 @@ def bench_reference_pathological(items, kill_s: float) -> dict:
             status, killed = f"killed after {kill_s:.0f} s", killed + 1
         latencies.append(time.perf_counter() - t)
         per_item[name] = {"seconds": latencies[-1], "status": status}
-    return _row("reference", "pathological", len(items), sum(latencies), 0.0, latencies, killed=killed,
-                items=per_item, note="includes ~0.3 s interpreter+import per item (subprocess)")
+    return _row(
+        "reference",
+        "pathological",
+        len(items),
+        sum(latencies),
+        0.0,
+        latencies,
+        killed=killed,
+        items=per_item,
+        note="includes ~0.3 s interpreter+import per item (subprocess)",
+    )
 
 
 def bench_redis_worker(groups, timeout_s: float) -> dict:
@@ -250,8 +298,16 @@ def bench_redis_worker(groups, timeout_s: float) -> dict:
     with LocalRedis() as server:
         with broker.connect(server.url) as transport:
             Publisher(transport, f"{namespace}:rollouts").publish_many(rollouts)
-        cfg = RewardConfig(broker=server.url, namespace=namespace, metrics_port=0, burst=True,
-                           timeout_s=timeout_s, cache_size=0, spare_grader=False, block_s=0.05)
+        cfg = RewardConfig(
+            broker=server.url,
+            namespace=namespace,
+            metrics_port=0,
+            burst=True,
+            timeout_s=timeout_s,
+            cache_size=0,
+            spare_grader=False,
+            block_s=0.05,
+        )
         worker = RewardWorker(cfg)
         worker.grader.start()  # startup and warm-up outside the timed window, as for "ours"
         for truth, responses in groups[:5]:
@@ -262,13 +318,26 @@ def bench_redis_worker(groups, timeout_s: float) -> dict:
         worker.run()  # closes (and reaps) its grader at the end: its CPU lands in RUSAGE_CHILDREN
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu += (children1.ru_utime + children1.ru_stime - children0.ru_utime - children0.ru_stime
-                - grader_startup_cpu)
+        cpu += (
+            children1.ru_utime
+            + children1.ru_stime
+            - children0.ru_utime
+            - children0.ru_stime
+            - grader_startup_cpu
+        )
         worker.close()
     n = worker.published * GROUP
-    return _row("ours+redis", "typical", n, wall, cpu, [wall / max(n, 1)], published=worker.published,
-                note="wall includes the burst drain check at the end; cpu_s excludes redis-server; "
-                     "latency columns are the mean only")
+    return _row(
+        "ours+redis",
+        "typical",
+        n,
+        wall,
+        cpu,
+        [wall / max(n, 1)],
+        published=worker.published,
+        note="wall includes the burst drain check at the end; cpu_s excludes redis-server; "
+        "latency columns are the mean only",
+    )
 
 
 def bench_scale(groups, workers: int, timeout_s: float) -> dict:
@@ -280,14 +349,36 @@ def bench_scale(groups, workers: int, timeout_s: float) -> dict:
     from broker.channel import Publisher
     from broker.redis_server import LocalRedis, free_port
 
-    rollouts = [_make_group(f"g{c}-{i}", truth, responses)
-                for c in range(workers) for i, (truth, responses) in enumerate(groups)]
+    rollouts = [
+        _make_group(f"g{c}-{i}", truth, responses)
+        for c in range(workers)
+        for i, (truth, responses) in enumerate(groups)
+    ]
     namespace, port = f"bench-{uuid.uuid4().hex[:8]}", free_port()
     with LocalRedis() as server, broker.connect(server.url) as transport:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "reward_service", "--workers", str(workers), "--broker", server.url,
-             "--namespace", namespace, "--metrics-port", str(port), "--timeout-s", str(timeout_s),
-             "--cache-size", "0", "--block-s", "0.05", "--log-level", "WARNING"])
+            [
+                sys.executable,
+                "-m",
+                "reward_service",
+                "--workers",
+                str(workers),
+                "--broker",
+                server.url,
+                "--namespace",
+                namespace,
+                "--metrics-port",
+                str(port),
+                "--timeout-s",
+                str(timeout_s),
+                "--cache-size",
+                "0",
+                "--block-s",
+                "0.05",
+                "--log-level",
+                "WARNING",
+            ]
+        )
         try:
             for index in range(workers):  # a worker serves metrics once its grader is up: all ready
                 _wait_http(f"http://127.0.0.1:{port + index}/metrics", proc, urllib.request)
@@ -302,9 +393,17 @@ def bench_scale(groups, workers: int, timeout_s: float) -> dict:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     n = len(rollouts) * GROUP
-    return _row(f"ours x{workers}", "typical", n, wall, 0.0, [wall / n], workers=workers,
-                samples_per_s_per_worker=n / wall / workers,
-                note="N worker processes through redis-server (N x the typical groups), publish to last scored")
+    return _row(
+        f"ours x{workers}",
+        "typical",
+        n,
+        wall,
+        0.0,
+        [wall / n],
+        workers=workers,
+        samples_per_s_per_worker=n / wall / workers,
+        note="N worker processes through redis-server (N x the typical groups), publish to last scored",
+    )
 
 
 def _wait_http(url: str, proc, urllib_request, timeout_s: float = 180.0) -> None:
@@ -320,14 +419,18 @@ def _wait_http(url: str, proc, urllib_request, timeout_s: float = 180.0) -> None
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'path':<12} {'workload':<13} {'samples':>7} {'samples/s':>10} {'per cpu-s':>10} " \
-           f"{'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'timeouts':>8}"
+    head = (
+        f"{'path':<12} {'workload':<13} {'samples':>7} {'samples/s':>10} {'per cpu-s':>10} "
+        f"{'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'timeouts':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         per_cpu = f"{r['samples_per_cpu_s']:.0f}" if r.get("samples_per_cpu_s") else "-"
         stops = r.get("timeouts", r.get("killed", ""))
-        lines.append(f"{r['path']:<12} {r['workload']:<13} {r['samples']:>7} {r['samples_per_s']:>10.1f} "
-                     f"{per_cpu:>10} {r['p50_ms']:>8.2f} {r['p99_ms']:>9.2f} {r['max_ms']:>9.1f} {stops!s:>8}")
+        lines.append(
+            f"{r['path']:<12} {r['workload']:<13} {r['samples']:>7} {r['samples_per_s']:>10.1f} "
+            f"{per_cpu:>10} {r['p50_ms']:>8.2f} {r['p99_ms']:>9.2f} {r['max_ms']:>9.1f} {stops!s:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -341,23 +444,33 @@ def run(config: BenchConfig) -> dict:
         rows.append(bench_redis_worker(groups, config.timeout_s))
     if config.redis:
         rows += [bench_scale(groups, n, config.timeout_s) for n in config.scale_workers]
-    rows += [bench_reference_pathological(items, config.ref_kill_s),
-             bench_ours_pathological(items, config.timeout_s)]
+    rows += [
+        bench_reference_pathological(items, config.ref_kill_s),
+        bench_ours_pathological(items, config.timeout_s),
+    ]
     redis_row = next((r for r in rows if r["path"] == "ours+redis"), None)
     agree = sum(a == b for a, b in zip(ref_results, our_results)) / len(ref_results)
     accuracy = sum(a for a, _ in our_results) / len(our_results)
     return {
-        "bench": "reward", "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "bench": "reward",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "config": {k: str(v) for k, v in vars(config).items()},
         "rows": rows,
         "ratios": {
             "typical_ours_over_reference_samples_per_s": ours_typ["samples_per_s"] / ref_typ["samples_per_s"],
-            "typical_ours_over_reference_per_cpu_s": ours_typ["samples_per_cpu_s"] / ref_typ["samples_per_cpu_s"],
+            "typical_ours_over_reference_per_cpu_s": ours_typ["samples_per_cpu_s"]
+            / ref_typ["samples_per_cpu_s"],
             "pathological_ours_over_reference_wall": rows[-1]["wall_s"] / rows[-2]["wall_s"],
-            **({"typical_redis_worker_over_reference_samples_per_s":
-                redis_row["samples_per_s"] / ref_typ["samples_per_s"],
-                "typical_redis_worker_over_reference_per_cpu_s":
-                redis_row["samples_per_cpu_s"] / ref_typ["samples_per_cpu_s"]} if redis_row else {}),
+            **(
+                {
+                    "typical_redis_worker_over_reference_samples_per_s": redis_row["samples_per_s"]
+                    / ref_typ["samples_per_s"],
+                    "typical_redis_worker_over_reference_per_cpu_s": redis_row["samples_per_cpu_s"]
+                    / ref_typ["samples_per_cpu_s"],
+                }
+                if redis_row
+                else {}
+            ),
         },
         "typical_agreement_with_reference": agree,
         "typical_accuracy": accuracy,
@@ -368,8 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     config = tyro.cli(BenchConfig, args=argv)
     result = run(config)
     print(format_table(result["rows"]))
-    print(f"agreement with reference (typical): {result['typical_agreement_with_reference']:.4f}; "
-          f"accuracy of the typical mix: {result['typical_accuracy']:.2f}")
+    print(
+        f"agreement with reference (typical): {result['typical_agreement_with_reference']:.4f}; "
+        f"accuracy of the typical mix: {result['typical_accuracy']:.2f}"
+    )
     print("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in result["ratios"].items()))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -169,14 +169,21 @@ def _bucketed_sync(sender: WeightSender, model, version: int) -> tuple[float, fl
     return sent, time.perf_counter() - t0
 
 
-def _row(key: tuple[str, float | None], runs: list[tuple[float, float]], num_bytes: int,
-         tensors: int) -> dict:
+def _row(
+    key: tuple[str, float | None], runs: list[tuple[float, float]], num_bytes: int, tensors: int
+) -> dict:
     e2e = [r[1] for r in runs]
     best = min(e2e)
     return {
-        "path": key[0], "bucket_mb": key[1], "tensors": tensors, "bytes": num_bytes,
-        "send_s_best": min(r[0] for r in runs), "e2e_s_best": best, "e2e_s_median": statistics.median(e2e),
-        "gb_per_s": num_bytes / best / 1e9, "runs": runs,
+        "path": key[0],
+        "bucket_mb": key[1],
+        "tensors": tensors,
+        "bytes": num_bytes,
+        "send_s_best": min(r[0] for r in runs),
+        "e2e_s_best": best,
+        "e2e_s_median": statistics.median(e2e),
+        "gb_per_s": num_bytes / best / 1e9,
+        "runs": runs,
     }
 
 
@@ -236,29 +243,39 @@ def run(config: BenchConfig) -> dict:
         "results": rows,
         "ratios_e2e_best": {
             f"{ref} / {path} {mb:.0f} MiB": best[(ref, None)] / best[(path, mb)]
-            for ref in ("per-parameter", "per-param+rpc") if (ref, None) in best
-            for (path, mb) in keys if mb is not None
+            for ref in ("per-parameter", "per-param+rpc")
+            if (ref, None) in best
+            for (path, mb) in keys
+            if mb is not None
         },
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
 def _machine() -> dict:
-    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg_1m": os.getloadavg()[0]}
+    info = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_1m": os.getloadavg()[0],
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'path':<16} {'bucket MiB':>10} {'tensors':>8} {'MiB':>7} {'send s':>8} {'e2e s':>8} "
-             f"{'median s':>9} {'GB/s':>6}"]
+    lines = [
+        f"{'path':<16} {'bucket MiB':>10} {'tensors':>8} {'MiB':>7} {'send s':>8} {'e2e s':>8} "
+        f"{'median s':>9} {'GB/s':>6}"
+    ]
     for r in rows:
         mb = f"{r['bucket_mb']:.0f}" if r["bucket_mb"] else "-"
-        lines.append(f"{r['path']:<16} {mb:>10} {r['tensors']:>8} {r['bytes'] / 2**20:>7.0f} "
-                     f"{r['send_s_best']:>8.3f} {r['e2e_s_best']:>8.3f} {r['e2e_s_median']:>9.3f} "
-                     f"{r['gb_per_s']:>6.2f}")
+        lines.append(
+            f"{r['path']:<16} {mb:>10} {r['tensors']:>8} {r['bytes'] / 2**20:>7.0f} "
+            f"{r['send_s_best']:>8.3f} {r['e2e_s_best']:>8.3f} {r['e2e_s_median']:>9.3f} "
+            f"{r['gb_per_s']:>6.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from broker.transport import Transport
 
 
-def connect(url: str, **opts) -> "Transport":
+def connect(url: str, **opts) -> Transport:
     """A connected transport for `url` (raises TransportError if the broker does not answer)."""
     if url.startswith(("redis://", "rediss://", "unix://")):
         from broker.redis_transport import RedisTransport

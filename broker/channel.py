@@ -32,6 +32,7 @@ from broker.transport import Delivery, Transport
 
 log = logging.getLogger(__name__)
 
+
 def _types_of(expect) -> tuple[type, ...]:
     """(A,) for A, (A, B) for A | B or (A, B)."""
     if isinstance(expect, types.UnionType):
@@ -87,11 +88,16 @@ class Subscriber:
     def poll(self, count: int = 1, block_s: float = 1.0) -> list[tuple[Delivery, Message]]:
         """Up to `count` (delivery, message) pairs; rejected entries are dead-lettered, not returned."""
         good = []
-        deliveries = self.transport.consume(self.stream, self.group, self.consumer, count=count, block_s=block_s)
+        deliveries = self.transport.consume(
+            self.stream, self.group, self.consumer, count=count, block_s=block_s
+        )
         capped = getattr(deliveries, "capped", 0)
         if capped:
-            log.warning("%s: %d entries delivered max_deliveries times without ack were dead-lettered",
-                        self.stream, capped)
+            log.warning(
+                "%s: %d entries delivered max_deliveries times without ack were dead-lettered",
+                self.stream,
+                capped,
+            )
             self.rejected.labels(stream=self.stream, reason=REDELIVERY_CAP).inc(capped)
         for delivery in deliveries:
             try:

@@ -75,8 +75,9 @@ class ImageStore:
         """The decoded PIL image of `ref` (converted to `mode` unless None)."""
         return _decode(self.get(ref), mode)
 
-    def open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None,
-                  mode: str | None = "RGB") -> list:
+    def open_many(
+        self, refs: Sequence[ImageRef], pool: Executor | None = None, mode: str | None = "RGB"
+    ) -> list:
         """One entry per ref, in order: what `open(ref)` returns, or the ImageError / OSError / ValueError it
         would raise (as an object: one bad image never fails the others; other exceptions do raise).
 
@@ -87,14 +88,15 @@ class ImageStore:
         only read pixels)."""
         return self.start_open_many(refs, pool, mode)()
 
-    def start_open_many(self, refs: Sequence[ImageRef], pool: Executor | None = None,
-                        mode: str | None = "RGB") -> Callable[[], list]:
+    def start_open_many(
+        self, refs: Sequence[ImageRef], pool: Executor | None = None, mode: str | None = "RGB"
+    ) -> Callable[[], list]:
         """`open_many` in two halves: fetch every blob and start the decodes now; the returned function
         waits for them and gives open_many's list (the caller works meanwhile)."""
         distinct = list({ref.sha256: ref for ref in refs}.values())
         started: dict[str, Future] = {}
         for at in range(0, len(distinct), FETCH_CHUNK):
-            chunk = distinct[at:at + FETCH_CHUNK]
+            chunk = distinct[at : at + FETCH_CHUNK]
             blobs = self.transport.get_blobs([self.names.blob(ref.sha256) for ref in chunk])
             for ref, data in zip(chunk, blobs, strict=True):
                 started[ref.sha256] = self._start_decode(ref, data, pool, mode)
@@ -105,7 +107,9 @@ class ImageStore:
 
         return results
 
-    def _start_decode(self, ref: ImageRef, data: bytes | None, pool: Executor | None, mode: str | None) -> Future:
+    def _start_decode(
+        self, ref: ImageRef, data: bytes | None, pool: Executor | None, mode: str | None
+    ) -> Future:
         if data is None:
             return _done(_missing(ref))
         if pool is None:

@@ -45,8 +45,9 @@ CACHE_S = 2.0
 class BacklogCollector(Collector):
     """Exports `parallax_broker_stream_backlog{stream}` for the watched streams, read at scrape time."""
 
-    def __init__(self, errors: Counter, *, cache_s: float = CACHE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, errors: Counter, *, cache_s: float = CACHE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.errors = errors
         self.cache_s = cache_s
         self.clock = clock
@@ -88,11 +89,15 @@ class BrokerMetrics:
     """The broker's series on one registry (get it with `broker_metrics(registry)`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.rejected = Counter("parallax_broker_rejected",
-                                "Messages rejected by a subscriber and dead-lettered, by stream and reason",
-                                ["stream", "reason"], registry=registry)
-        self.backlog_errors = Counter("parallax_broker_backlog_errors",
-                                      "Backlog reads that failed at scrape time", registry=registry)
+        self.rejected = Counter(
+            "parallax_broker_rejected",
+            "Messages rejected by a subscriber and dead-lettered, by stream and reason",
+            ["stream", "reason"],
+            registry=registry,
+        )
+        self.backlog_errors = Counter(
+            "parallax_broker_backlog_errors", "Backlog reads that failed at scrape time", registry=registry
+        )
         self.backlog = BacklogCollector(self.backlog_errors)
         registry.register(self.backlog)
 
@@ -103,7 +108,7 @@ class BrokerMetrics:
         self.backlog.watch(stream, transport)
 
 
-_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, BrokerMetrics]" = weakref.WeakKeyDictionary()
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, BrokerMetrics] = weakref.WeakKeyDictionary()
 _by_registry_lock = threading.Lock()
 
 

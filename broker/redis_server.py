@@ -44,7 +44,7 @@ class LocalRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "LocalRedis":
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server, or ./run setup)")
@@ -83,7 +83,7 @@ class LocalRedis:
     def stop(self) -> None:
         stop_process(self.process)
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:

@@ -216,8 +216,9 @@ class RedisTransport(Transport):
         self._reclaim_cursor[key] = cursor = cursor.decode()
         if cursor == "0-0":
             self._last_reclaim[key] = now
-        return Deliveries((Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed),
-                          capped=int(capped))
+        return Deliveries(
+            (Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in claimed), capped=int(capped)
+        )
 
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if not ids:

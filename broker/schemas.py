@@ -84,15 +84,21 @@ class Sample(msgspec.Struct, kw_only=True):
         if not isinstance(ids, bytes) or not isinstance(logprobs, bytes):
             raise TypeError("token ids and logprobs are packed bytes: build samples with Sample.of(...)")
         if len(ids) % 4 or len(ids) != len(logprobs):
-            raise ValueError(f"{len(ids)} bytes of int32 token ids and {len(logprobs)} bytes of float32 "
-                             "logprobs do not pair up")
+            raise ValueError(
+                f"{len(ids)} bytes of int32 token ids and {len(logprobs)} bytes of float32 "
+                "logprobs do not pair up"
+            )
 
     @classmethod
-    def of(cls, *, token_ids: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray,
-           **fields) -> "Sample":
+    def of(
+        cls, *, token_ids: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray, **fields
+    ) -> Sample:
         """A sample from token ids and logprobs as lists or arrays (packed here); `fields`: the rest."""
-        return cls(response_token_ids_i32=np.asarray(token_ids, dtype="<i4").tobytes(),
-                   behaviour_logprobs_f32=np.asarray(logprobs, dtype="<f4").tobytes(), **fields)
+        return cls(
+            response_token_ids_i32=np.asarray(token_ids, dtype="<i4").tobytes(),
+            behaviour_logprobs_f32=np.asarray(logprobs, dtype="<f4").tobytes(),
+            **fields,
+        )
 
     @property
     def num_tokens(self) -> int:

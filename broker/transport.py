@@ -111,7 +111,7 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release sockets/connections; idempotent."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -76,7 +76,11 @@ class ZmqBroker:
             "get_blob": self._get_blob,
             "get_blobs": self._get_blobs,
             "set_value": lambda c, r, f, key, value: ("ok", state.values.__setitem__(key, value), None),
-            "set_value_nx": lambda c, r, f, key, value: ("ok", state.values.setdefault(key, value) is value, None),
+            "set_value_nx": lambda c, r, f, key, value: (
+                "ok",
+                state.values.setdefault(key, value) is value,
+                None,
+            ),
             "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
         }
 
@@ -240,7 +244,7 @@ class BrokerThread:
         self._thread: threading.Thread | None = None
         self.url = ""
 
-    def start(self) -> "BrokerThread":
+    def start(self) -> BrokerThread:
         endpoint = self.broker.bind()
         self.url = "zmq://" + endpoint.removeprefix("tcp://")
         self._thread = threading.Thread(
@@ -254,7 +258,7 @@ class BrokerThread:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> "BrokerThread":
+    def __enter__(self) -> BrokerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -280,7 +284,7 @@ class BrokerProcess:
         self.url = f"zmq://127.0.0.1:{self.port}"
         self.process = None
 
-    def start(self) -> "BrokerProcess":
+    def start(self) -> BrokerProcess:
         cmd = [sys.executable, "-m", "broker", "zmq-broker", "--bind", f"tcp://127.0.0.1:{self.port}"]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.process.stdout.readline()  # "zmq broker listening on ..." once bound
@@ -292,7 +296,7 @@ class BrokerProcess:
     def stop(self) -> None:
         stop_process(self.process)
 
-    def __enter__(self) -> "BrokerProcess":
+    def __enter__(self) -> BrokerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -164,8 +164,10 @@ class ZmqTransport(Transport):
             timeout=block_s + self.request_timeout_s,
         )
         return Deliveries(
-            (Delivery(stream, id_, payload, attempts)
-             for (id_, attempts), payload in zip(entries, payloads, strict=True)),
+            (
+                Delivery(stream, id_, payload, attempts)
+                for (id_, attempts), payload in zip(entries, payloads, strict=True)
+            ),
             capped=capped,
         )
 

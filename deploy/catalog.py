@@ -17,14 +17,43 @@ METRICS_MD = Path(__file__).resolve().parent / "METRICS.md"
 TYPES = ("counter", "gauge", "histogram")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
-_ROW = re.compile(r"^\|\s*`(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)`\s*\|\s*(?P<type>\w+)\s*\|\s*(?P<labels>[^|]*)\|(?P<meaning>.*)\|\s*$")
+_ROW = re.compile(
+    r"^\|\s*`(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)`\s*\|\s*(?P<type>\w+)\s*\|\s*(?P<labels>[^|]*)\|(?P<meaning>.*)\|\s*$"
+)
 _SECTION = re.compile(r"^##\s+(?P<title>\S+)")
 
 # PromQL words that look like identifiers but are not metric names.
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "inf", "nan", "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk",
-    "quantile", "count_values", "group", "limitk", "limit_ratio", "atan2", "start", "end",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "limitk",
+    "limit_ratio",
+    "atan2",
+    "start",
+    "end",
 }
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
@@ -82,8 +111,9 @@ def load_catalog(path: Path = METRICS_MD) -> dict[str, MetricSpec]:
         if (mtype == "histogram") != bool(buckets):
             raise ValueError(f"{path}: {name}: histograms, and only histograms, list their buckets")
         meaning = row["meaning"]
-        catalog[name] = MetricSpec(name, mtype, labels, section, "*(optional)*" in meaning, buckets,
-                                   "*(once observed)*" in meaning)
+        catalog[name] = MetricSpec(
+            name, mtype, labels, section, "*(optional)*" in meaning, buckets, "*(once observed)*" in meaning
+        )
     return catalog
 
 

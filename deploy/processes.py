@@ -58,7 +58,9 @@ class ProcessGroup:
         for child in self.children:
             code = child.popen.poll()
             if code is not None and child.critical:
-                raise ChildDied(f"{child.name} exited with code {code}; last log lines:\n{tail(child.log_path)}")
+                raise ChildDied(
+                    f"{child.name} exited with code {code}; last log lines:\n{tail(child.log_path)}"
+                )
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every child, newest first: SIGINT, then SIGTERM, then SIGKILL."""
@@ -73,7 +75,7 @@ class ProcessGroup:
                 except subprocess.TimeoutExpired:
                     pass
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -28,19 +28,29 @@ def engine_groups(gpus: list[int], tp: int) -> list[list[int]]:
         raise ValueError(f"--tp must be >= 1, got {tp}")
     if gpus and len(gpus) % tp:
         raise ValueError(f"{len(gpus)} GPUs do not split into engines of --tp {tp}")
-    return [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+    return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
 
 
 def child_args(argv: list[str], cfg: GeneratorConfig, index: int, gpus: list[int]) -> list[str]:
     """The command line of engine `index` (later flags override earlier ones)."""
     base_id = cfg.generator_id or default_generator_id()
     tag = f"g{gpus[0]}"
-    return [sys.executable, "-m", "generator", *argv,
-            "--gpus", ",".join(map(str, gpus)),
-            "--generator-id", f"{base_id}-{tag}",
-            "--metrics-port", str(cfg.metrics_port + index if cfg.metrics_port else 0),
-            "--engine.seed", str(cfg.engine.seed + index),
-            "--run-dir", str(Path(cfg.run_dir) / tag)]
+    return [
+        sys.executable,
+        "-m",
+        "generator",
+        *argv,
+        "--gpus",
+        ",".join(map(str, gpus)),
+        "--generator-id",
+        f"{base_id}-{tag}",
+        "--metrics-port",
+        str(cfg.metrics_port + index if cfg.metrics_port else 0),
+        "--engine.seed",
+        str(cfg.engine.seed + index),
+        "--run-dir",
+        str(Path(cfg.run_dir) / tag),
+    ]
 
 
 def run_children(argv: list[str], cfg: GeneratorConfig, groups: list[list[int]]) -> int:
@@ -80,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     port = start_metrics_server(cfg.metrics_port, worker.metrics.registry)
-    log.info("generator %s serving version %d (metrics port %s)", worker.generator_id, worker.engine.version,
-             port or "off")
+    log.info(
+        "generator %s serving version %d (metrics port %s)",
+        worker.generator_id,
+        worker.engine.version,
+        port or "off",
+    )
     try:
         published = worker.run()
     finally:

@@ -159,6 +159,8 @@ class GeneratorConfig:
         if self.weight_update not in WEIGHT_UPDATES:
             raise ValueError(f"weight_update must be one of {WEIGHT_UPDATES}, not {self.weight_update!r}")
         if self.weight_update == "inflight" and not self.continuous:
-            raise ValueError("weight_update = inflight needs continuous = true (the batch loop applies between calls)")
+            raise ValueError(
+                "weight_update = inflight needs continuous = true (the batch loop applies between calls)"
+            )
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

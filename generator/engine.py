@@ -51,11 +51,20 @@ from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack, 
 
 log = logging.getLogger(__name__)
 
+
 class Engine:
     """One vLLM engine (one GPU, one tensor-parallel group, or the CPU)."""
 
-    def __init__(self, model_dir: str | Path, engine: EngineConfig, sampling: SamplingConfig,
-                 run_dir: str | Path, *, tp: int = 1, initial_version: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        engine: EngineConfig,
+        sampling: SamplingConfig,
+        run_dir: str | Path,
+        *,
+        tp: int = 1,
+        initial_version: int = 0,
+    ):
         self.model_dir = str(model_dir)
         self.config = engine
         self.tp = tp
@@ -73,10 +82,18 @@ class Engine:
         self.tokenizer = self._llm.get_tokenizer()
         self.banned_token_ids = sorted({self.image_token_id, self.video_token_id, *sampling.ban_token_ids})
         self.checker = PromptChecker(
-            self._image_processor(), image_token_id=self.image_token_id, video_token_id=self.video_token_id,
-            max_prompt_len=engine.max_model_len - sampling.max_tokens, max_images=engine.max_images)
-        self._loader = WeightLoader(model_dir, method=self._load_method(), in_process=self.in_process,
-                                    keep_rollback_copy=engine.keep_rollback_copy)
+            self._image_processor(),
+            image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id,
+            max_prompt_len=engine.max_model_len - sampling.max_tokens,
+            max_images=engine.max_images,
+        )
+        self._loader = WeightLoader(
+            model_dir,
+            method=self._load_method(),
+            in_process=self.in_process,
+            keep_rollback_copy=engine.keep_rollback_copy,
+        )
         self._train_params = self._params(sampling.n, sampling.temperature, sampling.top_p)
         self._eval_params = self._params(sampling.eval_n, sampling.eval_temperature, sampling.eval_top_p)
 
@@ -96,10 +113,16 @@ class Engine:
         from vllm import LLM
 
         kwargs = dict(
-            model=self.model_dir, dtype=self._dtype(), max_model_len=self.config.max_model_len,
+            model=self.model_dir,
+            dtype=self._dtype(),
+            max_model_len=self.config.max_model_len,
             limit_mm_per_prompt={"image": self.config.max_images, "video": 0},
-            enforce_eager=self.config.enforce_eager, logprobs_mode="processed_logprobs", seed=self.config.seed,
-            tensor_parallel_size=self.tp, max_num_seqs=self.config.max_num_seqs, enable_prefix_caching=True,
+            enforce_eager=self.config.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            seed=self.config.seed,
+            tensor_parallel_size=self.tp,
+            max_num_seqs=self.config.max_num_seqs,
+            enable_prefix_caching=True,
         )
         kv_gb = self.config.kv_cache_gb or (1.0 if self.on_cpu else 0.0)
         if kv_gb:
@@ -109,9 +132,14 @@ class Engine:
         t0 = time.perf_counter()
         with self._no_compile():
             llm = LLM(**kwargs)
-        log.info("vLLM engine for %s ready in %.1f s (%s, %s, engine core %s)", self.model_dir,
-                 time.perf_counter() - t0, "cpu" if self.on_cpu else "gpu", kwargs["dtype"],
-                 "in this process" if self.in_process else "in its own process")
+        log.info(
+            "vLLM engine for %s ready in %.1f s (%s, %s, engine core %s)",
+            self.model_dir,
+            time.perf_counter() - t0,
+            "cpu" if self.on_cpu else "gpu",
+            kwargs["dtype"],
+            "in this process" if self.in_process else "in its own process",
+        )
         return llm
 
     def _no_compile(self):
@@ -143,13 +171,22 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
 
         words = [self.tokenizer.convert_ids_to_tokens(t) for t in self.banned_token_ids]
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=self.sampling.max_tokens,
-                                logprobs=0, bad_words=words, skip_special_tokens=True)
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=self.sampling.max_tokens,
+            logprobs=0,
+            bad_words=words,
+            skip_special_tokens=True,
+        )
         params.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets; continuous batching too
         params.update_from_tokenizer(self.tokenizer)
         single = sorted(ids[0] for ids in params.bad_words_token_ids if len(ids) == 1)
         if single != self.banned_token_ids:
-            raise ValueError(f"banned tokens {words} do not each encode to one token id {self.banned_token_ids}")
+            raise ValueError(
+                f"banned tokens {words} do not each encode to one token id {self.banned_token_ids}"
+            )
         return params
 
     # ------------------------------------------------------------------ generation
@@ -165,8 +202,13 @@ class Engine:
         result = Result(prompt_len=length, rejected=reason, temperature=sp.temperature)
         if reason is not None:
             self.rejected[reason] += 1
-            log.warning("rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
-                        reason, len(request.prompt_token_ids), len(request.images), length)
+            log.warning(
+                "rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
+                reason,
+                len(request.prompt_token_ids),
+                len(request.images),
+                length,
+            )
             return result, None, sp
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.images:
@@ -259,7 +301,9 @@ class Engine:
         """Release the engine (vLLM frees its memory when the LLM object is collected)."""
         with self._lock:
             llm, self._llm = self._llm, None
-            if llm is not None and self.in_process:  # the learner's buffer stays mapped in this process otherwise
+            if (
+                llm is not None and self.in_process
+            ):  # the learner's buffer stays mapped in this process otherwise
                 self._loader.release(llm)
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
@@ -278,8 +322,12 @@ def _completion(output) -> Completion:
     logprobs = [entry[token].logprob for token, entry in zip(token_ids, output.logprobs or [])]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-    return Completion(token_ids=token_ids, logprobs=logprobs, text=output.text,
-                      finish_reason=str(output.finish_reason or "abort"))
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        text=output.text,
+        finish_reason=str(output.finish_reason or "abort"),
+    )
 
 
 def _reset_encoder_cache_in_worker(worker) -> None:

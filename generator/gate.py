@@ -31,9 +31,15 @@ log = logging.getLogger(__name__)
 class StalenessGate:
     """Decides whether a prompt record may start now, and waits until it may."""
 
-    def __init__(self, *, served: Callable[[], int], learner: Callable[[], int | None] = lambda: None,
-                 max_staleness: int = -1, poll_s: float = 0.5,
-                 on_blocked: Callable[[float], None] = lambda seconds: None):
+    def __init__(
+        self,
+        *,
+        served: Callable[[], int],
+        learner: Callable[[], int | None] = lambda: None,
+        max_staleness: int = -1,
+        poll_s: float = 0.5,
+        on_blocked: Callable[[float], None] = lambda seconds: None,
+    ):
         self.served = served
         self.learner = learner
         self.max_staleness = max_staleness
@@ -61,15 +67,26 @@ class StalenessGate:
             (held if self.refusal(record) else admitted).append(item)
         return admitted, held
 
-    def wait(self, record: PromptRecord, *, while_waiting: Callable[[], None] = lambda: None,
-             stop: threading.Event | None = None, timeout_s: float | None = None) -> bool:
+    def wait(
+        self,
+        record: PromptRecord,
+        *,
+        while_waiting: Callable[[], None] = lambda: None,
+        stop: threading.Event | None = None,
+        timeout_s: float | None = None,
+    ) -> bool:
         """Block until `record` may start (True), or `stop` is set / `timeout_s` passed (False)."""
         stop = stop or threading.Event()
         start = last = time.monotonic()
         reason = self.refusal(record)
         if reason is not None:
-            log.info("staleness gate: holding %s (%s; min_version %d, serving %d)", record.prompt_id, reason,
-                     record.min_version, self.served())
+            log.info(
+                "staleness gate: holding %s (%s; min_version %d, serving %d)",
+                record.prompt_id,
+                reason,
+                record.min_version,
+                self.served(),
+            )
         try:
             while reason is not None:
                 if stop.is_set() or (timeout_s is not None and time.monotonic() - start >= timeout_s):

@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 
 from tasks.prompt import expanded_length
 
-REASONS = ("too_long", "image_count_mismatch", "too_many_images", "video_pad", "empty_prompt", "bad_image",
-           "image_missing", "image_undecodable")
+REASONS = (
+    "too_long",
+    "image_count_mismatch",
+    "too_many_images",
+    "video_pad",
+    "empty_prompt",
+    "bad_image",
+    "image_missing",
+    "image_undecodable",
+)
 """Every rejection reason a generator counts (label values of parallax_generator_rejected_prompts_total)."""
 
 
@@ -75,8 +83,15 @@ class Result:
 class PromptChecker:
     """Admission checks on prompt ids and images (no pixels are processed)."""
 
-    def __init__(self, image_processor, *, image_token_id: int, video_token_id: int, max_prompt_len: int,
-                 max_images: int):
+    def __init__(
+        self,
+        image_processor,
+        *,
+        image_token_id: int,
+        video_token_id: int,
+        max_prompt_len: int,
+        max_images: int,
+    ):
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id

@@ -52,14 +52,17 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def prepare_batch(records: Sequence[PromptRecord], images: ImageStore, tokenizer,
-                  pool: Executor | None = None) -> list[Prepared]:
+def prepare_batch(
+    records: Sequence[PromptRecord], images: ImageStore, tokenizer, pool: Executor | None = None
+) -> list[Prepared]:
     """One Prepared per record, in order; one bad record never fails the others."""
     opened = images.start_open_many([ref for record in records for ref in record.images], pool)
     rendered = [_render(tokenizer, record) for record in records]  # while the pool decodes
     decoded = iter(opened())
-    return [_prepared(record, [next(decoded) for _ in record.images], ids)
-            for record, ids in zip(records, rendered)]
+    return [
+        _prepared(record, [next(decoded) for _ in record.images], ids)
+        for record, ids in zip(records, rendered)
+    ]
 
 
 def _render(tokenizer, record: PromptRecord) -> list[int] | ValueError:

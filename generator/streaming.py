@@ -122,10 +122,14 @@ class ContinuousLoop:
         if not worker._held and self.stream.inflight and time.monotonic() < self._quiet_until:
             return  # the stream was empty a moment ago: no broker round trip per engine step
         room = worker.config.max_inflight_prompts - self.stream.inflight
-        if self.stream.inflight and room < min(worker.config.batch_prompts, worker.config.max_inflight_prompts):
+        if self.stream.inflight and room < min(
+            worker.config.batch_prompts, worker.config.max_inflight_prompts
+        ):
             return  # refill a whole admission at once: its prefills run as one batch, not one per step
         block_s = 0.0 if self.stream.inflight else worker.config.block_s
-        items = worker._held or worker.prompts.poll(count=min(room, worker.config.batch_prompts), block_s=block_s)
+        items = worker._held or worker.prompts.poll(
+            count=min(room, worker.config.batch_prompts), block_s=block_s
+        )
         if not items:
             self._quiet_until = time.monotonic() + worker.config.block_s
             return

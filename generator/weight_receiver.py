@@ -40,10 +40,10 @@ import torch
 
 from policy.weight_transfer import (
     JoinAccept,
-    ReceiverStats,
     JoinRequest,
     Keys,
     Manifest,
+    ReceiverStats,
     WeightTransferError,
     checkpoint_names,
     decode,
@@ -153,8 +153,14 @@ def broker_resolver(transport, names) -> Callable[[], str | None]:
 class WeightReceiver:
     """Background receiver of whole, verified weight versions; see the module docstring."""
 
-    def __init__(self, config: ReceiverConfig, *, apply: ApplyFn | None = None,
-                 resolve: Callable[[], str | None] | None = None, version: int = -1):
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        *,
+        apply: ApplyFn | None = None,
+        resolve: Callable[[], str | None] | None = None,
+        version: int = -1,
+    ):
         """`version`: what the engine serves now (-1 unknown); the learner skips re-sending it."""
         if not config.address and resolve is None:
             raise ValueError("ReceiverConfig.address is empty and no resolve callback was given")
@@ -174,7 +180,7 @@ class WeightReceiver:
         """Newest version received and verified (applied, with an `apply` callback)."""
         return self._version
 
-    def start(self) -> "WeightReceiver":
+    def start(self) -> WeightReceiver:
         name = f"weight-receiver-{self.config.generator_id}"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -224,8 +230,9 @@ class WeightReceiver:
                 log.info("weight receiver %s: session ended (%s); rejoining", self.config.generator_id, e)
             except Exception as e:
                 self.stats.last_error = f"{type(e).__name__}: {e}"
-                log.warning("weight receiver %s: %s; rejoining",
-                            self.config.generator_id, self.stats.last_error)
+                log.warning(
+                    "weight receiver %s: %s; rejoining", self.config.generator_id, self.stats.last_error
+                )
             finally:
                 if session is not None:
                     _abort(session[1])
@@ -247,15 +254,18 @@ class WeightReceiver:
         store.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
         ticket = store.add(Keys.JOIN_SEQ, 1)
         request = JoinRequest(
-            generator_id=self.config.generator_id, version=self._version, host=local_host_towards(host),
+            generator_id=self.config.generator_id,
+            version=self._version,
+            host=local_host_towards(host),
             device_uuid=device_uuid(self.config.device),
         )
         store.set(Keys.join(ticket), encode(request))
         accept = decode(store.get(Keys.accept(ticket)), JoinAccept)
         group = pair_group(accept.backend, store, accept.session, 1, accept.timeout_s, request.host)
         self.stats.joins += 1
-        log.info("weight receiver %s joined %s (session %d)",
-                 self.config.generator_id, address, accept.session)
+        log.info(
+            "weight receiver %s joined %s (session %d)", self.config.generator_id, address, accept.session
+        )
         return store, group, accept
 
     def _serve(self, store, group, accept: JoinAccept) -> None:
@@ -286,7 +296,7 @@ class WeightReceiver:
         data = store.get(key)
         store.delete_key(key)
         if data.startswith(Keys.ENDED):
-            raise _SessionEnded(data[len(Keys.ENDED):].decode(errors="replace"))
+            raise _SessionEnded(data[len(Keys.ENDED) :].decode(errors="replace"))
         manifest = decode(data, Manifest)
         validate_manifest(manifest)
         return manifest
@@ -315,8 +325,12 @@ class WeightReceiver:
             except Exception as e:
                 self.stats.apply_failures += 1
                 self.stats.last_error = f"apply failed: {type(e).__name__}: {e}"
-                log.error("weight receiver %s: apply of version %d failed: %s",
-                          self.config.generator_id, received.version, e)
+                log.error(
+                    "weight receiver %s: apply of version %d failed: %s",
+                    self.config.generator_id,
+                    received.version,
+                    e,
+                )
                 return
             finally:
                 self._pool.put(received.buffers)

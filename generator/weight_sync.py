@@ -31,15 +31,23 @@ def ipc_address(host_port: str) -> str:
 def split_address(address: str) -> tuple[str, str]:
     """("ipc" | "broadcast", "host:port") of a published address."""
     if address.startswith(IPC_SCHEME):
-        return "ipc", address[len(IPC_SCHEME):]
+        return "ipc", address[len(IPC_SCHEME) :]
     if "://" in address:
-        raise ValueError(f"unknown weight-sync address scheme in {address!r} "
-                         f"(expected host:port or {IPC_SCHEME}host:port)")
+        raise ValueError(
+            f"unknown weight-sync address scheme in {address!r} (expected host:port or {IPC_SCHEME}host:port)"
+        )
     return "broadcast", address
 
 
-def start_receiver(generator_id: str, address: str, resolve: Callable[[], str | None] | None, *,
-                   device: str, version: int, timeout_s: float):
+def start_receiver(
+    generator_id: str,
+    address: str,
+    resolve: Callable[[], str | None] | None,
+    *,
+    device: str,
+    version: int,
+    timeout_s: float,
+):
     """The started receiver for `address` ("" = follow `resolve`), or None for "none"."""
     if address == "none":
         return None
@@ -60,7 +68,9 @@ def _factory(generator_id: str, *, device: str, timeout_s: float):
             return IpcWeightReceiver(generator_id, host_port, resolve=resolve, version=version)
         from generator.weight_receiver import ReceiverConfig, WeightReceiver
 
-        config = ReceiverConfig(generator_id=generator_id, address=host_port, device=device, timeout_s=timeout_s)
+        config = ReceiverConfig(
+            generator_id=generator_id, address=host_port, device=device, timeout_s=timeout_s
+        )
         return WeightReceiver(config, resolve=resolve, version=version).start()
 
     return make
@@ -78,7 +88,7 @@ class FollowingReceiver:
 
     @property
     def kind(self) -> str | None:
-        """"ipc" or "broadcast" once the learner was seen, else None."""
+        """ "ipc" or "broadcast" once the learner was seen, else None."""
         return self._kind
 
     @property

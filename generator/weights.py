@@ -254,8 +254,12 @@ class WeightLoader:
         update = as_update(update)
         if isinstance(update, IpcWeights) and in_worker_ipc:
             self.validate_layout(update.layout)
-            return self._apply(llm, lambda: self._load_ipc(llm, update.layout), update.named_tensors,
-                               len(update.layout.manifest.tensors))
+            return self._apply(
+                llm,
+                lambda: self._load_ipc(llm, update.layout),
+                update.named_tensors,
+                len(update.layout.manifest.tensors),
+            )
         if isinstance(update, IpcWeights):
             self.validate_layout(update.layout)
             update = NamedTensors(update.named_tensors())

@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 class GeneratorWorker:
     """One engine's consume-generate-publish loop; see the module docstring."""
 
-    def __init__(self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None):
+    def __init__(
+        self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None
+    ):
         config.validate()
         self.config = config
         self.generator_id = config.generator_id or default_generator_id()
@@ -63,18 +65,28 @@ class GeneratorWorker:
         if transport is None:
             import broker
 
-            transport = broker.connect(config.broker, claim_idle_s=config.claim_idle_s,
-                                       max_deliveries=config.max_deliveries)
+            transport = broker.connect(
+                config.broker, claim_idle_s=config.claim_idle_s, max_deliveries=config.max_deliveries
+            )
         self.transport = transport
-        self.prompts = Subscriber(transport, self.names.prompts, Names.GENERATORS, self.generator_id,
-                                  expect=PromptRecord, registry=self.metrics.registry)
+        self.prompts = Subscriber(
+            transport,
+            self.names.prompts,
+            Names.GENERATORS,
+            self.generator_id,
+            expect=PromptRecord,
+            registry=self.metrics.registry,
+        )
         self.rollouts = Publisher(transport, self.names.rollouts)
         self.images = ImageStore(transport, self.names)
         self.engine = engine if engine is not None else self._build_engine()
         self.gate = StalenessGate(
             served=lambda: self.engine.version,
             learner=VersionReader(transport, self.names.learner_version, ttl_s=config.gate_poll_s),
-            max_staleness=config.max_staleness, poll_s=config.gate_poll_s, on_blocked=self.metrics.blocked.inc)
+            max_staleness=config.max_staleness,
+            poll_s=config.gate_poll_s,
+            on_blocked=self.metrics.blocked.inc,
+        )
         self.receiver = self._start_receiver()
         self.pool = make_pool(config.prepare_threads)
         self.continuous = None
@@ -92,8 +104,14 @@ class GeneratorWorker:
 
         if not self.config.model:
             raise ValueError("--model is required (a Hugging Face checkpoint directory)")
-        return Engine(self.config.model, self.config.engine, self.config.sampling, self.config.run_dir,
-                      tp=self.config.tp, initial_version=self.config.initial_version)
+        return Engine(
+            self.config.model,
+            self.config.engine,
+            self.config.sampling,
+            self.config.run_dir,
+            tp=self.config.tp,
+            initial_version=self.config.initial_version,
+        )
 
     def _start_receiver(self):
         """The receiver of the kind the learner publishes (generator/weight_sync.py), or None without sync."""
@@ -102,9 +120,14 @@ class GeneratorWorker:
 
         address = self.config.weight_sync_address
         device = "cpu" if getattr(self.engine, "on_cpu", True) else "cuda"
-        return start_receiver(self.generator_id, address, broker_resolver(self.transport, self.names),
-                              device=device, version=self.engine.version,
-                              timeout_s=self.config.weight_sync_timeout_s)
+        return start_receiver(
+            self.generator_id,
+            address,
+            broker_resolver(self.transport, self.names),
+            device=device,
+            version=self.engine.version,
+            timeout_s=self.config.weight_sync_timeout_s,
+        )
 
     # ------------------------------------------------------------------ loop
     def stop(self) -> None:
@@ -146,7 +169,9 @@ class GeneratorWorker:
         """([(delivery, record, request)] of the records that could be prepared, seconds spent); the others
         are rejected here with their reason (prepare.py)."""
         t0 = time.perf_counter()
-        prepared = prepare_batch([record for _, record in items], self.images, self.engine.tokenizer, self.pool)
+        prepared = prepare_batch(
+            [record for _, record in items], self.images, self.engine.tokenizer, self.pool
+        )
         seconds = time.perf_counter() - t0
         kept = []
         for (delivery, record), p in zip(items, prepared):
@@ -191,30 +216,50 @@ class GeneratorWorker:
         feeder sees the prompt come back (counted as consumed) instead of waiting for it forever."""
         log.warning("prompt %s rejected (%s): %s", record.prompt_id, reason, detail)
         empty = RolloutGroup(
-            group_id=f"{record.prompt_id}@{delivery.id}", prompt_id=record.prompt_id,
-            data_source=record.data_source, prompt_token_ids=[], images=list(record.images),
-            ground_truth=record.ground_truth, samples=[], generator_id=self.generator_id, split=record.split,
-            timings={"rejected": 1.0})
+            group_id=f"{record.prompt_id}@{delivery.id}",
+            prompt_id=record.prompt_id,
+            data_source=record.data_source,
+            prompt_token_ids=[],
+            images=list(record.images),
+            ground_truth=record.ground_truth,
+            samples=[],
+            generator_id=self.generator_id,
+            split=record.split,
+            timings={"rejected": 1.0},
+        )
         if not self._publish([empty]):
             return None  # stopping: leave the prompt unacked so that it is redelivered
         self.transport.dead_letter(delivery, Names.GENERATORS, f"{reason}: {detail}" if detail else reason)
         self.metrics.rejected.labels(reason).inc()
         return None
 
-    def _group(self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result,
-               images_s: float) -> RolloutGroup:
+    def _group(
+        self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result, images_s: float
+    ) -> RolloutGroup:
         samples = [
-            Sample.of(token_ids=c.token_ids, logprobs=c.logprobs, response_text=c.text,
-                      version_start=result.version, version_end=max(result.version, result.version_end),
-                      finish_reason=c.finish_reason)
+            Sample.of(
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                response_text=c.text,
+                version_start=result.version,
+                version_end=max(result.version, result.version_end),
+                finish_reason=c.finish_reason,
+            )
             for c in result.completions
         ]
         return RolloutGroup(
-            group_id=f"{record.prompt_id}@{delivery.id}", prompt_id=record.prompt_id,
-            data_source=record.data_source, prompt_token_ids=ids, images=list(record.images),
-            ground_truth=record.ground_truth, samples=samples, temperature=result.temperature,
-            generator_id=self.generator_id, split=record.split,
-            timings={"images": images_s, "generate": result.seconds})
+            group_id=f"{record.prompt_id}@{delivery.id}",
+            prompt_id=record.prompt_id,
+            data_source=record.data_source,
+            prompt_token_ids=ids,
+            images=list(record.images),
+            ground_truth=record.ground_truth,
+            samples=samples,
+            temperature=result.temperature,
+            generator_id=self.generator_id,
+            split=record.split,
+            timings={"images": images_s, "generate": result.seconds},
+        )
 
     def _publish(self, groups: list[RolloutGroup]) -> bool:
         """Publish, retrying while the rollouts stream is full; False if stopped first (nothing acked)."""
@@ -223,8 +268,11 @@ class GeneratorWorker:
                 self.rollouts.publish_many(groups, timeout=self.config.publish_timeout_s)
                 return True
             except BackpressureTimeout:
-                log.warning("rollouts stream full for %.0f s; still holding %d groups",
-                            self.config.publish_timeout_s, len(groups))
+                log.warning(
+                    "rollouts stream full for %.0f s; still holding %d groups",
+                    self.config.publish_timeout_s,
+                    len(groups),
+                )
                 if self._stop.is_set():
                     return False
 
@@ -240,7 +288,9 @@ class GeneratorWorker:
         try:  # a CUDA-IPC version goes to the engine as its reference (read inside vLLM's worker)
             seconds = self.engine.apply_weights(as_update(received), received.version, running=running)
         except WeightLoadError as exc:
-            log.error("version %d not applied, still serving %d: %s", received.version, self.engine.version, exc)
+            log.error(
+                "version %d not applied, still serving %d: %s", received.version, self.engine.version, exc
+            )
             self.receiver.mark_served(self.engine.version)
             return False
         self.receiver.mark_served(received.version)
@@ -253,8 +303,13 @@ class GeneratorWorker:
 
     def announce(self, seconds: float = 0.0, num_bytes: int = 0) -> None:
         """Publish the served version under `names.generator_version(id)`."""
-        msg = WeightVersion(version=self.engine.version, source=self.generator_id, num_bytes=num_bytes,
-                            seconds=seconds, timestamp=time.time())
+        msg = WeightVersion(
+            version=self.engine.version,
+            source=self.generator_id,
+            num_bytes=num_bytes,
+            seconds=seconds,
+            timestamp=time.time(),
+        )
         self.transport.set_value(self.names.generator_version(self.generator_id), codec.encode(msg))
 
     def close(self) -> None:

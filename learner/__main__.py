@@ -23,8 +23,15 @@ def world_size_wanted(gpus: list[int], nproc: int) -> int:
 
 def relaunch_command(nproc: int) -> list[str]:
     """The torch.distributed.run command line that runs this module on `nproc` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "learner"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "learner",
+    ]
 
 
 def resolve(argv: list[str]):

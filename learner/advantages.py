@@ -25,7 +25,9 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
 T = TypeVar("T")
 
 
-def group_advantages(rewards: Sequence[float], estimator: Estimator = "grpo", eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: Sequence[float], estimator: Estimator = "grpo", eps: float = 1e-6
+) -> list[float]:
     """Advantages of the samples of one group, in order."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
@@ -57,9 +59,7 @@ def has_variance(rewards: Sequence[float], tol: float = 1e-9) -> bool:
     return len(rewards) > 1 and (max(rewards) - min(rewards)) > tol
 
 
-def filter_zero_variance(
-    groups: Sequence[T], rewards_of, tol: float = 1e-9
-) -> tuple[list[T], int]:
+def filter_zero_variance(groups: Sequence[T], rewards_of, tol: float = 1e-9) -> tuple[list[T], int]:
     """DAPO dynamic sampling: keep the groups whose rewards vary; return (kept, dropped count).
 
     `rewards_of(group)` returns that group's per-sample rewards.

@@ -1,14 +1,14 @@
 """From scored groups to packed micro-batches: samples, staleness filter, token-budget batching.
 
-  * `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
-  * `filter_stale` drops samples whose `version_start` is more than K versions behind the
-    learner (counted; normally the generators' admission gate already prevents them).
-  * `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
-    into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
-    alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
-    rank computes the same plan from the same batch, so no plan is communicated.
-  * `PackedMicroBatch.build` turns one micro-batch into a `policy.packing.PackedBatch` plus the
-    per-token tensors the loss needs (behaviour logprobs, advantages, sequence index).
+* `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
+* `filter_stale` drops samples whose `version_start` is more than K versions behind the
+  learner (counted; normally the generators' admission gate already prevents them).
+* `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
+  into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
+  alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
+  rank computes the same plan from the same batch, so no plan is communicated.
+* `PackedMicroBatch.build` turns one micro-batch into a `policy.packing.PackedBatch` plus the
+  per-token tensors the loss needs (behaviour logprobs, advantages, sequence index).
 """
 
 from __future__ import annotations
@@ -53,13 +53,22 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
     for scored, advs in zip(groups, advantages, strict=True):
         g = scored.group
         for sample, score, adv in zip(g.samples, scored.scores, advs, strict=True):
-            out.append(TrainSample(
-                group_id=g.group_id, prompt_ids=list(g.prompt_token_ids), response_ids=sample.token_ids().tolist(),
-                behaviour_logprobs=sample.logprobs().tolist(), advantage=float(adv),
-                version_start=sample.version_start, version_end=sample.version_end, images=list(g.images),
-                reward=score.reward,
-                accuracy=score.accuracy, data_source=g.data_source, truncated=sample.finish_reason == "length",
-            ))
+            out.append(
+                TrainSample(
+                    group_id=g.group_id,
+                    prompt_ids=list(g.prompt_token_ids),
+                    response_ids=sample.token_ids().tolist(),
+                    behaviour_logprobs=sample.logprobs().tolist(),
+                    advantage=float(adv),
+                    version_start=sample.version_start,
+                    version_end=sample.version_end,
+                    images=list(g.images),
+                    reward=score.reward,
+                    accuracy=score.accuracy,
+                    data_source=g.data_source,
+                    truncated=sample.finish_reason == "length",
+                )
+            )
     return out
 
 
@@ -78,7 +87,9 @@ def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | 
     if not g.prompt_token_ids:
         return "no prompt tokens"
     if vocab_size is not None:
-        ids = np.concatenate([np.asarray(g.prompt_token_ids, dtype=np.int64), *(s.token_ids() for s in g.samples)])
+        ids = np.concatenate(
+            [np.asarray(g.prompt_token_ids, dtype=np.int64), *(s.token_ids() for s in g.samples)]
+        )
         if ids.min() < 0 or ids.max() >= vocab_size:
             return f"token ids outside the vocabulary [0, {vocab_size})"
     return None
@@ -94,7 +105,9 @@ def spans_versions(sample: TrainSample) -> bool:
     return sample.version_end > sample.version_start
 
 
-def filter_stale(samples: Sequence[TrainSample], version: int, max_staleness: int) -> tuple[list[TrainSample], int]:
+def filter_stale(
+    samples: Sequence[TrainSample], version: int, max_staleness: int
+) -> tuple[list[TrainSample], int]:
     """Samples no more than `max_staleness` versions old, and how many were dropped."""
     kept = [s for s in samples if staleness(version, s) <= max_staleness]
     return kept, len(samples) - len(kept)
@@ -113,8 +126,9 @@ def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) 
     return len(sample.prompt_ids) + extra + len(sample.response_ids)
 
 
-def plan_microbatches(lengths: Sequence[int], max_tokens: int,
-                      groups: Sequence[Hashable] | None = None) -> list[list[int]]:
+def plan_microbatches(
+    lengths: Sequence[int], max_tokens: int, groups: Sequence[Hashable] | None = None
+) -> list[list[int]]:
     """Indices grouped into micro-batches of at most `max_tokens` tokens (first-fit decreasing).
 
     With `groups` (a key per index, e.g. the GRPO group id), the samples of one group go into one
@@ -143,7 +157,9 @@ def plan_microbatches(lengths: Sequence[int], max_tokens: int,
     return [sorted(b) for b in bins]
 
 
-def assign_to_ranks(bins: Sequence[list[int]], lengths: Sequence[int], world_size: int) -> list[list[list[int]]]:
+def assign_to_ranks(
+    bins: Sequence[list[int]], lengths: Sequence[int], world_size: int
+) -> list[list[list[int]]]:
     """Micro-batches per rank, heaviest first onto the least loaded rank (deterministic)."""
     per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
     heap = [(0, r) for r in range(world_size)]
@@ -177,8 +193,12 @@ class PackedMicroBatch:
         return self.packed.num_tokens
 
     @staticmethod
-    def build(samples: Sequence[TrainSample], image_bytes: Callable[[ImageRef], bytes], cache: PixelCache,
-              image_token_id: int) -> PackedMicroBatch:
+    def build(
+        samples: Sequence[TrainSample],
+        image_bytes: Callable[[ImageRef], bytes],
+        cache: PixelCache,
+        image_token_id: int,
+    ) -> PackedMicroBatch:
         """Pack `samples` (fetching and processing each image once per cache)."""
         packed_samples = []
         for s in samples:
@@ -194,8 +214,12 @@ class PackedMicroBatch:
         return PackedMicroBatch(
             packed=packed,
             samples=list(samples),
-            behaviour_logprobs=torch.tensor([x for s in samples for x in s.behaviour_logprobs], dtype=torch.float32),
-            advantages=torch.tensor([s.advantage for s, n in zip(samples, lens) for _ in range(n)], dtype=torch.float32),
+            behaviour_logprobs=torch.tensor(
+                [x for s in samples for x in s.behaviour_logprobs], dtype=torch.float32
+            ),
+            advantages=torch.tensor(
+                [s.advantage for s, n in zip(samples, lens) for _ in range(n)], dtype=torch.float32
+            ),
             seq_index=torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lens)),
             proximal_logprobs=prox,
         )

@@ -69,9 +69,12 @@ class Checkpointer:
         """The newest complete checkpoint directory, or None."""
         if not self.directory.is_dir():
             return None
-        done = [p for p in self.directory.glob(f"{PREFIX}*") if p.is_dir() and (p / "trainer_state.json").is_file()
-                and not p.name.endswith(".tmp")]
-        return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+        done = [
+            p
+            for p in self.directory.glob(f"{PREFIX}*")
+            if p.is_dir() and (p / "trainer_state.json").is_file() and not p.name.endswith(".tmp")
+        ]
+        return max(done, key=lambda p: int(p.name[len(PREFIX) :]), default=None)
 
     def save(self, model, optimizer, scheduler, state: TrainerState) -> Path:
         """Collective: write a checkpoint of `state.step`; returns its directory once durable."""
@@ -95,8 +98,13 @@ class Checkpointer:
             os.rename(tmp, final)
             _fsync(self.directory)
             self._prune()
-            log.info("checkpoint step %d (version %d, %d consumed groups) -> %s",
-                     state.step, state.version, len(state.consumed), final)
+            log.info(
+                "checkpoint step %d (version %d, %d consumed groups) -> %s",
+                state.step,
+                state.version,
+                len(state.consumed),
+                final,
+            )
         if distributed():
             dist.barrier()
         return final
@@ -123,8 +131,10 @@ class Checkpointer:
         return state
 
     def _prune(self) -> None:
-        done = sorted((p for p in self.directory.glob(f"{PREFIX}*") if not p.name.endswith(".tmp")),
-                      key=lambda p: int(p.name[len(PREFIX):]))
+        done = sorted(
+            (p for p in self.directory.glob(f"{PREFIX}*") if not p.name.endswith(".tmp")),
+            key=lambda p: int(p.name[len(PREFIX) :]),
+        )
         for old in done[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

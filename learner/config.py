@@ -253,7 +253,9 @@ class LearnerConfig:
         if self.loss.correction != "none" and self.algo.proximal == "behaviour":
             raise ValueError(f"loss.correction={self.loss.correction} needs a learner-side π_prox")
         if self.weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"weight_transport must be one of {WEIGHT_TRANSPORTS}, not {self.weight_transport!r}")
+            raise ValueError(
+                f"weight_transport must be one of {WEIGHT_TRANSPORTS}, not {self.weight_transport!r}"
+            )
         if self.algo.groups_per_step < 1 or self.algo.mini_batches < 1:
             raise ValueError("algo.groups_per_step and algo.mini_batches must be >= 1")
         if self.loss.clip_low < 0 or self.loss.clip_high < 0:

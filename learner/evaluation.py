@@ -72,8 +72,11 @@ class Evaluator:
         done = self.seen >= self.expected
         if not done and time.monotonic() - self.started_at < self.cfg.timeout_s:
             return None
-        metrics: dict[str, float] = {"eval/round": float(self.round), "eval/version": float(self.version),
-                                     "eval/missing": float(len(self.expected - self.seen))}
+        metrics: dict[str, float] = {
+            "eval/round": float(self.round),
+            "eval/version": float(self.version),
+            "eval/missing": float(len(self.expected - self.seen)),
+        }
         all_acc = []
         for source, pairs in sorted(self.results.items()):
             accs = [a for a, _ in pairs]
@@ -82,6 +85,8 @@ class Evaluator:
             metrics[f"eval/reward/{source}"] = sum(r for _, r in pairs) / len(pairs)
         metrics["eval/accuracy"] = sum(all_acc) / len(all_acc) if all_acc else 0.0
         if metrics["eval/missing"]:
-            log.warning("evaluation round %d timed out with %d prompts missing", self.round, metrics["eval/missing"])
+            log.warning(
+                "evaluation round %d timed out with %d prompts missing", self.round, metrics["eval/missing"]
+            )
         self.round = None
         return metrics

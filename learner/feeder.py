@@ -100,8 +100,12 @@ class PromptFeeder:
         if candidates:
             self.state = max(candidates, key=lambda s: s.published)
         self._order = self._epoch_order(self.state.epoch)
-        log.info("feeder cursor: epoch %d, index %d, %d published", self.state.epoch, self.state.index,
-                 self.state.published)
+        log.info(
+            "feeder cursor: epoch %d, index %d, %d published",
+            self.state.epoch,
+            self.state.index,
+            self.state.published,
+        )
 
     def top_up(self, consumed: int, version: int) -> int:
         """Publish until `ahead` prompts are in flight; returns how many were published.
@@ -127,8 +131,9 @@ class PromptFeeder:
     def publish_eval(self, records: Sequence[PromptRecord], round_id: int, version: int) -> list[str]:
         """Publish test prompts for one evaluation round; returns their (round-tagged) prompt ids."""
         tagged = [
-            msgspec.structs.replace(r, prompt_id=eval_prompt_id(r.prompt_id, round_id), split="test",
-                                    min_version=version)
+            msgspec.structs.replace(
+                r, prompt_id=eval_prompt_id(r.prompt_id, round_id), split="test", min_version=version
+            )
             for r in records
         ]
         for record in tagged:
@@ -155,7 +160,9 @@ class PromptFeeder:
         for ref in record.images:
             stored = self.images.put(self.image_bytes(ref))
             if stored.sha256 != ref.sha256:
-                raise ValueError(f"{record.prompt_id}: image bytes hash to {stored.sha256}, record says {ref.sha256}")
+                raise ValueError(
+                    f"{record.prompt_id}: image bytes hash to {stored.sha256}, record says {ref.sha256}"
+                )
 
 
 EVAL_SEP = "#eval"

@@ -38,15 +38,26 @@ log = logging.getLogger(__name__)
 class Inbox:
     """Consumes `names.scored` as the learner's consumer; see the module docstring."""
 
-    def __init__(self, transport: Transport, names: Names, cfg: LearnerConfig, *, feeder: PromptFeeder | None = None,
-                 evaluator: Evaluator | None = None, registry=None, on_skip=None, vocab_size: int | None = None,
-                 check_image=None):
+    def __init__(
+        self,
+        transport: Transport,
+        names: Names,
+        cfg: LearnerConfig,
+        *,
+        feeder: PromptFeeder | None = None,
+        evaluator: Evaluator | None = None,
+        registry=None,
+        on_skip=None,
+        vocab_size: int | None = None,
+        check_image=None,
+    ):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.check_image = check_image
         """`ref -> None`, raising when the image cannot be fetched or decoded (it also warms rank 0's cache)."""
-        self.sub = Subscriber(transport, names.scored, Names.LEARNER, cfg.consumer, expect=ScoredGroup,
-                              registry=registry)
+        self.sub = Subscriber(
+            transport, names.scored, Names.LEARNER, cfg.consumer, expect=ScoredGroup, registry=registry
+        )
         self.feeder, self.evaluator = feeder, evaluator
         self.consumed: set[str] = set()
         self.unacked: list[Delivery] = []
@@ -104,8 +115,12 @@ class Inbox:
 
     def _finished(self) -> bool:
         """The feeder published everything and everything came back."""
-        return (self.feeder is not None and self.feeder.exhausted and self.received >= self.feeder.state.published
-                and (self.evaluator is None or not self.evaluator.running))
+        return (
+            self.feeder is not None
+            and self.feeder.exhausted
+            and self.received >= self.feeder.state.published
+            and (self.evaluator is None or not self.evaluator.running)
+        )
 
     def _take(self, delivery: Delivery, scored: ScoredGroup) -> bool:
         """Bookkeeping for one delivery; True when the group should be trained on."""

@@ -111,7 +111,9 @@ def _aggregate(cfg: LossConfig, token_loss: Tensor, batch: TokenBatch, denom: fl
     return token_loss.sum() / denom
 
 
-def policy_loss(cfg: LossConfig, batch: TokenBatch, denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    cfg: LossConfig, batch: TokenBatch, denom: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's loss (already divided by `denom`) and its token-mean metrics.
 
     `denom` defaults to this micro-batch's own `loss_denominator`.
@@ -151,7 +153,9 @@ def policy_loss(cfg: LossConfig, batch: TokenBatch, denom: float | None = None) 
     return loss, metrics
 
 
-def _metrics(batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl) -> dict[str, float]:
+def _metrics(
+    batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl
+) -> dict[str, float]:
     """Token means over the micro-batch (detached), for logging; weight them by `num_tokens`."""
     with torch.no_grad():
         log_r = (logp.detach() - behav).clamp(-20.0, 20.0)  # learner vs behaviour

@@ -25,7 +25,10 @@ _GAUGES = {
     "accuracy": ("parallax_learner_accuracy", "mean accuracy of the last step's samples"),
     "mismatch_kl": ("parallax_learner_mismatch_kl", "behaviour-vs-learner KL (k3), last step"),
     "clipped_frac": ("parallax_learner_clip_fraction", "fraction of response tokens clipped, last step"),
-    "masked_frac": ("parallax_learner_masked_fraction", "fraction of response tokens masked by the correction"),
+    "masked_frac": (
+        "parallax_learner_masked_fraction",
+        "fraction of response tokens masked by the correction",
+    ),
     "entropy": ("parallax_learner_entropy", "mean token entropy, last step"),
     "grad_norm": ("parallax_learner_grad_norm", "global gradient norm before clipping, last step"),
     "mfu": ("parallax_learner_mfu", "model FLOPs utilisation of the last step (0 when unknown)"),
@@ -40,15 +43,30 @@ class LearnerMetrics:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl" if run_dir else None
         self.gauges = {key: Gauge(name, doc, registry=registry) for key, (name, doc) in _GAUGES.items()}
-        self.tokens = Counter("parallax_learner_tokens", "tokens through the training forward", registry=registry)
-        self.staleness = Histogram("parallax_learner_staleness", "learner version minus sample version_start",
-                                   buckets=STALENESS_BUCKETS, registry=registry)
-        self.sync_seconds = Histogram("parallax_learner_weight_sync_seconds", "one weight broadcast",
-                                      buckets=SYNC_BUCKETS, registry=registry)
-        self.eval_accuracy = Gauge("parallax_learner_eval_accuracy", "accuracy of the last evaluation",
-                                   ["data_source"], registry=registry)
-        self.skipped = Counter("parallax_learner_skipped_groups", "groups not trained on", ["reason"],
-                               registry=registry)
+        self.tokens = Counter(
+            "parallax_learner_tokens", "tokens through the training forward", registry=registry
+        )
+        self.staleness = Histogram(
+            "parallax_learner_staleness",
+            "learner version minus sample version_start",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.sync_seconds = Histogram(
+            "parallax_learner_weight_sync_seconds",
+            "one weight broadcast",
+            buckets=SYNC_BUCKETS,
+            registry=registry,
+        )
+        self.eval_accuracy = Gauge(
+            "parallax_learner_eval_accuracy",
+            "accuracy of the last evaluation",
+            ["data_source"],
+            registry=registry,
+        )
+        self.skipped = Counter(
+            "parallax_learner_skipped_groups", "groups not trained on", ["reason"], registry=registry
+        )
         for reason in ("zero_variance", "stale", "duplicate", "empty", "malformed"):
             self.skipped.labels(reason=reason)
         if self.path is not None and enabled:

@@ -67,8 +67,13 @@ def init_distributed(backend: str = "") -> DistInfo:
     elif cuda:  # one GPU, no launcher: a one-rank group, so FSDP2's bf16 mixed precision applies
         from broker.redis_server import free_port
 
-        dist.init_process_group(backend=backend or "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, device_id=device)
+        dist.init_process_group(
+            backend=backend or "nccl",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=device,
+        )
         log.info("single-GPU learner: a one-rank %s group on %s", backend or "nccl", device)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
@@ -78,8 +83,9 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def apply_parallelism(model: nn.Module, cfg: ParallelConfig, device: torch.device,
-                      chunk_size: int = 1024) -> PackedPolicy:
+def apply_parallelism(
+    model: nn.Module, cfg: ParallelConfig, device: torch.device, chunk_size: int = 1024
+) -> PackedPolicy:
     """Activation checkpointing, then FSDP2 per block, vision tower and root; returns the root.
 
     `model` is the Hugging Face model; the returned `PackedPolicy` wraps it (`.model`), so its
@@ -183,8 +189,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Opt
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = bool(params) and params[0].device.type == "cuda"
     optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=on_cuda, foreach=not on_cuda,
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=on_cuda,
+        foreach=not on_cuda,
     )
     warmup = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

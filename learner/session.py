@@ -72,18 +72,31 @@ def build_inbox(learner) -> Inbox:
         if test_dir != cfg.feeder.train_data:
             images = _either(images, task_images(test_dir))
         feeder = PromptFeeder(
-            learner.transport, learner.names, task_records(cfg.feeder.train_data, "train"), images,
-            groups_per_step=cfg.algo.groups_per_step, max_staleness=cfg.algo.max_staleness,
-            ahead=cfg.feeder.prompts_ahead, epochs=cfg.feeder.epochs, shuffle=cfg.feeder.shuffle,
+            learner.transport,
+            learner.names,
+            task_records(cfg.feeder.train_data, "train"),
+            images,
+            groups_per_step=cfg.algo.groups_per_step,
+            max_staleness=cfg.algo.max_staleness,
+            ahead=cfg.feeder.prompts_ahead,
+            epochs=cfg.feeder.epochs,
+            shuffle=cfg.feeder.shuffle,
             seed=cfg.seed,
         )
         tests = task_records(test_dir, "test") if (Path(test_dir) / "test.jsonl").is_file() else []
         if cfg.eval.every > 0 and tests:
             evaluator = Evaluator(feeder, tests, cfg.eval)
-    return Inbox(learner.transport, learner.names, cfg, feeder=feeder, evaluator=evaluator,
-                 registry=learner.registry, vocab_size=learner.hf.config.text_config.vocab_size,
-                 check_image=lambda ref: warm_pixels(learner.pixels, ref, learner.images.get),
-                 on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc())
+    return Inbox(
+        learner.transport,
+        learner.names,
+        cfg,
+        feeder=feeder,
+        evaluator=evaluator,
+        registry=learner.registry,
+        vocab_size=learner.hf.config.text_config.vocab_size,
+        check_image=lambda ref: warm_pixels(learner.pixels, ref, learner.images.get),
+        on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc(),
+    )
 
 
 def _either(first, second):
@@ -125,10 +138,14 @@ def _ipc_sender(learner):
     if learner.info.device.type != "cuda":
         raise ValueError("weight_transport = 'cuda-ipc' needs the learner on a CUDA GPU")
     if learner.info.world_size != 1:
-        raise ValueError(f"weight_transport = 'cuda-ipc' needs a one-rank learner (this one has "
-                         f"{learner.info.world_size} ranks); use 'broadcast'")
+        raise ValueError(
+            f"weight_transport = 'cuda-ipc' needs a one-rank learner (this one has "
+            f"{learner.info.world_size} ranks); use 'broadcast'"
+        )
     publish = broker_publisher(learner.transport, learner.names)
-    sender = IpcWeightSender(IpcSenderConfig(host=learner.cfg.weight_sync_host),
-                             publish=lambda address: publish(ipc_address(address)))
+    sender = IpcWeightSender(
+        IpcSenderConfig(host=learner.cfg.weight_sync_host),
+        publish=lambda address: publish(ipc_address(address)),
+    )
     sender.start()
     return sender

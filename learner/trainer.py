@@ -71,8 +71,18 @@ from tasks.prompt import num_image_tokens
 
 log = logging.getLogger(__name__)
 
-_SUMMED = ("mismatch_kl", "mismatch_kl_k1", "mismatch_abs_logprob_diff", "clipped_frac", "dual_clipped_frac",
-           "masked_frac", "is_weight_mean", "ratio_mean", "entropy", "kl_ref")
+_SUMMED = (
+    "mismatch_kl",
+    "mismatch_kl_k1",
+    "mismatch_abs_logprob_diff",
+    "clipped_frac",
+    "dual_clipped_frac",
+    "masked_frac",
+    "is_weight_mean",
+    "ratio_mean",
+    "entropy",
+    "kl_ref",
+)
 
 
 class Learner:
@@ -92,8 +102,9 @@ class Learner:
         self.ref = self._reference() if cfg.loss.kl_coef > 0 else None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
         self.names = Names(cfg.namespace)
-        self.transport = transport or broker.connect(cfg.broker, claim_idle_s=cfg.claim_idle_s,
-                                                     max_deliveries=cfg.max_deliveries)
+        self.transport = transport or broker.connect(
+            cfg.broker, claim_idle_s=cfg.claim_idle_s, max_deliveries=cfg.max_deliveries
+        )
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
@@ -149,8 +160,9 @@ class Learner:
         """One optimizer step (or `mini_batches` of them) on these groups; returns the step's metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        advantages = batch_advantages([[s.reward for s in g.scores] for g in groups], cfg.algo.estimator,
-                                      cfg.algo.adv_eps)
+        advantages = batch_advantages(
+            [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
+        )
         samples = all_samples = to_samples(groups, advantages)
         ages = [staleness(self.state.step, s) for s in samples]
         for age in ages:
@@ -217,7 +229,9 @@ class Learner:
 
     def _plan(self, samples: list[TrainSample], lengths: list[int]):
         """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
-        bins = plan_microbatches(lengths, self.cfg.batching.max_tokens_per_microbatch, [s.group_id for s in samples])
+        bins = plan_microbatches(
+            lengths, self.cfg.batching.max_tokens_per_microbatch, [s.group_id for s in samples]
+        )
         per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
         mine = [self._build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
         n_resp = sum(len(s.response_ids) for s in samples)
@@ -229,8 +243,9 @@ class Learner:
 
     def _forward(self, module, mb: PackedMicroBatch):
         packed = mb.packed.to(self.info.device)
-        return module(packed, temperature=self.cfg.algo.temperature, with_entropy=True,
-                      run_vision_always=distributed())
+        return module(
+            packed, temperature=self.cfg.algo.temperature, with_entropy=True, run_vision_always=distributed()
+        )
 
     def _no_grad_pass(self, plans, module, attr: str) -> None:
         with torch.no_grad():
@@ -249,9 +264,11 @@ class Learner:
         if self.cfg.algo.proximal == "detached":
             prox = logprobs.detach()
         batch = TokenBatch(
-            logprobs=logprobs, behaviour_logprobs=mb.behaviour_logprobs.to(dev),
+            logprobs=logprobs,
+            behaviour_logprobs=mb.behaviour_logprobs.to(dev),
             advantages=mb.advantages.to(dev),
-            seq_index=mb.seq_index.to(dev), num_seqs=len(mb.samples),
+            seq_index=mb.seq_index.to(dev),
+            num_seqs=len(mb.samples),
             proximal_logprobs=None if prox is None else prox.to(dev),
             ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
             entropy=entropy,
@@ -273,15 +290,21 @@ class Learner:
     def _dummy(self) -> PackedMicroBatch:
         """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
         tok = int(self.processor.tokenizer.pad_token_id or 0)
-        sample = TrainSample(group_id="", prompt_ids=[tok], response_ids=[tok], behaviour_logprobs=[0.0],
-                             advantage=0.0, version_start=0)
+        sample = TrainSample(
+            group_id="",
+            prompt_ids=[tok],
+            response_ids=[tok],
+            behaviour_logprobs=[0.0],
+            advantage=0.0,
+            version_start=0,
+        )
         return self._build([sample])
 
     def _image_tokens(self, ref) -> int:
         if ref.width and ref.height:
             return num_image_tokens(self.processor.image_processor, ref.width, ref.height)
         pixels, grid = self.pixels.get(ref.sha256, self.images.get(ref))
-        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size ** 2
+        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size**2
 
     # ------------------------------------------------------------------ groups, sync, checkpoints
     def _next_groups(self) -> list[ScoredGroup] | None:
@@ -324,8 +347,13 @@ class Learner:
 
     def _announce(self, seconds: float = 0.0) -> None:
         if self.info.is_main:
-            msg = WeightVersion(version=self.state.version, step=self.state.step, source="learner",
-                                seconds=seconds, timestamp=time.time())
+            msg = WeightVersion(
+                version=self.state.version,
+                step=self.state.step,
+                source="learner",
+                seconds=seconds,
+                timestamp=time.time(),
+            )
             self.transport.set_value(self.names.learner_version, codec.encode(msg))
 
     def _checkpoint(self) -> float:
@@ -338,10 +366,14 @@ class Learner:
 
     def _rollout_stats(self, groups, samples, n_stale) -> dict[str, float]:
         scores = [s for g in groups for s in g.scores]
-        out = {"groups": float(len(groups)), "samples": float(len(samples)), "stale_samples": float(n_stale),
-               "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
-               "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
-               "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1)}
+        out = {
+            "groups": float(len(groups)),
+            "samples": float(len(samples)),
+            "stale_samples": float(n_stale),
+            "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
+            "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
+            "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
+        }
         # Generator seconds behind this step: each generate call that produced some of its groups, once.
         calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}
         out["generate_s"] = sum(seconds for _, seconds in calls)
@@ -356,8 +388,9 @@ class Learner:
 
         ref = load_model(self.cfg.model, dtype="float32", device=self.info.device)
         ref.eval().requires_grad_(False)
-        pcfg = ParallelConfig(activation_checkpointing=False,
-                              mixed_precision=self.cfg.parallel.mixed_precision)
+        pcfg = ParallelConfig(
+            activation_checkpointing=False, mixed_precision=self.cfg.parallel.mixed_precision
+        )
         return apply_parallelism(ref, pcfg, self.info.device)
 
 

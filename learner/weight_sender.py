@@ -236,8 +236,11 @@ class WeightSender:
         ]
         self._layout: Layout = plan_layout(entries, int(self.config.bucket_mb * 2**20))
         return Manifest(
-            version=version, step=step, tensors=self._layout.tensors,
-            bucket_nbytes=self._layout.bucket_nbytes, checksums=self.config.checksums,
+            version=version,
+            step=step,
+            tensors=self._layout.tensors,
+            bucket_nbytes=self._layout.bucket_nbytes,
+            checksums=self.config.checksums,
         )
 
     def _bucket_buffer(self, b: int, nbytes: int) -> torch.Tensor:
@@ -304,8 +307,13 @@ class WeightSender:
         if not member.alive:
             return
         member.alive = False
-        log.log(level, "weight sync: dropping generator %s (session %d): %s",
-                member.generator_id, member.session, reason)
+        log.log(
+            level,
+            "weight sync: dropping generator %s (session %d): %s",
+            member.generator_id,
+            member.session,
+            reason,
+        )
         if member in self._members:
             self._members.remove(member)
         try:  # wakes a receiver waiting for its next manifest; one mid-transfer fails on the aborted group
@@ -362,8 +370,11 @@ class WeightSender:
         pair two ranks on one device, and gloo stages the CUDA buffers through host memory (correct
         but slow; policy/weight_ipc.py is the fast path for a shared GPU)."""
         if self.config.backend == "nccl" and request.device_uuid and request.device_uuid == self._uuid:
-            log.warning("weight sync: generator %s shares this learner's GPU; NCCL cannot pair them, sending "
-                        "through gloo (use policy/weight_ipc.py on a shared GPU)", request.generator_id)
+            log.warning(
+                "weight sync: generator %s shares this learner's GPU; NCCL cannot pair them, sending "
+                "through gloo (use policy/weight_ipc.py on a shared GPU)",
+                request.generator_id,
+            )
             return "gloo"
         return self.config.backend
 
@@ -375,15 +386,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _unpacked(full: list[torch.Tensor], specs: list, nbytes: int,
-              device: torch.device) -> torch.Tensor | None:
+def _unpacked(
+    full: list[torch.Tensor], specs: list, nbytes: int, device: torch.device
+) -> torch.Tensor | None:
     """A bucket that holds one big tensor goes out as that tensor's own bytes (no packing copy) when
     nothing needs converting: same device and dtype, contiguous, and a size that needs no padding."""
     if len(full) != 1:
         return None
     tensor, spec = full[0].detach(), specs[0]
-    if (tensor.device != device or str(tensor.dtype).removeprefix("torch.") != spec.dtype
-            or not tensor.is_contiguous() or spec.nbytes != nbytes):
+    if (
+        tensor.device != device
+        or str(tensor.dtype).removeprefix("torch.") != spec.dtype
+        or not tensor.is_contiguous()
+        or spec.nbytes != nbytes
+    ):
         return None
     return tensor.reshape(-1).view(torch.uint8)
 

@@ -1,7 +1,7 @@
 """Command line of the policy package.
 
-    python -m policy build --preset tiny --out DIR [--seed 0]
-    python -m policy build --preset small            # into the cache; prints the directory
+python -m policy build --preset tiny --out DIR [--seed 0]
+python -m policy build --preset small            # into the cache; prints the directory
 """
 
 from __future__ import annotations

@@ -59,10 +59,30 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(tokenizer_vocab=2048, hidden=128, layers=2, heads=4, kv_heads=2, ffn=256,
-                   vision_depth=2, vision_hidden=64, vision_heads=2, vision_ffn=128),
-    "small": Preset(tokenizer_vocab=2048, hidden=256, layers=4, heads=4, kv_heads=2, ffn=768,
-                    vision_depth=4, vision_hidden=128, vision_heads=4, vision_ffn=256),
+    "tiny": Preset(
+        tokenizer_vocab=2048,
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=256,
+        vision_depth=2,
+        vision_hidden=64,
+        vision_heads=2,
+        vision_ffn=128,
+    ),
+    "small": Preset(
+        tokenizer_vocab=2048,
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        ffn=768,
+        vision_depth=4,
+        vision_hidden=128,
+        vision_heads=4,
+        vision_ffn=256,
+    ),
 }
 
 
@@ -86,8 +106,9 @@ def build_key(preset: str, seed: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_tiny_model(preset: str = "tiny", seed: int = 0, cache_dir: str | Path | None = None,
-                     out: str | Path | None = None) -> Path:
+def build_tiny_model(
+    preset: str = "tiny", seed: int = 0, cache_dir: str | Path | None = None, out: str | Path | None = None
+) -> Path:
     """Return the directory of the preset's checkpoint, building it if needed.
 
     With `out`, the checkpoint is written exactly there (reused if it holds the same build);
@@ -96,12 +117,18 @@ def build_tiny_model(preset: str = "tiny", seed: int = 0, cache_dir: str | Path 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     key = build_key(preset, seed)
-    target = Path(out) if out is not None else Path(cache_dir or default_cache_dir()) / f"qwen2_5_vl-{preset}-s{seed}-{key}"
+    target = (
+        Path(out)
+        if out is not None
+        else Path(cache_dir or default_cache_dir()) / f"qwen2_5_vl-{preset}-s{seed}-{key}"
+    )
     stamp = target / "parallax_build.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         return target
     if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target} exists and does not hold build {key}; remove it or pick another path")
+        raise FileExistsError(
+            f"{target} exists and does not hold build {key}; remove it or pick another path"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -140,8 +167,14 @@ def _write_checkpoint(path: Path, preset: Preset, seed: int) -> None:
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0,
+        eos_token_id=[
+            tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        ],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
     )
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -155,14 +188,21 @@ def _make_processor(tokenizer, preset: Preset):
 
     pixels = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels)
     try:
-        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil(**pixels), tokenizer=tokenizer,
-                                   chat_template=tokenizer.chat_template)
+        return Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessorPil(**pixels),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
     except TypeError:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
-                                   video_processor=Qwen2VLVideoProcessor(), chat_template=tokenizer.chat_template)
+        return Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**pixels),
+            tokenizer=tokenizer,
+            video_processor=Qwen2VLVideoProcessor(),
+            chat_template=tokenizer.chat_template,
+        )
 
 
 def _make_config(tokenizer, preset: Preset):
@@ -171,21 +211,42 @@ def _make_config(tokenizer, preset: Preset):
     ids = tokenizer.convert_tokens_to_ids
     head_dim = preset.hidden // preset.heads
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=preset.hidden, intermediate_size=preset.ffn,
-        num_hidden_layers=preset.layers, num_attention_heads=preset.heads,
-        num_key_value_heads=preset.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden,
+        intermediate_size=preset.ffn,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "mrope_section": mrope_section(head_dim), "rope_theta": 1e6},
-        tie_word_embeddings=False, use_sliding_window=False, bos_token_id=ids("<|endoftext|>"),
-        eos_token_id=ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id, dtype="float32",
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
     )
     vision = dict(
-        depth=preset.vision_depth, hidden_size=preset.vision_hidden, num_heads=preset.vision_heads,
-        intermediate_size=preset.vision_ffn, out_hidden_size=preset.hidden, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-        fullatt_block_indexes=[preset.vision_depth - 1], tokens_per_second=2,
+        depth=preset.vision_depth,
+        hidden_size=preset.vision_hidden,
+        num_heads=preset.vision_heads,
+        intermediate_size=preset.vision_ffn,
+        out_hidden_size=preset.hidden,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[preset.vision_depth - 1],
+        tokens_per_second=2,
     )
     return Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False, dtype="float32",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+        dtype="float32",
     )

@@ -28,9 +28,16 @@ MODES = ("full", "selective", "none")
 def saved_ops() -> set:
     """Ops whose outputs selective checkpointing keeps: matrix products and attention kernels."""
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-           aten._flash_attention_forward.default, aten._efficient_attention_forward.default}
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._flash_attention_forward.default,
+        aten._efficient_attention_forward.default,
+    }
     for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
@@ -80,8 +87,9 @@ def parse_mode(mode: str, blocks: int) -> list[str]:
 def _set(block: nn.Module, mode: str) -> None:
     block.gradient_checkpointing = mode != "none"
     if mode == "selective":
-        block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
-                                                               context_fn=selective_context)
+        block._gradient_checkpointing_func = functools.partial(
+            checkpoint, use_reentrant=False, context_fn=selective_context
+        )
     else:
         block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 

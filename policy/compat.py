@@ -81,7 +81,9 @@ def install_vllm() -> bool:
     from vllm import ModelRegistry
     from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
 
-    ModelRegistry.register_model("Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.Qwen2_5_VLForConditionalGeneration)
+    ModelRegistry.register_model(
+        "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.Qwen2_5_VLForConditionalGeneration
+    )
     ModelRegistry.register_model("Qwen2VLForConditionalGeneration", qwen2_vl.Qwen2VLForConditionalGeneration)
     return True
 
@@ -144,8 +146,9 @@ def _limit_processor_to_images() -> None:
             continue
         original_init = cls.__init__
 
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, _orig=original_init,
-                     **kwargs):
+        def __init__(
+            self, image_processor=None, tokenizer=None, chat_template=None, _orig=original_init, **kwargs
+        ):
             kwargs.pop("video_processor", None)
             _orig(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
 

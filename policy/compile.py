@@ -29,7 +29,7 @@ MODES = ("", "elementwise", "blocks")
 
 
 def apply_compile(model: nn.Module, mode: str) -> int:
-    """"" (nothing) | "elementwise" | "blocks"; returns the number of modules compiled or patched."""
+    """ "" (nothing) | "elementwise" | "blocks"; returns the number of modules compiled or patched."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}: choose from {MODES}")
     if mode == "elementwise":

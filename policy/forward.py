@@ -43,22 +43,34 @@ def attention_backend(query: torch.Tensor) -> str:
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         try:
             import flash_attn  # noqa: F401
+
             return "flash_attn"
         except ImportError:
             pass
         try:
             from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
             return "torch_varlen"
         except ImportError:
             pass
     return "sdpa_loop"
 
 
-def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                     cu_seq_lens_k: torch.Tensor | None = None, max_length_q: int | None = None,
-                     max_length_k: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: attention within each packed sequence (causal unless is_causal=False).
 
     query (1, H, T, D), key/value (1, Hkv, T, D) -> output (1, T, H, D).
@@ -66,8 +78,17 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     if query.shape[0] != 1:
         raise ValueError("packed attention expects batch size 1 (one packed row)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -78,8 +99,9 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling,
-                                     causal=causal)
+        out = flash_attn_varlen_func(
+            q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=causal
+        )
     elif backend == "torch_varlen":
         out = _torch_varlen(q, k, v, cu, max_len, scaling, causal)
     else:
@@ -114,9 +136,17 @@ def _sdpa_per_sequence(query, key, value, cu, dropout, scaling, causal) -> torch
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     bounds = cu.tolist()
-    outs = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                           scale=scaling, is_causal=causal)
-            for s, e in zip(bounds[:-1], bounds[1:])]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=causal,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
@@ -156,8 +186,14 @@ def set_vision_attention(model: nn.Module, name: str) -> None:
 class PackedPolicy(nn.Module):
     """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024, vision_varlen: bool = True,
-                 banned_token_ids: list[int] | None = None, compile_logprobs: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        chunk_size: int = 1024,
+        vision_varlen: bool = True,
+        banned_token_ids: list[int] | None = None,
+        compile_logprobs: bool = False,
+    ):
         """compile_logprobs: fuse each chunk's fp32 log-softmax / gather / entropy with torch.compile.
         banned_token_ids: tokens the generator never samples (default: the image and video pad tokens,
         which Parallax's vLLM sampler bans); their logits are masked out before the softmax so that the
@@ -172,8 +208,13 @@ class PackedPolicy(nn.Module):
         self.compile_logprobs = compile_logprobs
         enable_packed_attention(model, vision=vision_varlen)
 
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = True,
-                run_vision_always: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        batch: PackedBatch,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+        run_vision_always: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(N,) fp32 logprobs of the response tokens and (N,) fp32 entropies (None unless with_entropy).
 
         run_vision_always: run the vision tower on a dummy image (times zero) when the pack has no
@@ -182,8 +223,16 @@ class PackedPolicy(nn.Module):
         hidden = self.hidden_states(batch, run_vision_always)
         states = hidden[0, batch.target_index.to(hidden.device) - 1]
         targets = batch.input_ids[0, batch.target_index].to(hidden.device)
-        return chunked_logprobs(self.model.lm_head, states, targets, temperature, self.chunk_size, with_entropy,
-                                self.banned_token_ids, compiled=self.compile_logprobs)
+        return chunked_logprobs(
+            self.model.lm_head,
+            states,
+            targets,
+            temperature,
+            self.chunk_size,
+            with_entropy,
+            self.banned_token_ids,
+            compiled=self.compile_logprobs,
+        )
 
     def hidden_states(self, batch: PackedBatch, run_vision_always: bool = False) -> torch.Tensor:
         """(1, total, hidden) final hidden states of the packed row."""
@@ -196,13 +245,20 @@ class PackedPolicy(nn.Module):
             embeds = embeds + 0.0 * self._dummy_vision(embeds)
         layer_types = set(inner.language_model.config.layer_types)
         out = inner.language_model(
-            inputs_embeds=embeds, position_ids=batch.position_ids.to(embeds.device),
-            attention_mask={t: None for t in layer_types}, use_cache=False,
-            cu_seq_lens_q=batch.cu_seqlens.to(embeds.device), cu_seq_lens_k=batch.cu_seqlens.to(embeds.device),
-            max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+            inputs_embeds=embeds,
+            position_ids=batch.position_ids.to(embeds.device),
+            attention_mask={t: None for t in layer_types},
+            use_cache=False,
+            cu_seq_lens_q=batch.cu_seqlens.to(embeds.device),
+            cu_seq_lens_k=batch.cu_seqlens.to(embeds.device),
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
+        )
         return out.last_hidden_state
 
-    def _insert_images(self, embeds: torch.Tensor, input_ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def _insert_images(
+        self, embeds: torch.Tensor, input_ids: torch.Tensor, batch: PackedBatch
+    ) -> torch.Tensor:
         inner = self.model.model
         pixels = batch.pixel_values.to(embeds.device, inner.visual.dtype)
         features = inner.get_image_features(pixels, batch.image_grid_thw.to(embeds.device), return_dict=True)
@@ -219,17 +275,23 @@ class PackedPolicy(nn.Module):
         visual = self.model.model.visual
         merge = visual.spatial_merge_size
         cfg = self.model.config.vision_config
-        dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         pixels = torch.zeros(merge * merge, dim, device=embeds.device, dtype=visual.dtype)
         grid = torch.tensor([[1, merge, merge]], device=embeds.device)
         out = self.model.model.get_image_features(pixels, grid, return_dict=True)
         return torch.cat(out.pooler_output).sum().to(embeds.dtype)
 
 
-def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk_size: int = 1024, with_entropy: bool = True,
-                     banned_token_ids: list[int] | tuple[int, ...] = (),
-                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    lm_head: nn.Module,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    banned_token_ids: list[int] | tuple[int, ...] = (),
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of `targets` (and entropies) from hidden `states` (N, d), `chunk_size` rows at a time.
 
     Tokens in `banned_token_ids` get no probability mass (as in a sampler that bans them).
@@ -241,8 +303,16 @@ def chunked_logprobs(lm_head: nn.Module, states: torch.Tensor, targets: torch.Te
     use_ckpt = torch.is_grad_enabled() and states.requires_grad
     for s, t in zip(torch.split(states, chunk_size), torch.split(targets, chunk_size)):
         if use_ckpt:
-            lp, ent = checkpoint(chunk_fn, lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids),
-                                 use_reentrant=False)
+            lp, ent = checkpoint(
+                chunk_fn,
+                lm_head,
+                s,
+                t,
+                temperature,
+                with_entropy,
+                tuple(banned_token_ids),
+                use_reentrant=False,
+            )
         else:
             lp, ent = chunk_fn(lm_head, s, t, temperature, with_entropy, tuple(banned_token_ids))
         logps.append(lp)
@@ -277,15 +347,22 @@ def _token_logp_entropy(logits, targets, temperature, with_entropy, banned=()):
         logits = logits / temperature
     if banned:
         # a finite minimum (not -inf) keeps p*log(p) at 0 instead of NaN in the entropy
-        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), torch.finfo(logits.dtype).min)
+        logits = logits.index_fill(
+            -1, torch.tensor(banned, device=logits.device), torch.finfo(logits.dtype).min
+        )
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(token_logp)
     return token_logp, entropy
 
 
-def packed_logprobs(model: nn.Module, batch: PackedBatch, temperature: float = 1.0,
-                    chunk_size: int = 1024, banned_token_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_logprobs(
+    model: nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    banned_token_ids: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Convenience: per-response-token (logprobs, entropy) of a PackedPolicy or a bare HF model."""
     if isinstance(model, PackedPolicy):
         policy = model

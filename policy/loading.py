@@ -13,8 +13,14 @@ import torch
 
 from policy import compat
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -52,8 +58,12 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               attn_implementation: str | None = None):
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+):
     """The checkpoint's `...ForConditionalGeneration` model in eval mode on `device`.
 
     `attn_implementation` defaults to "sdpa"; pass "flash_attention_2" where flash-attn is installed.
@@ -63,7 +73,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     path = _check_dir(path)
     compat.install()
     model = AutoModelForImageTextToText.from_pretrained(
-        str(path), dtype=resolve_dtype(dtype), local_files_only=True,
+        str(path),
+        dtype=resolve_dtype(dtype),
+        local_files_only=True,
         attn_implementation=attn_implementation or "sdpa",
     )
     return model.to(device).eval()

@@ -30,16 +30,22 @@ def image_token_count(grid_thw: Sequence[int], merge: int) -> int:
     return t * h * w // (merge * merge)
 
 
-def mrope_position_ids(input_ids: Sequence[int] | torch.Tensor, image_grid_thw: Sequence[Sequence[int]] | torch.Tensor,
-                       image_token_id: int, merge: int = 2) -> tuple[torch.Tensor, int]:
+def mrope_position_ids(
+    input_ids: Sequence[int] | torch.Tensor,
+    image_grid_thw: Sequence[Sequence[int]] | torch.Tensor,
+    image_token_id: int,
+    merge: int = 2,
+) -> tuple[torch.Tensor, int]:
     """(3, L) position ids of one processor-expanded sequence, and the next position after it.
 
     `image_grid_thw` lists the images in order of appearance; each image's tokens must be one
     contiguous run of `image_token_id` of length t*h*w/merge^2.
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-    grids = [tuple(int(x) for x in g) for g in (image_grid_thw.tolist() if torch.is_tensor(image_grid_thw)
-                                                 else image_grid_thw)]
+    grids = [
+        tuple(int(x) for x in g)
+        for g in (image_grid_thw.tolist() if torch.is_tensor(image_grid_thw) else image_grid_thw)
+    ]
     image_idx = (ids == image_token_id).nonzero().flatten().tolist()
     pieces: list[torch.Tensor] = []
     pos, cursor, k = 0, 0, 0  # next position, next token index, index into image_idx

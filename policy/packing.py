@@ -94,7 +94,9 @@ class PackedBatch:
         return list(torch.split(values, self.response_lens))
 
 
-def pack(samples: Sequence[Sample], image_token_id: int, merge: int = 2, dedup_images: bool = True) -> PackedBatch:
+def pack(
+    samples: Sequence[Sample], image_token_id: int, merge: int = 2, dedup_images: bool = True
+) -> PackedBatch:
     """Pack samples into one row (order preserved); with `dedup_images`, images with equal keys are stored once."""
     if not samples:
         raise ValueError("cannot pack zero samples")
@@ -166,13 +168,16 @@ class _Images:
     def fields(self) -> dict:
         if not self.grids:
             return {}
-        return {"pixel_values": torch.cat(self.pixels),
-                "image_grid_thw": torch.tensor(self.grids, dtype=torch.long),
-                "image_index": torch.tensor(self.index, dtype=torch.long) if self.shared else None}
+        return {
+            "pixel_values": torch.cat(self.pixels),
+            "image_grid_thw": torch.tensor(self.grids, dtype=torch.long),
+            "image_index": torch.tensor(self.index, dtype=torch.long) if self.shared else None,
+        }
 
 
-def expand_image_pads(prompt_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]], image_token_id: int,
-                      merge: int = 2) -> list[int]:
+def expand_image_pads(
+    prompt_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]], image_token_id: int, merge: int = 2
+) -> list[int]:
     """Replace the i-th single image pad with image i's token count of pads."""
     pads = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
     if len(pads) != len(image_grid_thw):
@@ -197,7 +202,9 @@ class PixelCache:
         self._bytes = 0
         self.hits = self.misses = 0
 
-    def get(self, sha256: str, image_bytes: bytes | None = None, image=None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def get(
+        self, sha256: str, image_bytes: bytes | None = None, image=None
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(pixel_values, grid_thw) of one image; pass its encoded bytes (or a PIL image) on a miss."""
         if sha256 in self._items:
             self.hits += 1
@@ -227,8 +234,13 @@ def _decode(data: bytes):
         return img.convert("RGB")
 
 
-def make_sample(prompt_ids: Sequence[int], response_ids: Sequence[int], images: Sequence[tuple[str, bytes | None]],
-                cache: PixelCache, image_token_id: int) -> Sample:
+def make_sample(
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    images: Sequence[tuple[str, bytes | None]],
+    cache: PixelCache,
+    image_token_id: int,
+) -> Sample:
     """A Sample from one-pad-per-image prompt ids, response ids and (sha256, bytes) per image."""
     items = [cache.get(sha, data) for sha, data in images]
     grids = [grid for _, grid in items]

@@ -13,18 +13,31 @@ import random
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 SPECIAL_TOKENS: list[tuple[str, bool]] = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
-    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
-    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
 ]
 """Qwen2.5's 22 added tokens, in Qwen's order, with whether each is a special token."""
 
@@ -48,9 +61,33 @@ CHAT_TEMPLATE = (
 )
 """Qwen2.5-VL-Instruct's chat template."""
 
-COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "gray", "pink", "brown", "cyan"]
-SHAPES = ["circle", "square", "triangle", "star", "rectangle", "diamond", "shape", "shapes", "circles",
-          "squares", "triangles"]
+COLOURS = [
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "purple",
+    "orange",
+    "black",
+    "white",
+    "gray",
+    "pink",
+    "brown",
+    "cyan",
+]
+SHAPES = [
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "rectangle",
+    "diamond",
+    "shape",
+    "shapes",
+    "circles",
+    "squares",
+    "triangles",
+]
 WORDS = (
     "what is the colour color of the how many are there in image picture which one is bigger smaller larger "
     "left right top bottom count number answer find angle measure length side area perimeter radius "
@@ -60,8 +97,33 @@ WORDS = (
     "and then provide the final answer. The reasoning process MUST BE enclosed within <think> </think> "
     "tags. The final answer MUST BE put in \\boxed{}. look see"
 ).split()
-LATEX = ["\\frac{", "\\sqrt{", "\\pi", "^\\circ", "\\boxed{", "\\times", "\\cdot", "\\angle", "\\triangle",
-         "\\text{", "}", "{", "(", ")", "=", "+", "-", "*", "/", "^", ".", ",", ":", "?", "$"]
+LATEX = [
+    "\\frac{",
+    "\\sqrt{",
+    "\\pi",
+    "^\\circ",
+    "\\boxed{",
+    "\\times",
+    "\\cdot",
+    "\\angle",
+    "\\triangle",
+    "\\text{",
+    "}",
+    "{",
+    "(",
+    ")",
+    "=",
+    "+",
+    "-",
+    "*",
+    "/",
+    "^",
+    ".",
+    ",",
+    ":",
+    "?",
+    "$",
+]
 
 
 def training_corpus(seed: int, lines: int = 3000) -> list[str]:
@@ -71,11 +133,20 @@ def training_corpus(seed: int, lines: int = 3000) -> list[str]:
     vocab = COLOURS + SHAPES + WORDS
     for i in range(lines):
         words = [rng.choice(vocab) for _ in range(rng.randint(4, 14))]
-        number = str(rng.randint(0, 1000)) if rng.random() < 0.7 else f"{rng.randint(1, 99)}.{rng.randint(0, 9)}"
+        number = (
+            str(rng.randint(0, 1000)) if rng.random() < 0.7 else f"{rng.randint(1, 99)}.{rng.randint(0, 9)}"
+        )
         latex = "".join(rng.choice(LATEX) for _ in range(rng.randint(0, 3)))
         thought = " ".join(rng.choice(vocab) for _ in range(rng.randint(1, 6)))
-        answer = rng.choice([number, rng.choice(COLOURS), rng.choice(SHAPES), rng.choice(["left", "right"]),
-                             f"\\frac{{{number}}}{{2}}"])
+        answer = rng.choice(
+            [
+                number,
+                rng.choice(COLOURS),
+                rng.choice(SHAPES),
+                rng.choice(["left", "right"]),
+                f"\\frac{{{number}}}{{2}}",
+            ]
+        )
         if i % 2 == 0:
             out.append(f"{' '.join(words).capitalize()} {number}{latex}?")
         out.append(f"<think> {thought} </think> \\boxed{{{answer}}}")
@@ -88,14 +159,19 @@ def train_bpe(vocab_size: int, seed: int) -> tuple[dict[str, int], list[tuple[st
     """Train a byte-level BPE model with Qwen's pre-tokenization; returns (vocab, merges)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
     )
     tok.train_from_iterator(training_corpus(seed), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
@@ -116,14 +192,23 @@ def build_tokenizer(vocab_size: int, seed: int):
     for i, (token, _) in enumerate(SPECIAL_TOKENS):
         vocab[token] = base + i
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        errors="replace", model_max_length=32768,
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=32768,
     )
     tokenizer.add_tokens(
         [AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS if not s], special_tokens=False
     )
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [t for t, s in SPECIAL_TOKENS if s and t not in ("<|endoftext|>", "<|im_end|>")]}
+        {
+            "additional_special_tokens": [
+                t for t, s in SPECIAL_TOKENS if s and t not in ("<|endoftext|>", "<|im_end|>")
+            ]
+        }
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -36,8 +36,16 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from policy.weight_transfer import Manifest, ReceiverStats, WeightTransferError, checkpoint_names, dtype_from_name, named_tensors, \
-    plan_layout, tensor_view
+from policy.weight_transfer import (
+    Manifest,
+    ReceiverStats,
+    WeightTransferError,
+    checkpoint_names,
+    dtype_from_name,
+    named_tensors,
+    plan_layout,
+    tensor_view,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +107,31 @@ def share(tensor: torch.Tensor) -> IpcHandle:
     if not tensor.is_cuda:
         raise WeightTransferError("CUDA IPC needs a CUDA tensor")
     fields = tensor.untyped_storage()._share_cuda_()
-    return IpcHandle(int(fields[0]), bytes(fields[1]), int(fields[2]), int(fields[3]), bytes(fields[4]),
-                     int(fields[5]), bytes(fields[6]), bool(fields[7]))
+    return IpcHandle(
+        int(fields[0]),
+        bytes(fields[1]),
+        int(fields[2]),
+        int(fields[3]),
+        bytes(fields[4]),
+        int(fields[5]),
+        bytes(fields[6]),
+        bool(fields[7]),
+    )
 
 
 def open_shared(h: IpcHandle, nbytes: int) -> torch.Tensor:
     """A uint8 view of another process's shared buffer (mapped into this process)."""
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        h.device, h.handle, h.storage_bytes, h.storage_offset, h.ref_counter_handle, h.ref_counter_offset,
-        h.event_handle, h.event_sync_required)
+        h.device,
+        h.handle,
+        h.storage_bytes,
+        h.storage_offset,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle,
+        h.event_sync_required,
+    )
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}").set_(storage, 0, (nbytes,), (1,))
 
 
@@ -160,8 +183,16 @@ class IpcWeightSender:
         for i in locked:
             self._store.set(f"ipc/lock/{i}", FREE)
         t2 = time.perf_counter()
-        return IpcSyncReport(version, step, self._layout.nbytes, t2 - t0, pack_seconds=t2 - t1,
-                             lock_wait_seconds=t1 - t0, sent_to=[readers[i] for i in locked], dropped=dropped)
+        return IpcSyncReport(
+            version,
+            step,
+            self._layout.nbytes,
+            t2 - t0,
+            pack_seconds=t2 - t1,
+            lock_wait_seconds=t1 - t0,
+            sent_to=[readers[i] for i in locked],
+            dropped=dropped,
+        )
 
     def members(self) -> dict[str, int]:
         """Registered generators -> the version each serves (-1 before its first)."""
@@ -181,29 +212,38 @@ class IpcWeightSender:
     def _allocate(self, model, pairs) -> None:
         self._names = checkpoint_names(model)
         cast = dtype_from_name(self.config.dtype) if self.config.dtype else None
-        entries = [(self._names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
-                   for n, t in pairs]
+        entries = [
+            (self._names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
+            for n, t in pairs
+        ]
         total = sum(-(-t.numel() * dt.itemsize // 16) * 16 for (_, dt, _), (_, t) in zip(entries, pairs))
         layout = plan_layout(entries, max(total, 16))
         if len(layout.bucket_nbytes) != 1:
             raise WeightTransferError("layout does not fit one buffer")
         device = pairs[0][1].device
         self._buffer = torch.empty(layout.bucket_nbytes[0], dtype=torch.uint8, device=device)
-        manifest = Manifest(version=-1, tensors=layout.tensors, bucket_nbytes=layout.bucket_nbytes, checksums=False)
+        manifest = Manifest(
+            version=-1, tensors=layout.tensors, bucket_nbytes=layout.bucket_nbytes, checksums=False
+        )
         self._views = [tensor_view(self._buffer, spec) for spec in layout.tensors]
         layout_id = int(time.time() * 1000)
-        self._layout = IpcLayout(layout_id=layout_id, nbytes=layout.bucket_nbytes[0], handle=share(self._buffer),
-                                 manifest=manifest)
+        self._layout = IpcLayout(
+            layout_id=layout_id, nbytes=layout.bucket_nbytes[0], handle=share(self._buffer), manifest=manifest
+        )
         self._store.set("ipc/layout", msgspec.msgpack.encode(self._layout))
         self._store.set("ipc/layout_id", str(layout_id))
-        log.info("CUDA-IPC weight buffer: %d tensors, %.2f GB", len(layout.tensors), layout.bucket_nbytes[0] / 1e9)
+        log.info(
+            "CUDA-IPC weight buffer: %d tensors, %.2f GB", len(layout.tensors), layout.bucket_nbytes[0] / 1e9
+        )
 
     def _pack(self, tensors: list[torch.Tensor]) -> None:
         """Copy (and cast) every tensor into its view: plain same-dtype tensors in one foreach copy,
         FSDP2 shards gathered and copied one at a time (never a second full copy of the model)."""
         from torch.distributed.tensor import DTensor
 
-        same = [(v, t) for v, t in zip(self._views, tensors) if v.dtype == t.dtype and not isinstance(t, DTensor)]
+        same = [
+            (v, t) for v, t in zip(self._views, tensors) if v.dtype == t.dtype and not isinstance(t, DTensor)
+        ]
         rest = [(v, t) for v, t in zip(self._views, tensors) if v.dtype != t.dtype or isinstance(t, DTensor)]
         with torch.no_grad():
             if same:
@@ -236,8 +276,11 @@ class IpcWeightSender:
                     self._store.set(f"ipc/lock/{i}", DROPPED)
                     self._dropped.add(i)
                     dropped.append(readers[i])
-                    log.warning("CUDA-IPC weight sync: generator %s held its lock > %.1f s; dropped",
-                                readers[i], self.config.lock_timeout_s)
+                    log.warning(
+                        "CUDA-IPC weight sync: generator %s held its lock > %.1f s; dropped",
+                        readers[i],
+                        self.config.lock_timeout_s,
+                    )
                     break
                 time.sleep(self.config.poll_s)
         return locked, dropped
@@ -281,9 +324,17 @@ class IpcReceived:
 class IpcWeightReceiver:
     """Generator side: map the learner's buffer and hand out new versions (mailbox or `apply` callback)."""
 
-    def __init__(self, generator_id: str, address: str = "", *, resolve: Callable[[], str | None] | None = None,
-                 apply: Callable[[Iterable[tuple[str, torch.Tensor]], int], None] | None = None,
-                 version: int = -1, poll_s: float = 0.002, connect_timeout_s: float = 2.0):
+    def __init__(
+        self,
+        generator_id: str,
+        address: str = "",
+        *,
+        resolve: Callable[[], str | None] | None = None,
+        apply: Callable[[Iterable[tuple[str, torch.Tensor]], int], None] | None = None,
+        version: int = -1,
+        poll_s: float = 0.002,
+        connect_timeout_s: float = 2.0,
+    ):
         if not address and resolve is None:
             raise ValueError("IpcWeightReceiver needs an address or a resolve callback")
         self.generator_id = generator_id
@@ -308,10 +359,12 @@ class IpcWeightReceiver:
     def version(self) -> int:
         return self._version
 
-    def start(self) -> "IpcWeightReceiver":
+    def start(self) -> IpcWeightReceiver:
         """With an `apply` callback: a thread applies every new version; without: nothing to start."""
         if self._apply is not None and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"ipc-receiver-{self.generator_id}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"ipc-receiver-{self.generator_id}", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -327,8 +380,11 @@ class IpcWeightReceiver:
             except (RuntimeError, OSError) as e:  # torch.distributed.DistError (store gone) is a RuntimeError
                 self.stats.failures += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"
-                log.warning("CUDA-IPC receiver %s: learner store unreachable (%s); will reconnect",
-                            self.generator_id, type(e).__name__)
+                log.warning(
+                    "CUDA-IPC receiver %s: learner store unreachable (%s); will reconnect",
+                    self.generator_id,
+                    type(e).__name__,
+                )
                 self._disconnect()
                 return None
 
@@ -349,7 +405,9 @@ class IpcWeightReceiver:
         version = self._latest()  # stable while we hold the lock
         self._taken = version
         self._refresh_layout()
-        return IpcReceived(self._layout.manifest, self._mapped, version, time.perf_counter() - t0, layout=self._layout)
+        return IpcReceived(
+            self._layout.manifest, self._mapped, version, time.perf_counter() - t0, layout=self._layout
+        )
 
     def mark_served(self, version: int) -> None:
         """The engine now serves `version` (or kept its old one): wait for its copies, release the lock."""
@@ -357,11 +415,15 @@ class IpcWeightReceiver:
             self._version = version
             try:
                 if self._holding:
-                    if self._buffer is not None and self._buffer.is_cuda:  # mapped here: our copies must be done
+                    if (
+                        self._buffer is not None and self._buffer.is_cuda
+                    ):  # mapped here: our copies must be done
                         torch.cuda.synchronize(self._buffer.device)
                     self._holding = False
                     if self._store.compare_set(f"ipc/lock/{self._index}", READER, FREE) == DROPPED:
-                        self._index = None  # held too long: the learner dropped us; register again on the next take
+                        self._index = (
+                            None  # held too long: the learner dropped us; register again on the next take
+                        )
                 if self._store is not None and self._index is not None:
                     self._store.set(f"ipc/served/{self._index}", str(self._version))
             except (RuntimeError, OSError):
@@ -407,8 +469,12 @@ class IpcWeightReceiver:
             except Exception as e:
                 self.stats.apply_failures += 1
                 self.stats.last_error = f"apply failed: {type(e).__name__}: {e}"
-                log.error("CUDA-IPC receiver %s: apply of version %d failed: %s", self.generator_id,
-                          received.version, e)
+                log.error(
+                    "CUDA-IPC receiver %s: apply of version %d failed: %s",
+                    self.generator_id,
+                    received.version,
+                    e,
+                )
             finally:
                 self.mark_served(served)
 

@@ -39,8 +39,20 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
 }
 
 
@@ -148,7 +160,6 @@ class Keys:
     def served(session: int) -> str:
         """Last version the generator received and validated (written by the receiver)."""
         return f"s/{session}/served"
-
 
 
 def dtype_from_name(name: str) -> torch.dtype:

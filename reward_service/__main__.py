@@ -42,7 +42,9 @@ class Supervisor:
     def start(self, index: int) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        proc = subprocess.Popen([sys.executable, "-m", "reward_service.worker"], stdin=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reward_service.worker"], stdin=subprocess.PIPE, env=env
+        )
         spec = {"config": dataclasses.asdict(self.cfg), "index": index}
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
@@ -96,7 +98,7 @@ def _aliases(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         if arg == "--broker-url" or arg.startswith("--broker-url="):
-            arg = "--broker" + arg[len("--broker-url"):]
+            arg = "--broker" + arg[len("--broker-url") :]
         out.append(arg)
     return out
 

@@ -80,9 +80,11 @@ class RewardConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.groups_per_read * self.group_budget_s >= self.claim_idle_s:
-            raise ValueError(f"groups_per_read * group_budget_s ({self.groups_per_read} * {self.group_budget_s})"
-                             f" must be below claim_idle_s ({self.claim_idle_s}), or groups still waiting in"
-                             " a worker's hands get reclaimed by another")
+            raise ValueError(
+                f"groups_per_read * group_budget_s ({self.groups_per_read} * {self.group_budget_s})"
+                f" must be below claim_idle_s ({self.claim_idle_s}), or groups still waiting in"
+                " a worker's hands get reclaimed by another"
+            )
         for name in [self.default_reward, *self.routes.values()]:
             if name not in REWARDS:
                 raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")

@@ -48,8 +48,15 @@ def scored_key(names: Names, group_id: str) -> str:
 class OnceGate:
     """Claim / finish / release of a group's single publication; see the module docstring."""
 
-    def __init__(self, transport: Transport, names: Names, consumer: str, *, stale_s: float = 300.0,
-                 ttl_s: float | None = 7 * 24 * 3600.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        names: Names,
+        consumer: str,
+        *,
+        stale_s: float = 300.0,
+        ttl_s: float | None = 7 * 24 * 3600.0,
+    ) -> None:
         self.transport = transport
         self.names = names
         self.consumer = consumer

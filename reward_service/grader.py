@@ -18,7 +18,7 @@ import resource
 import signal
 import struct
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import BinaryIO
 
 import msgspec
@@ -78,7 +78,7 @@ def encode_batch(requests: list[GradeRequest]) -> bytes:
     return _encoder.encode(requests)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reward(name: str):
     from reward_service.rewards import load
 

@@ -35,8 +35,17 @@ class GraderProcess:
     def __init__(self, memory_mb: int, preload: str) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        argv = [sys.executable, "-m", "reward_service.grader", "--memory-mb", str(memory_mb),
-                "--preload", preload, "--parent-pid", str(os.getpid())]
+        argv = [
+            sys.executable,
+            "-m",
+            "reward_service.grader",
+            "--memory-mb",
+            str(memory_mb),
+            "--preload",
+            preload,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env)
         self._fd = self.proc.stdout.fileno()
         self._in_fd = self.proc.stdin.fileno()
@@ -93,7 +102,7 @@ class GraderProcess:
         end = _HEADER.size + size
         if len(self._buffer) < end:
             return None
-        frame = bytes(self._buffer[_HEADER.size:end])
+        frame = bytes(self._buffer[_HEADER.size : end])
         del self._buffer[:end]
         return frame
 

@@ -31,10 +31,21 @@ _CLOSE = None
 class Outbox:
     """See the module docstring."""
 
-    def __init__(self, transport: Transport, names: Names, consumer: str, metrics: RewardMetrics, *,
-                 stopping: Callable[[], bool], publish_timeout_s: float = 5.0, claim_stale_s: float = 300.0,
-                 dedupe_ttl_s: float | None = None, threaded: bool = False, depth: int = 2,
-                 close_transport: bool = False) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        names: Names,
+        consumer: str,
+        metrics: RewardMetrics,
+        *,
+        stopping: Callable[[], bool],
+        publish_timeout_s: float = 5.0,
+        claim_stale_s: float = 300.0,
+        dedupe_ttl_s: float | None = None,
+        threaded: bool = False,
+        depth: int = 2,
+        close_transport: bool = False,
+    ) -> None:
         self.transport = transport
         self.names = names
         self.consumer = consumer
@@ -93,8 +104,11 @@ class Outbox:
             except BackpressureTimeout:
                 if self.stopping():
                     return False
-                log.warning("%s is full; holding group %s until the learner catches up",
-                            self.names.scored, scored.group.group_id)
+                log.warning(
+                    "%s is full; holding group %s until the learner catches up",
+                    self.names.scored,
+                    scored.group.group_id,
+                )
 
     def _ack(self, delivery: Delivery) -> None:
         self.transport.ack(self.names.rollouts, Names.REWARD, [delivery.id])

@@ -81,8 +81,9 @@ def _encode(requests: list[GradeRequest]) -> bytes:
     try:
         return encode_batch(requests)
     except UnicodeEncodeError:
-        return encode_batch([GradeRequest(r.id, *map(_valid_utf8, (r.reward, r.response, r.ground_truth)))
-                             for r in requests])
+        return encode_batch(
+            [GradeRequest(r.id, *map(_valid_utf8, (r.reward, r.response, r.ground_truth))) for r in requests]
+        )
 
 
 def _digest(item: tuple[str, str, str]) -> bytes:
@@ -97,9 +98,16 @@ def _digest(item: tuple[str, str, str]) -> bytes:
 class SafeGrader:
     """Grades batches under a hard per-item timeout; see the module docstring."""
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 1024, *, spare: bool = True,
-                 startup_timeout_s: float = 120.0, cache_size: int = 4096,
-                 preload: str = "math,synthetic") -> None:
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        *,
+        spare: bool = True,
+        startup_timeout_s: float = 120.0,
+        cache_size: int = 4096,
+        preload: str = "math,synthetic",
+    ) -> None:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.spare = spare
@@ -174,8 +182,11 @@ class SafeGrader:
         started = max(sent_at, self._idle_since)
         if ticket.deadline is None and ticket.budget_s is not None:
             ticket.deadline = started + ticket.budget_s
-        until = started + self.timeout_s if ticket.deadline is None else min(started + self.timeout_s,
-                                                                              ticket.deadline)
+        until = (
+            started + self.timeout_s
+            if ticket.deadline is None
+            else min(started + self.timeout_s, ticket.deadline)
+        )
         try:
             frame = self._active.recv(max(until - time.monotonic(), 0.0))
         except GraderDied:
@@ -188,7 +199,9 @@ class SafeGrader:
                 self.crashes += 1
             else:
                 self.timeouts += 1
-            self._settle(ticket, index, Outcome(timed_out=not crashed, crashed=crashed, seconds=now - started))
+            self._settle(
+                ticket, index, Outcome(timed_out=not crashed, crashed=crashed, seconds=now - started)
+            )
             self._discard_active()
             self._resend_open(None)
             return
@@ -197,8 +210,9 @@ class SafeGrader:
             raise RuntimeError(f"grader answered request {result.id}, expected {rid}")
         self._sent.popleft()
         self._idle_since = now
-        self._settle(ticket, index, Outcome(result.accuracy, result.format, error=result.error,
-                                            seconds=now - started))
+        self._settle(
+            ticket, index, Outcome(result.accuracy, result.format, error=result.error, seconds=now - started)
+        )
 
     def _resend_open(self, current: Ticket | None) -> None:
         """Send every open item again, in order, to a fresh grader; items whose ticket ran out of
@@ -272,7 +286,7 @@ class SafeGrader:
         self._active = self._spare = None
         self._sent.clear()
 
-    def __enter__(self) -> "SafeGrader":
+    def __enter__(self) -> SafeGrader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -31,8 +31,14 @@ class Pending(NamedTuple):
 class GroupScorer:
     """Turns RolloutGroups into Scores with one `SafeGrader`."""
 
-    def __init__(self, grader: SafeGrader, weights: Weights | None = None, routes: dict[str, str] | None = None,
-                 default_reward: str = DEFAULT_REWARD, metrics: RewardMetrics | None = None) -> None:
+    def __init__(
+        self,
+        grader: SafeGrader,
+        weights: Weights | None = None,
+        routes: dict[str, str] | None = None,
+        default_reward: str = DEFAULT_REWARD,
+        metrics: RewardMetrics | None = None,
+    ) -> None:
         self.grader = grader
         self.weights = weights or Weights()
         self.routes = dict(routes or {})
@@ -59,16 +65,22 @@ class GroupScorer:
     def finish(self, pending: Pending) -> list[Score]:
         """The Scores of a submitted group, in sample order."""
         outcomes = self.grader.finish(pending.ticket)
-        return [self._score(pending.reward, pending.group, item[1], outcome)
-                for item, outcome in zip(pending.ticket.items, outcomes)]
+        return [
+            self._score(pending.reward, pending.group, item[1], outcome)
+            for item, outcome in zip(pending.ticket.items, outcomes)
+        ]
 
     def _score(self, name: str, group: RolloutGroup, response: str, outcome: Outcome) -> Score:
         accuracy, format = outcome.accuracy, outcome.format
         if outcome.failed or outcome.error:
             accuracy, format = 0.0, load_format(name)(response)
             self._count_failure(group, outcome)
-        score = Score(reward=self.weights.combine(accuracy, format), accuracy=accuracy, format=format,
-                      timed_out=outcome.failed)
+        score = Score(
+            reward=self.weights.combine(accuracy, format),
+            accuracy=accuracy,
+            format=format,
+            timed_out=outcome.failed,
+        )
         if self.metrics is not None:
             self.metrics.observe(group.data_source, score.reward, score.accuracy, outcome.seconds)
         return score
@@ -76,9 +88,16 @@ class GroupScorer:
     def _count_failure(self, group: RolloutGroup, outcome: Outcome) -> None:
         if outcome.cached:
             return  # counted and logged when it happened
-        what = "timed out" if outcome.timed_out else "crashed the grader" if outcome.crashed else outcome.error
-        log.warning("group %s (%s): grading %s after %.2f s; accuracy 0", group.group_id, group.data_source,
-                    what, outcome.seconds)
+        what = (
+            "timed out" if outcome.timed_out else "crashed the grader" if outcome.crashed else outcome.error
+        )
+        log.warning(
+            "group %s (%s): grading %s after %.2f s; accuracy 0",
+            group.group_id,
+            group.data_source,
+            what,
+            outcome.seconds,
+        )
         if self.metrics is None:
             return
         if outcome.timed_out:

@@ -67,15 +67,31 @@ class RewardWorker:
         sources = tuple(sorted({*DEFAULT_ROUTES, *cfg.routes}))
         self.metrics = RewardMetrics(data_sources=sources)
         self.transport = transport if transport is not None else connect(cfg)
-        self.subscriber = Subscriber(self.transport, self.names.rollouts, Names.REWARD, self.consumer,
-                                     expect=RolloutGroup, registry=self.metrics.registry)
-        self.grader = SafeGrader(cfg.timeout_s, cfg.memory_mb, spare=cfg.spare_grader, cache_size=cfg.cache_size)
+        self.subscriber = Subscriber(
+            self.transport,
+            self.names.rollouts,
+            Names.REWARD,
+            self.consumer,
+            expect=RolloutGroup,
+            registry=self.metrics.registry,
+        )
+        self.grader = SafeGrader(
+            cfg.timeout_s, cfg.memory_mb, spare=cfg.spare_grader, cache_size=cfg.cache_size
+        )
         self.scorer = GroupScorer(self.grader, cfg.weights, cfg.routes, cfg.default_reward, self.metrics)
         threaded = cfg.publish_thread and transport is None
-        self.outbox = Outbox(connect(cfg) if threaded else self.transport, self.names, self.consumer,
-                             self.metrics, stopping=lambda: self._stopping,
-                             publish_timeout_s=cfg.publish_timeout_s, claim_stale_s=cfg.claim_stale_s,
-                             dedupe_ttl_s=cfg.dedupe_ttl_s, threaded=threaded, close_transport=threaded)
+        self.outbox = Outbox(
+            connect(cfg) if threaded else self.transport,
+            self.names,
+            self.consumer,
+            self.metrics,
+            stopping=lambda: self._stopping,
+            publish_timeout_s=cfg.publish_timeout_s,
+            claim_stale_s=cfg.claim_stale_s,
+            dedupe_ttl_s=cfg.dedupe_ttl_s,
+            threaded=threaded,
+            close_transport=threaded,
+        )
         self.gate = OnceGate(self.transport, self.names, self.consumer, stale_s=cfg.claim_stale_s)
         self._stopping = False
 
@@ -94,9 +110,12 @@ class RewardWorker:
     def run(self) -> int:
         """Serve until stopped (or, with `burst`, until the stream is drained); returns groups published."""
         self.grader.start()
-        port = start_metrics_server(self.cfg.metrics_port + self.index if self.cfg.metrics_port else 0,
-                                    self.metrics.registry)
-        log.info("worker %s consuming %s (metrics port %s)", self.consumer, self.names.rollouts, port or "off")
+        port = start_metrics_server(
+            self.cfg.metrics_port + self.index if self.cfg.metrics_port else 0, self.metrics.registry
+        )
+        log.info(
+            "worker %s consuming %s (metrics port %s)", self.consumer, self.names.rollouts, port or "off"
+        )
         empty_polls = 0
         window: deque[tuple[Delivery, Pending, float]] = deque()  # sent to the grader, oldest first
         try:
@@ -116,7 +135,9 @@ class RewardWorker:
         finally:
             self.grader.close()
             self.outbox.close()
-        log.info("worker %s done: %d published, %d duplicates", self.consumer, self.published, self.duplicates)
+        log.info(
+            "worker %s done: %d published, %d duplicates", self.consumer, self.published, self.duplicates
+        )
         return self.published
 
     def handle(self, delivery: Delivery, group: RolloutGroup) -> None:
@@ -165,7 +186,9 @@ def main() -> int:
     """Entry of a child started by `python -m reward_service`: {"config": {...}, "index": i} on stdin."""
     spec = json.load(sys.stdin)
     cfg = from_dict(RewardConfig, spec["config"])
-    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s reward[{spec['index']}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level, format=f"%(asctime)s reward[{spec['index']}] %(levelname)s %(message)s"
+    )
     run_worker(cfg, int(spec["index"]))
     return 0
 

@@ -83,7 +83,7 @@ def write_resolved(cfg, run_dir: str | os.PathLike, name: str) -> Path:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """"0-5" -> [0..5]; "6,7" -> [6, 7]; "" -> []."""
+    """ "0-5" -> [0..5]; "6,7" -> [6, 7]; "" -> []."""
     gpus: list[int] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if "-" in part:

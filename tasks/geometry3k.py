@@ -54,9 +54,15 @@ def iter_rows(path: Path, batch_size: int = 256) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def row_to_record(row: dict, index: int, split: str, processor, max_prompt_len: int,
-                  instruction: str = INSTRUCTION, put_image: ImagePut | None = None
-                  ) -> tuple[PromptRecord, dict[str, bytes]] | tuple[None, str]:
+def row_to_record(
+    row: dict,
+    index: int,
+    split: str,
+    processor,
+    max_prompt_len: int,
+    instruction: str = INSTRUCTION,
+    put_image: ImagePut | None = None,
+) -> tuple[PromptRecord, dict[str, bytes]] | tuple[None, str]:
     """One row -> (record, blobs), or (None, skip reason: detail)."""
     row_id = str(row.get("id") if row.get("id") is not None else index)
     answer = row.get("answer")
@@ -73,9 +79,15 @@ def row_to_record(row: dict, index: int, split: str, processor, max_prompt_len: 
         images.append(bytes(data))
     try:
         record, blobs = make_record(
-            prompt_id=f"{DATA_SOURCE}-{split}-{row_id}", data_source=DATA_SOURCE,
-            problem=with_instruction(problem, instruction), images=images, ground_truth=str(answer).strip(),
-            split=split, meta={"row": str(index)}, put_image=put_image)
+            prompt_id=f"{DATA_SOURCE}-{split}-{row_id}",
+            data_source=DATA_SOURCE,
+            problem=with_instruction(problem, instruction),
+            images=images,
+            ground_truth=str(answer).strip(),
+            split=split,
+            meta={"row": str(index)},
+            put_image=put_image,
+        )
     except BadImage as exc:
         return None, f"undecodable_image: {exc}"
     except ValueError as exc:
@@ -94,16 +106,23 @@ def preprocess(config: Geo3kConfig, processor=None) -> dict:
     skips = SkipCounter(DATA_SOURCE)
     with RecordWriter(config.out) as writer:
         for index, row in enumerate(iter_rows(config.input)):
-            record, result = row_to_record(row, index, config.split, processor, config.max_prompt_len,
-                                           config.instruction)
+            record, result = row_to_record(
+                row, index, config.split, processor, config.max_prompt_len, config.instruction
+            )
             if record is None:
                 reason, _, detail = result.partition(": ")
                 skips.skip(reason, f"row {index}", detail)
                 continue
             writer.write(record, result)
         kept = dict(writer.counts)
-        writer.close(skipped=skips.as_dict(), extra={"data_source": DATA_SOURCE, "input": str(config.input),
-                                                     "max_prompt_len": config.max_prompt_len})
+        writer.close(
+            skipped=skips.as_dict(),
+            extra={
+                "data_source": DATA_SOURCE,
+                "input": str(config.input),
+                "max_prompt_len": config.max_prompt_len,
+            },
+        )
     log.info("geometry3k %s: kept %s, skipped %s", config.split, kept, skips.as_dict())
     return {"records": kept, "skipped": skips.as_dict()}
 

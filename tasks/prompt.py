@@ -50,7 +50,8 @@ def build_messages(problem: str, n_images: int) -> list[dict]:
 def render_prompt_text(processor_or_tokenizer, problem: str, n_images: int) -> str:
     """Chat-templated prompt text ending with the assistant turn's header."""
     text = processor_or_tokenizer.apply_chat_template(
-        build_messages(problem, n_images), add_generation_prompt=True, tokenize=False)
+        build_messages(problem, n_images), add_generation_prompt=True, tokenize=False
+    )
     if text.count(IMAGE_PAD) != n_images:
         raise ValueError(f"chat template produced {text.count(IMAGE_PAD)} image pads for {n_images} images")
     return text
@@ -59,7 +60,9 @@ def render_prompt_text(processor_or_tokenizer, problem: str, n_images: int) -> s
 def render_prompt_ids(processor_or_tokenizer, problem: str, n_images: int) -> list[int]:
     """Prompt token ids with exactly one `<|image_pad|>` per image."""
     tokenizer = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
-    ids = tokenizer.encode(render_prompt_text(processor_or_tokenizer, problem, n_images), add_special_tokens=False)
+    ids = tokenizer.encode(
+        render_prompt_text(processor_or_tokenizer, problem, n_images), add_special_tokens=False
+    )
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     if sum(1 for i in ids if i == pad) != n_images:
         raise ValueError("tokenizer did not keep <|image_pad|> as one token per image")
@@ -80,7 +83,7 @@ def image_grid(image_processor, width: int, height: int) -> tuple[int, int, int]
 def num_image_tokens(image_processor, width: int, height: int) -> int:
     """How many `<|image_pad|>` tokens one image of this size expands to."""
     t, h, w = image_grid(image_processor, width, height)
-    return t * h * w // image_processor.merge_size ** 2
+    return t * h * w // image_processor.merge_size**2
 
 
 def expanded_length(n_prompt_ids: int, image_sizes: list[tuple[int, int]], image_processor) -> int:
@@ -103,4 +106,3 @@ def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pix
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-

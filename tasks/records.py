@@ -49,8 +49,9 @@ def image_ref(data: bytes) -> ImageRef:
             fmt, (width, height) = (img.format or "png").lower(), img.size
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad bytes
         raise BadImage(f"undecodable image ({len(data)} bytes): {exc}") from exc
-    return ImageRef(sha256=hashlib.sha256(data).hexdigest(), format=fmt, width=width, height=height,
-                    nbytes=len(data))
+    return ImageRef(
+        sha256=hashlib.sha256(data).hexdigest(), format=fmt, width=width, height=height, nbytes=len(data)
+    )
 
 
 def decode_image(data: bytes) -> Image.Image:
@@ -62,16 +63,26 @@ def decode_image(data: bytes) -> Image.Image:
         raise BadImage(f"undecodable image ({len(data)} bytes): {exc}") from exc
 
 
-def make_record(*, prompt_id: str, data_source: str, problem: str, images: list[bytes], ground_truth: str,
-                split: str = "train", meta: dict[str, str] | None = None,
-                put_image: ImagePut | None = None) -> tuple[PromptRecord, dict[str, bytes]]:
+def make_record(
+    *,
+    prompt_id: str,
+    data_source: str,
+    problem: str,
+    images: list[bytes],
+    ground_truth: str,
+    split: str = "train",
+    meta: dict[str, str] | None = None,
+    put_image: ImagePut | None = None,
+) -> tuple[PromptRecord, dict[str, bytes]]:
     """A PromptRecord with its images referenced by sha256, and the image bytes by sha256.
 
     Raises `BadImage` for undecodable bytes and `ValueError` when the `<image>` placeholders
     outnumber the images.
     """
     if problem.count("<image>") > len(images):
-        raise ValueError(f"{prompt_id}: {problem.count('<image>')} <image> placeholders but {len(images)} images")
+        raise ValueError(
+            f"{prompt_id}: {problem.count('<image>')} <image> placeholders but {len(images)} images"
+        )
     refs, blobs = [], {}
     for data in images:
         ref = image_ref(data)
@@ -81,8 +92,15 @@ def make_record(*, prompt_id: str, data_source: str, problem: str, images: list[
                 raise ValueError(f"image store returned sha {stored.sha256}, expected {ref.sha256}")
         refs.append(ref)
         blobs[ref.sha256] = data
-    record = PromptRecord(prompt_id=prompt_id, data_source=data_source, problem=problem, images=refs,
-                          ground_truth=ground_truth, split=split, meta=dict(meta or {}))
+    record = PromptRecord(
+        prompt_id=prompt_id,
+        data_source=data_source,
+        problem=problem,
+        images=refs,
+        ground_truth=ground_truth,
+        split=split,
+        meta=dict(meta or {}),
+    )
     return record, blobs
 
 

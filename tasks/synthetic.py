@@ -36,9 +36,16 @@ log = logging.getLogger(__name__)
 
 DATA_SOURCE = "synthetic"
 PALETTE: list[tuple[str, tuple[int, int, int]]] = [
-    ("red", (220, 40, 40)), ("green", (40, 170, 60)), ("blue", (40, 80, 220)), ("yellow", (235, 210, 40)),
-    ("purple", (140, 60, 180)), ("orange", (245, 140, 30)), ("pink", (240, 120, 190)), ("cyan", (40, 200, 210)),
-    ("brown", (120, 70, 30)), ("black", (20, 20, 20)),
+    ("red", (220, 40, 40)),
+    ("green", (40, 170, 60)),
+    ("blue", (40, 80, 220)),
+    ("yellow", (235, 210, 40)),
+    ("purple", (140, 60, 180)),
+    ("orange", (245, 140, 30)),
+    ("pink", (240, 120, 190)),
+    ("cyan", (40, 200, 210)),
+    ("brown", (120, 70, 30)),
+    ("black", (20, 20, 20)),
 ]
 KINDS = ("circle", "square", "triangle")
 QUESTIONS = {
@@ -100,16 +107,22 @@ def make_example(config: SyntheticConfig, split: str, index: int) -> Example:
     return Example(image=image, question=QUESTIONS[task], answer=answer, task=task)
 
 
-def generate(config: SyntheticConfig, split: str, n: int, start: int = 0,
-             put_image: ImagePut | None = None) -> Iterator[tuple[PromptRecord, dict[str, bytes]]]:
+def generate(
+    config: SyntheticConfig, split: str, n: int, start: int = 0, put_image: ImagePut | None = None
+) -> Iterator[tuple[PromptRecord, dict[str, bytes]]]:
     """Records (with their PNG bytes) for indices start..start+n-1 of `split`."""
     for index in range(start, start + n):
         ex = make_example(config, split, index)
         yield make_record(
-            prompt_id=f"{DATA_SOURCE}-{config.task}-{split}-{index}", data_source=DATA_SOURCE,
-            problem="<image>" + ex.question + config.instruction, images=[encode_png(ex.image)],
-            ground_truth=ex.answer, split=split, put_image=put_image,
-            meta={"task": ex.task, "shuffled": str(int(config.shuffle_images)), "seed": str(config.seed)})
+            prompt_id=f"{DATA_SOURCE}-{config.task}-{split}-{index}",
+            data_source=DATA_SOURCE,
+            problem="<image>" + ex.question + config.instruction,
+            images=[encode_png(ex.image)],
+            ground_truth=ex.answer,
+            split=split,
+            put_image=put_image,
+            meta={"task": ex.task, "shuffled": str(int(config.shuffle_images)), "seed": str(config.seed)},
+        )
 
 
 def write_task(config: SyntheticConfig) -> dict:
@@ -119,15 +132,31 @@ def write_task(config: SyntheticConfig) -> dict:
             for record, blobs in generate(config, split, n):
                 writer.write(record, blobs)
         counts = dict(writer.counts)
-        writer.close(extra={"data_source": DATA_SOURCE,
-                            "config": {k: str(v) for k, v in dataclasses.asdict(config).items()}})
+        writer.close(
+            extra={
+                "data_source": DATA_SOURCE,
+                "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+            }
+        )
     log.info("synthetic %s: wrote %s to %s", config.task, counts, config.out)
     return {"records": counts}
 
 
 _BOXED = re.compile(r"\\boxed\s*\{")
-_WORDS = {"zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
-          "seven": "7", "eight": "8", "nine": "9", "grey": "gray", "colour": "color"}
+_WORDS = {
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "grey": "gray",
+    "colour": "color",
+}
 
 
 def last_boxed(text: str) -> str | None:

@@ -55,4 +55,13 @@ def load_format(name: str) -> Callable[[str], float]:
     return importlib.import_module(REWARDS[name]).format_score
 
 
-__all__ = ["REWARDS", "DEFAULT_ROUTES", "RewardFunction", "RewardParts", "Weights", "load", "load_format", "route"]
+__all__ = [
+    "REWARDS",
+    "DEFAULT_ROUTES",
+    "RewardFunction",
+    "RewardParts",
+    "Weights",
+    "load",
+    "load_format",
+    "route",
+]

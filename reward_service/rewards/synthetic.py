@@ -7,10 +7,9 @@ number words). format = the math reward's think-then-boxed check, after the same
 
 from __future__ import annotations
 
-from tasks.synthetic import verify
-
 from reward_service.rewards.base import RewardParts
 from reward_service.rewards.math import format_score
+from tasks.synthetic import verify
 
 __all__ = ["compute", "format_score"]
 

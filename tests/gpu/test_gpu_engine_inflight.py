@@ -12,8 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def test_inflight_update_on_a_multi_process_engine(tmp_path):
@@ -28,9 +31,14 @@ def test_inflight_update_on_a_multi_process_engine(tmp_path):
 
     ckpt = write_checkpoint(qwen_config("tiny"), tmp_path / "ckpt", seed=0, device="cuda")
     torch.cuda.empty_cache()
-    engine = Engine(ckpt, EngineConfig(enforce_eager=False, gpu_memory_utilization=0.2, max_model_len=1024,
-                                       keep_rollback_copy=False),
-                    SamplingConfig(max_tokens=16, eval_temperature=0.0), run_dir=tmp_path / "run")
+    engine = Engine(
+        ckpt,
+        EngineConfig(
+            enforce_eager=False, gpu_memory_utilization=0.2, max_model_len=1024, keep_rollback_copy=False
+        ),
+        SamplingConfig(max_tokens=16, eval_temperature=0.0),
+        run_dir=tmp_path / "run",
+    )
     try:
         assert not engine.in_process
         ids = render_prompt_ids(engine.tokenizer, "Count to ten.", 0)
@@ -51,7 +59,7 @@ def test_inflight_update_on_a_multi_process_engine(tmp_path):
         while final is None:
             final = next((o.outputs[0] for o in engine.step() if o.request_id == "r0" and o.finished), None)
         tokens, logprobs = list(final.token_ids), engine.completion(final).logprobs
-        assert len(tokens) == len(logprobs) == 384 and tokens[:len(before)] == before
+        assert len(tokens) == len(logprobs) == 384 and tokens[: len(before)] == before
 
         def last_token():  # greedy next token + logprob after prompt + tokens[:-1]
             (result,) = engine.generate([Request(ids + tokens[:-1], [], split="test")])

@@ -12,8 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _opened_in_worker(worker) -> int:
@@ -36,9 +39,14 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
     config = qwen_config("tiny")
     ckpt = write_checkpoint(config, tmp_path / "ckpt", seed=0, device="cuda")
     torch.cuda.empty_cache()
-    engine = Engine(ckpt, EngineConfig(enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=1024,
-                                       keep_rollback_copy=False),
-                    SamplingConfig(max_tokens=16, eval_temperature=0.0), run_dir=tmp_path / "run")
+    engine = Engine(
+        ckpt,
+        EngineConfig(
+            enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=1024, keep_rollback_copy=False
+        ),
+        SamplingConfig(max_tokens=16, eval_temperature=0.0),
+        run_dir=tmp_path / "run",
+    )
     sender = None
     try:
         assert not engine.in_process

@@ -21,14 +21,18 @@ def test_single_gpu_learner_setup_is_fsdp_bf16_and_correct():
     info = init_distributed()
     assert dist.is_initialized() and dist.get_world_size() == 1 and info.device.type == "cuda"
     config = qwen_config("tiny")
-    samples = synthetic_samples(config, n=6, seed=3, text_tokens=24, image_side=224, response=(20, 60), group_size=3)
+    samples = synthetic_samples(
+        config, n=6, seed=3, text_tokens=24, image_side=224, response=(20, 60), group_size=3
+    )
     batch = pack(samples, config.image_token_id).to("cuda")
     assert batch.image_index is not None and batch.image_grid_thw.shape[0] == 2  # two groups, two encodes
 
     ref_model = build_model(config, "cuda", torch.bfloat16, seed=0).train()
     ref_lp, _ = PackedPolicy(ref_model)(batch)
     model = build_model(config, "cuda", torch.float32, seed=0).train()
-    root = apply_parallelism(model, ParallelConfig(checkpoint_mode="selective", compile="elementwise"), info.device)
+    root = apply_parallelism(
+        model, ParallelConfig(checkpoint_mode="selective", compile="elementwise"), info.device
+    )
     lp, entropy = root(batch)
     lp.sum().backward()
     param = next(p for n, p in root.named_parameters() if "layers.0.mlp.up_proj" in n)

@@ -13,15 +13,17 @@ import torch
 pytestmark = pytest.mark.gpu
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "weights"))
 
-from learner.weight_sender import SenderConfig, WeightSender  # noqa: E402
 from weights_procs import Net, digest, gpu_generator_main, perturb, read_lines, wait_until  # noqa: E402
+
+from learner.weight_sender import SenderConfig, WeightSender  # noqa: E402
 
 
 def _run(tmp_path, backend: str, generator_device: str) -> None:
     model = Net(seed=0).cuda()
     sender = WeightSender(SenderConfig(backend=backend, bucket_mb=0.002, timeout_s=30.0))
-    p = mp.get_context("spawn").Process(target=gpu_generator_main,
-                                        args=(sender.start(), "gen", str(tmp_path), generator_device))
+    p = mp.get_context("spawn").Process(
+        target=gpu_generator_main, args=(sender.start(), "gen", str(tmp_path), generator_device)
+    )
     p.start()
     try:
         wait_until(lambda: sender.members(), timeout_s=60, what="the generator to join")

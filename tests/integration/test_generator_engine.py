@@ -95,7 +95,7 @@ def hf_logprobs(model, enc, response: list[int], temperature: float, banned: lis
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits[0]
     start = enc["input_ids"].shape[1] - 1
-    logits = logits[start:start + len(response)].float() / temperature
+    logits = logits[start : start + len(response)].float() / temperature
     logits[:, banned] = float("-inf")
     return torch.log_softmax(logits, -1).gather(-1, resp[0][:, None]).squeeze(-1)
 
@@ -103,7 +103,7 @@ def hf_logprobs(model, enc, response: list[int], temperature: float, banned: lis
 def hf_greedy(model, enc, banned: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, suppress_tokens=banned)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+    return out[0, enc["input_ids"].shape[1] :].tolist()
 
 
 def greedy(engine, ids, images) -> list[int]:
@@ -137,13 +137,21 @@ def test_logprobs_match_transformers_forward(engine, tiny_model, tiny_processor)
 def test_images_reach_the_model(engine, tiny_model, tiny_processor):
     problem = "<image> What colour is the shape?"
     ids = prompt_ids(engine, problem)
-    a, b, a_again = greedy(engine, ids, [red()]), greedy(engine, ids, [blue_circle()]), greedy(engine, ids, [red()])
+    a, b, a_again = (
+        greedy(engine, ids, [red()]),
+        greedy(engine, ids, [blue_circle()]),
+        greedy(engine, ids, [red()]),
+    )
     assert a == a_again
     assert a == hf_greedy(tiny_model, hf_inputs(tiny_processor, problem, [red()]), engine.banned_token_ids)
-    assert b == hf_greedy(tiny_model, hf_inputs(tiny_processor, problem, [blue_circle()]), engine.banned_token_ids)
+    assert b == hf_greedy(
+        tiny_model, hf_inputs(tiny_processor, problem, [blue_circle()]), engine.banned_token_ids
+    )
     from generator.inputs import Request
 
-    results = engine.generate([Request(ids, [red()], split="test"), Request(ids, [blue_circle()], split="test")])
+    results = engine.generate(
+        [Request(ids, [red()], split="test"), Request(ids, [blue_circle()], split="test")]
+    )
     first = [r.completions[0].logprobs[0] for r in results]
     assert abs(first[0] - first[1]) > 1e-4  # different pixels, different next-token distribution
 
@@ -165,17 +173,26 @@ def test_bad_prompts_are_rejected_with_counted_reasons(engine):
     # fits as ids (one pad), overflows only once the pad becomes 64 image tokens
     near_limit = filler * (budget - 10 - len(ids)) + ids
     before = dict(engine.rejected)
-    results = engine.generate([
-        Request(ids, [red()]),
-        Request(text_only_long, []),
-        Request(near_limit, [red()]),
-        Request(ids, []),
-        Request(prompt_ids(engine, "<image><image><image> three", 3), [red()] * 3),
-        Request([], []),
-        Request(ids, [red()], split="test"),
-    ])
+    results = engine.generate(
+        [
+            Request(ids, [red()]),
+            Request(text_only_long, []),
+            Request(near_limit, [red()]),
+            Request(ids, []),
+            Request(prompt_ids(engine, "<image><image><image> three", 3), [red()] * 3),
+            Request([], []),
+            Request(ids, [red()], split="test"),
+        ]
+    )
     assert [r.rejected for r in results] == [
-        None, "too_long", "too_long", "image_count_mismatch", "too_many_images", "empty_prompt", None]
+        None,
+        "too_long",
+        "too_long",
+        "image_count_mismatch",
+        "too_many_images",
+        "empty_prompt",
+        None,
+    ]
     assert results[2].prompt_len > budget >= len(near_limit)
     assert len(results[0].completions) == 4 and len(results[6].completions) == 1
     assert engine.rejected["too_long"] - before.get("too_long", 0) == 2
@@ -201,29 +218,38 @@ def test_pad_tokens_are_never_sampled(engine, base_weights, tiny_model, tiny_pro
         model.lm_head.weight.data.copy_(head)
         with torch.no_grad():
             assert int(model(**enc).logits[0, -1].argmax()) == pad  # unbanned, the pad would win
-        results = engine.generate([Request(prompt_ids(engine, problem), [red()])] * 4
-                                  + [Request(prompt_ids(engine, problem), [red()], split="test")])
+        results = engine.generate(
+            [Request(prompt_ids(engine, problem), [red()])] * 4
+            + [Request(prompt_ids(engine, problem), [red()], split="test")]
+        )
         sampled = [t for r in results for c in r.completions for t in c.token_ids]
         assert len(sampled) >= 16 and pad not in sampled and engine.video_token_id not in sampled
     finally:
         engine.apply_weights([("lm_head.weight", base_weights["lm_head.weight"])], version=0)
 
 
-def test_weight_update_reproduces_the_other_models_greedy_output(engine, base_weights, other_model_dir,
-                                                                 tiny_model, tiny_processor):
-    from policy.loading import load_model
+def test_weight_update_reproduces_the_other_models_greedy_output(
+    engine, base_weights, other_model_dir, tiny_model, tiny_processor
+):
     from safetensors.torch import load_file
+
+    from policy.loading import load_model
 
     problem = "<image> What colour is the shape?"
     ids, enc = prompt_ids(engine, problem), hf_inputs(tiny_processor, problem, [blue_circle()])
     text_ids = prompt_ids(engine, "Count to three.", 0)
     text_enc = hf_inputs(tiny_processor, "Count to three.", [])
     other = load_model(other_model_dir)
-    mine_hf, other_hf = hf_greedy(tiny_model, enc, engine.banned_token_ids), hf_greedy(other, enc, engine.banned_token_ids)
+    mine_hf, other_hf = (
+        hf_greedy(tiny_model, enc, engine.banned_token_ids),
+        hf_greedy(other, enc, engine.banned_token_ids),
+    )
     assert mine_hf != other_hf
     assert greedy(engine, ids, [blue_circle()]) == mine_hf
     try:
-        seconds = engine.apply_weights(load_file(str(other_model_dir / "model.safetensors")).items(), version=7)
+        seconds = engine.apply_weights(
+            load_file(str(other_model_dir / "model.safetensors")).items(), version=7
+        )
         assert seconds > 0 and engine.version == 7
         assert greedy(engine, ids, [blue_circle()]) == other_hf  # also proves the encoder cache was reset
         assert greedy(engine, text_ids, []) == hf_greedy(other, text_enc, engine.banned_token_ids)
@@ -236,10 +262,13 @@ def test_weight_update_reproduces_the_other_models_greedy_output(engine, base_we
     assert greedy(engine, ids, [blue_circle()]) == mine_hf
 
 
-def test_refused_or_failed_updates_keep_the_last_good_version(engine, base_weights, other_model_dir, monkeypatch):
+def test_refused_or_failed_updates_keep_the_last_good_version(
+    engine, base_weights, other_model_dir, monkeypatch
+):
+    from safetensors.torch import load_file
+
     import generator.weights as weights
     from generator.weights import WeightLoadError, WeightsRolledBack
-    from safetensors.torch import load_file
 
     ids = prompt_ids(engine)
     before, version = greedy(engine, ids, [red()]), engine.version
@@ -269,16 +298,17 @@ def test_refused_or_failed_updates_keep_the_last_good_version(engine, base_weigh
     assert greedy(engine, ids, [red()]) == before  # the half-written weights were rolled back
 
 
-def test_inflight_update_recomputes_running_sequences_under_the_new_weights(engine, base_weights, other_model_dir,
-                                                                             tiny_model, tiny_processor):
+def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
+    engine, base_weights, other_model_dir, tiny_model, tiny_processor
+):
     """weight_update = inflight: new weights applied between two engine steps with a request running. The
     tokens sampled before the update keep the old weights' logprobs; the later ones have the new weights'
     logprobs on the whole sequence, i.e. vLLM recomputed the prompt's and earlier tokens' KV cache under
     the new weights instead of continuing from the old cache."""
-    from policy.loading import load_model
     from safetensors.torch import load_file
 
     from generator.inputs import Request
+    from policy.loading import load_model
 
     problem = "<image> What colour is the shape?"
     enc = hf_inputs(tiny_processor, problem, [blue_circle()])
@@ -299,7 +329,9 @@ def test_inflight_update_recomputes_running_sequences_under_the_new_weights(engi
             break
     assert len(before) >= 3
     try:
-        engine.apply_weights(load_file(str(other_model_dir / "model.safetensors")).items(), version=5, running=True)
+        engine.apply_weights(
+            load_file(str(other_model_dir / "model.safetensors")).items(), version=5, running=True
+        )
         assert engine.version == 5
         final = None
         for _ in range(4 * MAX_TOKENS):

@@ -28,9 +28,12 @@ def engine(tiny_model_dir, tmp_path_factory):
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
 
-    engine = Engine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_gb=0.25),
-                    SamplingConfig(n=3, max_tokens=8, eval_n=1, eval_temperature=0.0),
-                    run_dir=tmp_path_factory.mktemp("generator-worker"))
+    engine = Engine(
+        tiny_model_dir,
+        EngineConfig(max_model_len=256, kv_cache_gb=0.25),
+        SamplingConfig(n=3, max_tokens=8, eval_n=1, eval_temperature=0.0),
+        run_dir=tmp_path_factory.mktemp("generator-worker"),
+    )
     yield engine
     engine.close()
 
@@ -58,16 +61,30 @@ def shape(colour, box=(20, 20, 90, 90), size=(112, 112)) -> Image.Image:
 
 def record(store: ImageStore, i: int, *, min_version: int = 0, split: str = "train") -> PromptRecord:
     ref = store.put_image(shape((40 * i % 255, 80, 160)))
-    return PromptRecord(prompt_id=f"p{i}", data_source="synthetic", problem="<image> What colour is it?",
-                        images=[ref], ground_truth=str(i), min_version=min_version, split=split)
+    return PromptRecord(
+        prompt_id=f"p{i}",
+        data_source="synthetic",
+        problem="<image> What colour is it?",
+        images=[ref],
+        ground_truth=str(i),
+        min_version=min_version,
+        split=split,
+    )
 
 
 def worker_for(engine, transport, names, **overrides):
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
-    settings = dict(namespace=names.namespace, generator_id="gen-a", weight_sync_address="none", block_s=0.05,
-                    gate_poll_s=0.02, batch_prompts=4, idle_exit_s=0.5)
+    settings = dict(
+        namespace=names.namespace,
+        generator_id="gen-a",
+        weight_sync_address="none",
+        block_s=0.05,
+        gate_poll_s=0.02,
+        batch_prompts=4,
+        idle_exit_s=0.5,
+    )
     cfg = GeneratorConfig(**{**settings, **overrides})
     return GeneratorWorker(cfg, engine=engine, transport=transport)
 
@@ -85,8 +102,13 @@ def test_prompts_in_rollout_groups_out(engine, any_transport, names, mode):
     transport = any_transport
     store = ImageStore(transport, names)
     good = [record(store, i) for i in range(3)] + [record(store, 3, split="test")]
-    missing = PromptRecord(prompt_id="missing", data_source="synthetic", problem="<image> ?", ground_truth="0",
-                           images=[ImageRef(sha256="0" * 64, width=10, height=10)])
+    missing = PromptRecord(
+        prompt_id="missing",
+        data_source="synthetic",
+        problem="<image> ?",
+        ground_truth="0",
+        images=[ImageRef(sha256="0" * 64, width=10, height=10)],
+    )
     too_long = msgspec.structs.replace(record(store, 9), prompt_id="long", problem="<image>" + " count" * 300)
     Publisher(transport, names.prompts).publish_many([good[0], missing, good[1], too_long, good[2], good[3]])
     worker = worker_for(engine, transport, names, generator_id="gen-e2e", **MODES[mode])
@@ -112,8 +134,9 @@ def test_prompts_in_rollout_groups_out(engine, any_transport, names, mode):
     assert dead == ["image_missing", "too_long"]
     m = worker.metrics
     assert m.value("parallax_generator_groups_total") == 4
-    assert m.value("parallax_generator_tokens_total") == sum(s.num_tokens for g in groups.values()
-                                                            for s in g.samples)
+    assert m.value("parallax_generator_tokens_total") == sum(
+        s.num_tokens for g in groups.values() for s in g.samples
+    )
     assert m.value("parallax_generator_rejected_prompts_total", reason="too_long") == 1
     assert m.value("parallax_generator_rejected_prompts_total", reason="image_missing") == 1
     announced = codec.decode(transport.get_value(names.generator_version("gen-e2e")))
@@ -123,7 +146,9 @@ def test_prompts_in_rollout_groups_out(engine, any_transport, names, mode):
 def test_generators_shard_the_prompt_stream(engine, transport, names):
     store = ImageStore(transport, names)
     Publisher(transport, names.prompts).publish_many([record(store, i) for i in range(8)])
-    workers = [worker_for(engine, transport, names, generator_id=g, batch_prompts=2) for g in ("gen-a", "gen-b")]
+    workers = [
+        worker_for(engine, transport, names, generator_id=g, batch_prompts=2) for g in ("gen-a", "gen-b")
+    ]
     threads = [threading.Thread(target=w.run) for w in workers]
     for t in threads:
         t.start()
@@ -177,7 +202,9 @@ def test_the_gate_holds_a_prompt_until_its_version_is_served(engine, transport, 
         assert worker.run() == 2
         groups = {g.prompt_id: g for g in rollouts(transport, names)}
         assert {s.version_start for s in groups["p0"].samples} == {0}
-        assert {s.version_start for s in groups["p1"].samples} == {1}  # started only once version 1 was served
+        assert {s.version_start for s in groups["p1"].samples} == {
+            1
+        }  # started only once version 1 was served
         assert worker.receiver.served == 1 and worker.receiver.polls >= 6
         assert worker.metrics.value("parallax_generator_staleness_blocked_seconds_total") > 0
         assert worker.metrics.value("parallax_generator_served_version") == 1
@@ -193,10 +220,19 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
     store = ImageStore(transport, names)
     transport.set_value(names.learner_version, codec.encode(WeightVersion(version=3, source="learner")))
     Publisher(transport, names.prompts).publish_many(
-        [record(store, 0), record(store, 1, split="test"), record(store, 2, min_version=1), record(store, 3)])
+        [record(store, 0), record(store, 1, split="test"), record(store, 2, min_version=1), record(store, 3)]
+    )
     # the learner's rendezvous is gone: the receiver keeps failing and retrying in its own thread
-    worker = worker_for(engine, transport, names, generator_id="gen-dead", idle_exit_s=0,
-                        weight_sync_address=f"127.0.0.1:{free_port()}", weight_sync_timeout_s=0.5, max_staleness=5)
+    worker = worker_for(
+        engine,
+        transport,
+        names,
+        generator_id="gen-dead",
+        idle_exit_s=0,
+        weight_sync_address=f"127.0.0.1:{free_port()}",
+        weight_sync_timeout_s=0.5,
+        max_staleness=5,
+    )
     threading.Timer(4.0, worker.stop).start()
     t0 = time.monotonic()
     try:
@@ -210,11 +246,13 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
     assert transport.pending(names.prompts, Names.GENERATORS) == 1  # p2 is held, unacked: never lost
 
 
-def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, transport, names, tiny_model_dir,
-                                                                     tiny_processor):
+def test_weights_synced_from_the_learner_reproduce_its_greedy_output(
+    engine, transport, names, tiny_model_dir, tiny_processor
+):
     """Learner (WeightSender, gloo) -> generator (WeightReceiver -> engine): a prompt that needs version 1
     waits for it, then the generator's greedy output is the learner model's, token for token."""
     import torch
+
     from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
     from policy.loading import load_model
     from tasks.prompt import render_prompt_text
@@ -227,14 +265,25 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, tra
     store = ImageStore(transport, names)
     rec = record(store, 5, min_version=1, split="test")
     image = store.open(rec.images[0])
-    enc = tiny_processor(text=[render_prompt_text(tiny_processor, rec.problem, 1)], images=[image], return_tensors="pt")
+    enc = tiny_processor(
+        text=[render_prompt_text(tiny_processor, rec.problem, 1)], images=[image], return_tensors="pt"
+    )
     with torch.no_grad():
-        expected = learner_model.generate(**enc, max_new_tokens=8, do_sample=False,
-                                          suppress_tokens=engine.banned_token_ids)[0, enc["input_ids"].shape[1]:]
+        expected = learner_model.generate(
+            **enc, max_new_tokens=8, do_sample=False, suppress_tokens=engine.banned_token_ids
+        )[0, enc["input_ids"].shape[1] :]
     sender = WeightSender(SenderConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
     sender.start()
-    worker = worker_for(engine, transport, names, generator_id="gen-sync", weight_sync_address="", idle_exit_s=0,
-                        max_groups=1, weight_sync_timeout_s=20.0)
+    worker = worker_for(
+        engine,
+        transport,
+        names,
+        generator_id="gen-sync",
+        weight_sync_address="",
+        idle_exit_s=0,
+        max_groups=1,
+        weight_sync_timeout_s=20.0,
+    )
     Publisher(transport, names.prompts).publish(rec)
     thread = threading.Thread(target=worker.run)
     thread.start()
@@ -261,8 +310,9 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(engine, tra
         engine.apply_weights(load_file(str(tiny_model_dir / "model.safetensors")).items(), version=0)
 
 
-def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(engine, transport, names,
-                                                                                tiny_model_dir):
+def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(
+    engine, transport, names, tiny_model_dir
+):
     from safetensors.torch import load_file
 
     store = ImageStore(transport, names)
@@ -273,8 +323,10 @@ def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(
     worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # not there at the first look
     try:
         assert worker.run() == 6
-        versions = {g.prompt_id: {s.version_start for s in g.samples} | {s.version_end for s in g.samples}
-                    for g in rollouts(transport, names)}
+        versions = {
+            g.prompt_id: {s.version_start for s in g.samples} | {s.version_end for s in g.samples}
+            for g in rollouts(transport, names)
+        }
         # the first admission ran on version 0; then admission waited for those to finish, applied version 1
         assert versions["p0"] == versions["p1"] == {0}
         assert all(versions[f"p{i}"] == {1} for i in range(2, 6)), versions
@@ -283,21 +335,25 @@ def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(
         engine.apply_weights(weights.items(), version=0)
 
 
-def test_continuous_inflight_update_applies_at_once_and_tags_the_spanned_versions(engine, transport, names,
-                                                                                  tiny_model_dir):
+def test_continuous_inflight_update_applies_at_once_and_tags_the_spanned_versions(
+    engine, transport, names, tiny_model_dir
+):
     from safetensors.torch import load_file
 
     store = ImageStore(transport, names)
     Publisher(transport, names.prompts).publish_many([record(store, i) for i in range(6)])
     transport.set_value(names.learner_version, codec.encode(WeightVersion(version=1, source="learner")))
-    worker = worker_for(engine, transport, names, generator_id="gen-inflight", weight_update="inflight",
-                        **MODES["continuous"])
+    worker = worker_for(
+        engine, transport, names, generator_id="gen-inflight", weight_update="inflight", **MODES["continuous"]
+    )
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
     worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # arrives after one engine step
     try:
         assert worker.run() == 6
-        spans = {g.prompt_id: {(s.version_start, s.version_end) for s in g.samples}
-                 for g in rollouts(transport, names)}
+        spans = {
+            g.prompt_id: {(s.version_start, s.version_end) for s in g.samples}
+            for g in rollouts(transport, names)
+        }
         # p0 and p1 were running when version 1 arrived: kept in the engine, finished on version 1
         assert spans["p0"] == spans["p1"] == {(0, 1)}, spans
         assert all(spans[f"p{i}"] == {(1, 1)} for i in range(2, 6)), spans

@@ -22,15 +22,20 @@ def exported(tiny_model_dir, tmp_path_factory):
     from policy.loading import load_model, load_processor
 
     torch.manual_seed(0)
-    root = apply_parallelism(load_model(tiny_model_dir).train(), ParallelConfig(activation_checkpointing=False),
-                             torch.device("cpu"))
+    root = apply_parallelism(
+        load_model(tiny_model_dir).train(),
+        ParallelConfig(activation_checkpointing=False),
+        torch.device("cpu"),
+    )
     opt, _ = build_optimizer(root, OptimConfig(lr=3e-3))
     ids = torch.arange(3, 60).unsqueeze(0)
     for _ in range(3):
         root.model(input_ids=ids).logits.float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return export_hf(root, root.model, load_processor(tiny_model_dir), tmp_path_factory.mktemp("export") / "hf")
+    return export_hf(
+        root, root.model, load_processor(tiny_model_dir), tmp_path_factory.mktemp("export") / "hf"
+    )
 
 
 def test_vllm_and_transformers_agree_on_the_export(exported, tiny_model_dir):
@@ -48,11 +53,16 @@ def test_vllm_and_transformers_agree_on_the_export(exported, tiny_model_dir):
 
     image = Image.new("RGB", (112, 112), (30, 160, 40))
     problem = "<image> What colour is the shape?"
-    engine = Engine(exported, EngineConfig(max_model_len=256, kv_cache_gb=0.25),
-                    SamplingConfig(n=1, max_tokens=12, eval_n=1, eval_temperature=0.0),
-                    run_dir=exported.parent / "vllm")
+    engine = Engine(
+        exported,
+        EngineConfig(max_model_len=256, kv_cache_gb=0.25),
+        SamplingConfig(n=1, max_tokens=12, eval_n=1, eval_temperature=0.0),
+        run_dir=exported.parent / "vllm",
+    )
     try:
-        (result,) = engine.generate([Request(render_prompt_ids(engine.tokenizer, problem, 1), [image], split="test")])
+        (result,) = engine.generate(
+            [Request(render_prompt_ids(engine.tokenizer, problem, 1), [image], split="test")]
+        )
         banned = engine.banned_token_ids
     finally:
         engine.close()
@@ -65,4 +75,4 @@ def test_vllm_and_transformers_agree_on_the_export(exported, tiny_model_dir):
     enc = processor(text=[render_prompt_text(processor, problem, 1)], images=[image], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=12, do_sample=False, suppress_tokens=banned)
-    assert out[0, enc["input_ids"].shape[1]:].tolist()[: len(vllm_tokens)] == vllm_tokens
+    assert out[0, enc["input_ids"].shape[1] :].tolist()[: len(vllm_tokens)] == vllm_tokens

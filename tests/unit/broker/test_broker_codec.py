@@ -101,8 +101,14 @@ def test_a_version_1_group_is_rejected_with_a_clear_error():
 
 
 def test_samples_travel_packed_and_read_back_as_arrays():
-    sample = Sample.of(token_ids=[5, 151_000, 7], logprobs=[-0.1, -2.5, 0.0], response_text="r",
-                       version_start=1, version_end=2, finish_reason="stop")
+    sample = Sample.of(
+        token_ids=[5, 151_000, 7],
+        logprobs=[-0.1, -2.5, 0.0],
+        response_text="r",
+        version_start=1,
+        version_end=2,
+        finish_reason="stop",
+    )
     assert sample.num_tokens == 3 and len(sample.response_token_ids_i32) == 12
     group = rollout_group()
     group.samples = [sample]
@@ -119,8 +125,14 @@ def test_ids_and_logprobs_that_do_not_pair_up_are_malformed():
         codec.decode(msgspec.msgpack.encode(raw))
     assert info.value.reason == "malformed"
     with pytest.raises(TypeError, match="Sample.of"):
-        Sample(response_token_ids_i32=[1, 2, 3, 4], behaviour_logprobs_f32=[0.0] * 4, response_text="",
-               version_start=0, version_end=0, finish_reason="stop")
+        Sample(
+            response_token_ids_i32=[1, 2, 3, 4],
+            behaviour_logprobs_f32=[0.0] * 4,
+            response_text="",
+            version_start=0,
+            version_end=0,
+            finish_reason="stop",
+        )
 
 
 def test_nested_group_version_of_a_scored_group_is_checked():

@@ -127,8 +127,9 @@ def test_entries_past_the_redelivery_cap_are_counted_as_rejected(connect, names,
         time.sleep(IDLE * 1.5)
     assert sub.rejected_count("redelivery_cap") == 0
     producer = connect()
-    publish_fine = threading.Timer(block_s / 3, Publisher(producer, names.rollouts).publish,
-                                   args=(rollout_group("fine"),))
+    publish_fine = threading.Timer(
+        block_s / 3, Publisher(producer, names.rollouts).publish, args=(rollout_group("fine"),)
+    )
     publish_fine.start()  # with block_s > 0 the poll reclaims, blocks, and wakes on "fine"
     publish_fine.join() if block_s == 0 else None
     got = sub.poll(count=5, block_s=block_s)

@@ -25,6 +25,8 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 ENV = {"REDIS_PASSWORD": "s3cret-test-pw", "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
 SERVICES = {"redis", "redis_exporter", "reward_service", "generator", "learner", "prometheus", "grafana"}
 ROLES = {"reward_service": ("reward", 9101), "generator": ("generator", 9201), "learner": ("learner", 9301)}
+
+
 @pytest.fixture(scope="module")
 def raw() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
@@ -116,7 +118,10 @@ def test_gpu_services_reserve_gpus_and_use_disjoint_ones(compose):
         used[name] = set(parse_gpus(flag(svc["command"], "--gpus")))
         assert svc["ipc"] == "host", "NCCL weight sync between containers needs the host IPC namespace"
     assert used["learner"] and used["generator"] and not used["learner"] & used["generator"]
-    assert "deploy" not in compose["services"]["reward_service"] or "resources" not in compose["services"]["reward_service"]["deploy"]
+    assert (
+        "deploy" not in compose["services"]["reward_service"]
+        or "resources" not in compose["services"]["reward_service"]["deploy"]
+    )
 
 
 def test_reward_service_scales(raw, compose):
@@ -153,7 +158,9 @@ def test_redis_password_and_persistence(raw, compose):
     redis = compose["services"]["redis"]
     cmd = redis["command"]
     assert flag(cmd, "--requirepass") == ENV["REDIS_PASSWORD"]
-    assert "REDIS_PASSWORD" in flag(raw["services"]["redis"]["command"], "--requirepass"), "password must come from the env"
+    assert "REDIS_PASSWORD" in flag(raw["services"]["redis"]["command"], "--requirepass"), (
+        "password must come from the env"
+    )
     assert flag(cmd, "--appendonly") == "yes"
     assert flag(cmd, "--maxmemory-policy") == "noeviction", "evicting a stream would lose work"
     assert redis["environment"]["REDISCLI_AUTH"] == ENV["REDIS_PASSWORD"], "the healthcheck must authenticate"
@@ -199,9 +206,15 @@ def test_healthchecks_and_dependencies(compose):
             assert "healthcheck" in svc, f"{name} has no healthcheck"
         for dep, cond in (svc.get("depends_on") or {}).items():
             assert dep in services, f"{name} depends on unknown {dep}"
-            assert cond["condition"] in ("service_started", "service_healthy", "service_completed_successfully")
+            assert cond["condition"] in (
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            )
             if cond["condition"] == "service_healthy":
-                assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy, which has no healthcheck"
+                assert "healthcheck" in services[dep], (
+                    f"{name} waits for {dep} to be healthy, which has no healthcheck"
+                )
     for name in (*ROLES, "redis_exporter"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"

@@ -43,7 +43,7 @@ def compose_command(service: str) -> tuple[list[str], dict]:
     env = {"REDIS_PASSWORD": PASSWORD, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
     svc = load_compose(env)["services"][service]
     command = svc["command"]
-    return command[command.index("-m") + 2:], dict(svc.get("environment") or {})
+    return command[command.index("-m") + 2 :], dict(svc.get("environment") or {})
 
 
 def validate(cfg) -> None:
@@ -70,10 +70,12 @@ def test_compose_command_parses_into_its_role_config(stem, monkeypatch):
     config_path = ROOT / args[args.index("--config") + 1]
     if not config_path.exists():  # not shipped yet by the role's engineer: check the flags alone
         i = args.index("--config")
-        args = args[:i] + args[i + 2:]
+        args = args[:i] + args[i + 2 :]
     cfg = load_config(cls, [a if not a.startswith("deploy/") else str(ROOT / a) for a in args])
     validate(cfg)
-    assert (getattr(cfg, "broker", None) or cfg.broker_url) == BROKER_URL, "the broker URL (with the password) must reach the process"
+    assert (getattr(cfg, "broker", None) or cfg.broker_url) == BROKER_URL, (
+        "the broker URL (with the password) must reach the process"
+    )
     assert cfg.namespace == "parallax"
     assert cfg.metrics_port == {"learner": 9301, "generator": 9201, "reward": 9101}[stem]
     if stem in ("learner", "generator"):

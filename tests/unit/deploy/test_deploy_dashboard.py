@@ -24,7 +24,11 @@ TOPICS = {
     "staleness": {"parallax_learner_staleness_bucket"},
     "weight sync": {"parallax_learner_weight_sync_seconds_bucket"},
     "mismatch KL": {"parallax_learner_mismatch_kl"},
-    "queue depths": {"parallax_generator_queue_depth", "parallax_broker_stream_backlog", "redis_stream_length"},
+    "queue depths": {
+        "parallax_generator_queue_depth",
+        "parallax_broker_stream_backlog",
+        "redis_stream_length",
+    },
 }
 
 
@@ -99,13 +103,20 @@ def test_panels_have_unique_ids_and_fit_the_grid(board):
     assert all(len({t["refId"] for t in p["targets"]}) == len(p["targets"]) for p in panels(board))
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
+)
 def test_every_query_is_valid_promql(board, tmp_path):
     """promtool parses each query as a recording rule (Grafana's $__rate_interval replaced by 1m)."""
-    rules = [{"record": f"dashboard:q{i}", "expr": e.replace("$__rate_interval", "1m")} for i, e in enumerate(exprs(board))]
+    rules = [
+        {"record": f"dashboard:q{i}", "expr": e.replace("$__rate_interval", "1m")}
+        for i, e in enumerate(exprs(board))
+    ]
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -46,7 +46,19 @@ def test_dockerfile_structure(name):
     steps = instructions(DOCKER / name)
     kinds = [k for k, _ in steps]
     assert kinds[0] in ("ARG", "FROM") and "FROM" in kinds
-    assert set(kinds) <= {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "CMD", "ENTRYPOINT", "LABEL", "EXPOSE"}
+    assert set(kinds) <= {
+        "ARG",
+        "FROM",
+        "ENV",
+        "RUN",
+        "WORKDIR",
+        "COPY",
+        "USER",
+        "CMD",
+        "ENTRYPOINT",
+        "LABEL",
+        "EXPOSE",
+    }
     assert kinds[-2:] == ["USER", "CMD"], "run as the unprivileged user"
     for kind, args in steps:
         if kind == "COPY":
@@ -72,7 +84,9 @@ def test_gpu_image_pins_match_the_h200_stack_and_pyproject():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     for req in extra:
         name, _, version = req.partition("==")
-        assert name.lower() in gpu or name.lower() == "flash-attn", f"pyproject gpu extra {name} missing from the image"
+        assert name.lower() in gpu or name.lower() == "flash-attn", (
+            f"pyproject gpu extra {name} missing from the image"
+        )
         if version:
             assert gpu[name.lower()] == version, name
     text = (DOCKER / "Dockerfile.gpu").read_text()
@@ -82,7 +96,11 @@ def test_gpu_image_pins_match_the_h200_stack_and_pyproject():
 def test_gpu_image_takes_every_other_project_pin_exactly_once():
     """requirements.txt minus the lines the Dockerfile drops, plus requirements-gpu.txt: no name twice, none lost."""
     dropped = excluded_by_dockerfile()
-    lines = [l.strip() for l in (ROOT / "requirements.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [
+        l.strip()
+        for l in (ROOT / "requirements.txt").read_text().splitlines()
+        if l.strip() and not l.startswith("#")
+    ]
     kept = {re.split(r"[=<>~!\[; ]", l)[0].lower() for l in lines if not dropped.match(l)}
     gpu = set(pins(DOCKER / "requirements-gpu.txt"))
     assert not kept & gpu, f"pinned twice: {kept & gpu}"

@@ -57,17 +57,23 @@ def test_catalog_names_follow_the_conventions(catalog):
             continue
         role = spec.section.lower().split()[0]
         assert spec.name.startswith(f"parallax_{role}_"), f"{spec.name} is not under parallax_{role}_"
-        assert spec.name.endswith("_total") == (spec.type == "counter"), f"{spec.name}: counters and only counters end in _total"
+        assert spec.name.endswith("_total") == (spec.type == "counter"), (
+            f"{spec.name}: counters and only counters end in _total"
+        )
         assert not spec.name.endswith(("_ms", "_milliseconds")), spec.name
         assert not {"job", "instance", "le"} & set(spec.labels), spec.name
 
 
 def test_catalog_rejects_a_bad_type_and_a_duplicate(tmp_path):
     bad = tmp_path / "M.md"
-    bad.write_text("## Generator\n| metric | type | labels | meaning |\n|---|---|---|---|\n| `parallax_generator_x` | summary | - | x |\n")
+    bad.write_text(
+        "## Generator\n| metric | type | labels | meaning |\n|---|---|---|---|\n| `parallax_generator_x` | summary | - | x |\n"
+    )
     with pytest.raises(ValueError, match="summary"):
         load_catalog(bad)
-    bad.write_text("## Generator\n| `parallax_generator_x` | gauge | - | x |\n| `parallax_generator_x` | gauge | - | y |\n")
+    bad.write_text(
+        "## Generator\n| `parallax_generator_x` | gauge | - | x |\n| `parallax_generator_x` | gauge | - | y |\n"
+    )
     with pytest.raises(ValueError, match="twice"):
         load_catalog(bad)
 
@@ -76,8 +82,10 @@ def test_catalog_rejects_a_bad_type_and_a_duplicate(tmp_path):
     ("expr", "names"),
     [
         ("parallax_learner_step", {"parallax_learner_step"}),
-        ('sum by (le) (rate(parallax_learner_staleness_bucket{job="learner"}[$__rate_interval]))',
-         {"parallax_learner_staleness_bucket"}),
+        (
+            'sum by (le) (rate(parallax_learner_staleness_bucket{job="learner"}[$__rate_interval]))',
+            {"parallax_learner_staleness_bucket"},
+        ),
         ("histogram_quantile(0.99, sum by (le, data_source) (rate(a_bucket[5m])))", {"a_bucket"}),
         ("max(x) - min(y) > 4", {"x", "y"}),
         ('up{job=~"learner|generator"} == 0', {"up"}),
@@ -92,7 +100,10 @@ def test_promql_metric_names(expr, names):
 
 
 def test_unknown_series_accepts_histogram_parts_and_counters_only_by_their_exported_name(catalog):
-    assert unknown_series("rate(parallax_reward_value_sum[1m]) / rate(parallax_reward_value_count[1m])", catalog) == set()
+    assert (
+        unknown_series("rate(parallax_reward_value_sum[1m]) / rate(parallax_reward_value_count[1m])", catalog)
+        == set()
+    )
     assert unknown_series("rate(parallax_generator_tokens[1m])", catalog) == {"parallax_generator_tokens"}
     assert unknown_series("parallax_learner_step_bucket", catalog) == {"parallax_learner_step_bucket"}
     assert unknown_series("parallax:x", catalog, extra={"parallax:x"}) == set()

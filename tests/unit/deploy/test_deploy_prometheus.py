@@ -13,7 +13,9 @@ from deploy.catalog import load_catalog, unknown_series
 
 PROM = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
 
-promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed"
+)
 
 
 def run_promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess:
@@ -56,7 +58,9 @@ def test_rules_query_only_catalogued_series():
     catalog = load_catalog()
     recorded = {r["record"] for r in rules() if "record" in r}
     for rule in rules():
-        assert unknown_series(rule["expr"], catalog, extra=recorded) == set(), rule.get("record") or rule["alert"]
+        assert unknown_series(rule["expr"], catalog, extra=recorded) == set(), (
+            rule.get("record") or rule["alert"]
+        )
 
 
 def test_every_alert_is_exercised_by_a_rule_unit_test():
@@ -64,4 +68,3 @@ def test_every_alert_is_exercised_by_a_rule_unit_test():
     tested = {a["alertname"] for t in tests for a in t.get("alert_rule_test", []) if a.get("exp_alerts")}
     alerts = {r["alert"] for r in rules() if "alert" in r}
     assert alerts - tested == set()
-

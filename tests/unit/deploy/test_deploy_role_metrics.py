@@ -34,8 +34,11 @@ def role_registries(package: str) -> list[CollectorRegistry]:
             continue
         params = inspect.signature(cls).parameters
         kwargs = {name: value() for name, value in KNOWN_ARGS.items() if name in params}
-        if any(p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               for n, p in params.items() if n not in kwargs):
+        if any(
+            p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            for n, p in params.items()
+            if n not in kwargs
+        ):
             continue
         registry = getattr(cls(**kwargs), "registry", None)
         if isinstance(registry, CollectorRegistry):
@@ -68,7 +71,9 @@ def test_role_registers_the_catalogued_series(section):
         spec = catalog[name]
         assert spec.type == mtype, f"{name}: {mtype}, METRICS.md says {spec.type}"
         if labels:
-            assert labels == set(spec.labels), f"{name}: labels {sorted(labels)}, METRICS.md says {spec.labels}"
+            assert labels == set(spec.labels), (
+                f"{name}: labels {sorted(labels)}, METRICS.md says {spec.labels}"
+            )
         if bounds:
             assert bounds == set(spec.buckets), f"{name}: buckets differ from METRICS.md"
     required = {n for n, s in catalog.items() if s.section == section and not s.optional}

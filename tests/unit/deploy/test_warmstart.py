@@ -8,8 +8,17 @@ from tasks.synthetic import verify
 
 
 def _records(truths: list[str]) -> list[PromptRecord]:
-    return [PromptRecord(prompt_id=f"p{i}", data_source="synthetic", problem="<image>What colour?", images=[],
-                         ground_truth=t, meta={"task": "colour"}) for i, t in enumerate(truths)]
+    return [
+        PromptRecord(
+            prompt_id=f"p{i}",
+            data_source="synthetic",
+            problem="<image>What colour?",
+            images=[],
+            ground_truth=t,
+            meta={"task": "colour"},
+        )
+        for i, t in enumerate(truths)
+    ]
 
 
 def test_targets_do_not_depend_on_the_ground_truth_of_a_record():
@@ -25,8 +34,16 @@ def test_targets_do_not_depend_on_the_ground_truth_of_a_record():
 
 
 def test_vocabulary_is_per_question_type_and_the_response_has_the_format():
-    records = _records(["red", "blue"]) + [PromptRecord(prompt_id="c", data_source="synthetic", problem="x",
-                                                        images=[], ground_truth="3", meta={"task": "count"})]
+    records = _records(["red", "blue"]) + [
+        PromptRecord(
+            prompt_id="c",
+            data_source="synthetic",
+            problem="x",
+            images=[],
+            ground_truth="3",
+            meta={"task": "count"},
+        )
+    ]
     assert answer_vocabulary(records) == {"colour": ["blue", "red"], "count": ["3"]}
     text = response_text("blue")
     assert text.startswith("<think>") and "</think>" in text and verify(text, "blue") == 1.0

@@ -20,7 +20,9 @@ class Prompts:
 
 def loop_with(inflight: int, batch: int = 4, max_inflight: int = 8) -> tuple[ContinuousLoop, Prompts]:
     prompts = Prompts()
-    config = SimpleNamespace(max_inflight_prompts=max_inflight, batch_prompts=batch, block_s=0.0, weight_update="drain")
+    config = SimpleNamespace(
+        max_inflight_prompts=max_inflight, batch_prompts=batch, block_s=0.0, weight_update="drain"
+    )
     worker = SimpleNamespace(config=config, prompts=prompts, _held=[], engine=None)
     loop = ContinuousLoop(worker)
     loop.stream = SimpleNamespace(inflight=inflight)

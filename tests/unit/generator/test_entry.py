@@ -16,8 +16,19 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_flags_override_the_shipped_toml(monkeypatch):
     monkeypatch.setenv("PARALLAX_BROKER_URL", "redis://:pw@envhost:6379/0")
-    cfg = load_config(GeneratorConfig, ["--config", str(ROOT / "deploy/configs/generator.toml"), "--model", "/m",
-                                        "--sampling.n", "8", "--engine.max-model-len", "1024"])
+    cfg = load_config(
+        GeneratorConfig,
+        [
+            "--config",
+            str(ROOT / "deploy/configs/generator.toml"),
+            "--model",
+            "/m",
+            "--sampling.n",
+            "8",
+            "--engine.max-model-len",
+            "1024",
+        ],
+    )
     assert cfg.model == "/m" and cfg.sampling.n == 8 and cfg.engine.max_model_len == 1024
     assert cfg.sampling.temperature == 1.0 and cfg.engine.dtype == "bfloat16" and cfg.metrics_port == 9201
     assert cfg.broker == "redis://:pw@envhost:6379/0"

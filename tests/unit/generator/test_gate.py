@@ -13,8 +13,14 @@ from generator.gate import StalenessGate, VersionReader
 
 
 def record(min_version: int = 0, split: str = "train", pid: str = "p") -> PromptRecord:
-    return PromptRecord(prompt_id=pid, data_source="synthetic", problem="<image> q", ground_truth="1",
-                        min_version=min_version, split=split)
+    return PromptRecord(
+        prompt_id=pid,
+        data_source="synthetic",
+        problem="<image> q",
+        ground_truth="1",
+        min_version=min_version,
+        split=split,
+    )
 
 
 class Versions:

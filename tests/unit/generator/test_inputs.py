@@ -16,17 +16,25 @@ def ids_of(tiny_processor):
 
 def checker(processor, max_prompt_len=200, max_images=2) -> PromptChecker:
     tok = processor.tokenizer
-    return PromptChecker(processor.image_processor, image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-                         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-                         max_prompt_len=max_prompt_len, max_images=max_images)
+    return PromptChecker(
+        processor.image_processor,
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        max_prompt_len=max_prompt_len,
+        max_images=max_images,
+    )
 
 
 @pytest.mark.parametrize("sizes", [[(224, 224)], [(100, 60), (60, 140)], [(500, 300)], []])
 def test_expanded_length_equals_the_processors(tiny_processor, ids_of, sizes):
     images = [Image.new("RGB", s) for s in sizes]
     problem = "<image>" * len(images) + " How many?"
-    enc = tiny_processor(text=[render_prompt_text(tiny_processor, problem, len(images))], images=images or None)
-    length, reason = checker(tiny_processor, max_prompt_len=10_000).check(Request(ids_of(problem, len(images)), images))
+    enc = tiny_processor(
+        text=[render_prompt_text(tiny_processor, problem, len(images))], images=images or None
+    )
+    length, reason = checker(tiny_processor, max_prompt_len=10_000).check(
+        Request(ids_of(problem, len(images)), images)
+    )
     assert reason is None and length == len(enc["input_ids"][0])
 
 

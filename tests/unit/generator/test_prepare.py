@@ -56,19 +56,32 @@ def batch(store: ImageStore) -> tuple[list[PromptRecord], dict[str, str]]:
     def rec(pid, images, problem="<image> What is it?"):
         return PromptRecord(prompt_id=pid, data_source="t", problem=problem, images=images, ground_truth="1")
 
-    records = [rec("p0", [good[0]]), rec("missing", [missing]),
-               rec("p1", [good[1], good[2]], "<image><image> Same?"), rec("corrupt", [corrupt_ref(store)]),
-               rec("two-bad", [good[3], missing]), rec("mismatch", [good[0]], "<image><image> Two pads"),
-               rec("p2", [good[0]]), rec("undecodable", [undecodable_ref(store)]),
-               rec("text", [], "No image here"), rec("p3", [good[3]])]
-    reasons = {"missing": "image_missing", "corrupt": "image_undecodable", "two-bad": "image_missing",
-               "mismatch": "image_count_mismatch", "undecodable": "image_undecodable"}
+    records = [
+        rec("p0", [good[0]]),
+        rec("missing", [missing]),
+        rec("p1", [good[1], good[2]], "<image><image> Same?"),
+        rec("corrupt", [corrupt_ref(store)]),
+        rec("two-bad", [good[3], missing]),
+        rec("mismatch", [good[0]], "<image><image> Two pads"),
+        rec("p2", [good[0]]),
+        rec("undecodable", [undecodable_ref(store)]),
+        rec("text", [], "No image here"),
+        rec("p3", [good[3]]),
+    ]
+    reasons = {
+        "missing": "image_missing",
+        "corrupt": "image_undecodable",
+        "two-bad": "image_missing",
+        "mismatch": "image_count_mismatch",
+        "undecodable": "image_undecodable",
+    }
     return records, reasons
 
 
 @pytest.mark.parametrize("threads", [0, 4])
-def test_prepare_batch_keeps_order_and_rejects_only_the_bad_records(transport, names, tiny_processor,
-                                                                      threads):
+def test_prepare_batch_keeps_order_and_rejects_only_the_bad_records(
+    transport, names, tiny_processor, threads
+):
     store = ImageStore(transport, names)
     records, reasons = batch(store)
     pool = ThreadPoolExecutor(threads) if threads else None
@@ -101,18 +114,21 @@ class FakeEngine:
 
     def generate(self, requests):
         self.requests += requests
-        completion = Completion(token_ids=[5, 6, 7], logprobs=[-0.5, -1.0, -0.25], text="abc",
-                                finish_reason="length")
-        return [Result(completions=[completion] * 2, version=0, prompt_len=10, seconds=0.01)
-                for _ in requests]
+        completion = Completion(
+            token_ids=[5, 6, 7], logprobs=[-0.5, -1.0, -0.25], text="abc", finish_reason="length"
+        )
+        return [
+            Result(completions=[completion] * 2, version=0, prompt_len=10, seconds=0.01) for _ in requests
+        ]
 
     def close(self):
         pass
 
 
 @pytest.mark.parametrize("threads", [0, 4])
-def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(broker_url, names,
-                                                                             tiny_processor, threads):
+def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(
+    broker_url, names, tiny_processor, threads
+):
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
@@ -121,9 +137,15 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(bro
     records, reasons = batch(store)
     Publisher(transport, names.prompts).publish_many(records)
     engine = FakeEngine(tiny_processor.tokenizer)
-    config = GeneratorConfig(namespace=names.namespace, generator_id="gen-prep", weight_sync_address="none",
-                             block_s=0.05, batch_prompts=len(records), prepare_threads=threads,
-                             idle_exit_s=0.3)
+    config = GeneratorConfig(
+        namespace=names.namespace,
+        generator_id="gen-prep",
+        weight_sync_address="none",
+        block_s=0.05,
+        batch_prompts=len(records),
+        prepare_threads=threads,
+        idle_exit_s=0.3,
+    )
     worker = GeneratorWorker(config, engine=engine, transport=transport)
     try:
         assert (worker.pool is not None) == (threads > 0)
@@ -135,8 +157,11 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(bro
         assert [len(r.images) for r in engine.requests] == [len(r.images) for r in good]  # in stream order
         for rec, request in zip(good, engine.requests):
             g = groups[rec.prompt_id]
-            assert g.prompt_token_ids == request.prompt_token_ids == render_prompt_ids(
-                tiny_processor, rec.problem, len(rec.images))
+            assert (
+                g.prompt_token_ids
+                == request.prompt_token_ids
+                == render_prompt_ids(tiny_processor, rec.problem, len(rec.images))
+            )
             assert [im.tobytes() for im in request.images] == [store.open(r).tobytes() for r in rec.images]
             assert len(g.samples) == 2 and g.timings["images"] > 0 and g.timings["generate"] == 0.01
         for pid in reasons:
@@ -146,8 +171,9 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(bro
         assert transport.pending(names.prompts, Names.GENERATORS) == 0
         m = worker.metrics
         for reason in set(reasons.values()):
-            assert m.value("parallax_generator_rejected_prompts_total", reason=reason) == \
-                list(reasons.values()).count(reason)
+            assert m.value("parallax_generator_rejected_prompts_total", reason=reason) == list(
+                reasons.values()
+            ).count(reason)
     finally:
         worker.close()
     assert worker.pool is None or worker.pool._shutdown

@@ -101,14 +101,15 @@ def test_an_unreadable_or_unknown_address_keeps_the_current_receiver():
 
 
 def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
+    import torch
+
     from learner.parallel import DistInfo
     from learner.session import build_sender
 
-    import torch
-
     def learner(transport, device="cpu", world=1):
-        cfg = SimpleNamespace(weight_sync=True, weight_transport=transport, weight_sync_host="127.0.0.1",
-                              sync_timeout_s=1.0)
+        cfg = SimpleNamespace(
+            weight_sync=True, weight_transport=transport, weight_sync_host="127.0.0.1", sync_timeout_s=1.0
+        )
         info = DistInfo(rank=0, world_size=world, local_rank=0, device=torch.device(device))
         return SimpleNamespace(cfg=cfg, info=info, transport=None, names=None)
 

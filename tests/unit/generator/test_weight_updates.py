@@ -117,7 +117,9 @@ def test_updates_dispatch_to_named_tensors_or_an_ipc_reference():
 
 def test_the_mapping_is_cached_per_layout_and_remapped_when_it_changes():
     opened = []
-    cache = MappingCache(lambda h, n: opened.append((h.handle, h.device, n)) or torch.zeros(n, dtype=torch.uint8))
+    cache = MappingCache(
+        lambda h, n: opened.append((h.handle, h.device, n)) or torch.zeros(n, dtype=torch.uint8)
+    )
     _, first = shared({"a.weight": torch.ones(2, 3)}, layout_id=1, handle=b"h1")
     _, again = shared({"a.weight": torch.ones(2, 3)}, layout_id=1, handle=b"h1")
     _, moved = shared({"a.weight": torch.ones(2, 3)}, layout_id=2, handle=b"h2")
@@ -141,10 +143,14 @@ def test_an_ipc_update_loads_from_the_mapped_buffer_with_only_the_reference_sent
     buffer, layout = shared(new)
     buffers[b"h1"] = buffer
     assert loader.apply(llm, IpcWeights(layout)) == 2
-    assert torch.equal(model.params["a.weight"], new["a.weight"]) and torch.equal(model.params["c.weight"], new["c.weight"])
+    assert torch.equal(model.params["a.weight"], new["a.weight"]) and torch.equal(
+        model.params["c.weight"], new["c.weight"]
+    )
     assert torch.equal(model.params["b.weight"], disk["b.weight"])
     assert llm.sent[-1] < 4096  # the reference, not the weights
-    pack_bucket(buffer, layout.manifest.tensors, [torch.full((2, 3), 6.0), torch.full((3,), 8.0)])  # next version
+    pack_bucket(
+        buffer, layout.manifest.tensors, [torch.full((2, 3), 6.0), torch.full((3,), 8.0)]
+    )  # next version
     loader.apply(llm, IpcWeights(layout))
     assert torch.equal(model.params["a.weight"], torch.full((2, 3), 6.0))
     assert len(opened) == 1  # mapped once across syncs
@@ -155,16 +161,24 @@ def test_an_ipc_manifest_is_validated_before_the_worker_sees_it(checkpoint, open
     model = FakeModel(disk)
     llm = ProcessLLM(model)
     loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=True)
-    cases = [({"a.weight": torch.zeros(3, 2)}, "shape"), ({"zzz": torch.zeros(1)}, "not a tensor"),
-             ({"b.weight": torch.ones(4, dtype=torch.int64)}, "dtype")]
+    cases = [
+        ({"a.weight": torch.zeros(3, 2)}, "shape"),
+        ({"zzz": torch.zeros(1)}, "not a tensor"),
+        ({"b.weight": torch.ones(4, dtype=torch.int64)}, "dtype"),
+    ]
     for tensors, match in cases:
         _, layout = shared({"c.weight": torch.full((3,), 9.0), **tensors})
         with pytest.raises(WeightLoadError, match=match):
             loader.apply(llm, IpcWeights(layout))
     _, layout = shared({"c.weight": torch.full((3,), 9.0)})
     spec = layout.manifest.tensors[0]
-    bad = msgspec.structs.replace(layout, manifest=msgspec.structs.replace(
-        layout.manifest, tensors=[TensorSpec(spec.name, spec.dtype, spec.shape, 0, spec.offset, spec.nbytes + 4)]))
+    bad = msgspec.structs.replace(
+        layout,
+        manifest=msgspec.structs.replace(
+            layout.manifest,
+            tensors=[TensorSpec(spec.name, spec.dtype, spec.shape, 0, spec.offset, spec.nbytes + 4)],
+        ),
+    )
     with pytest.raises(WeightLoadError, match="manifest"):
         loader.apply(llm, IpcWeights(bad))
     empty = msgspec.structs.replace(layout, manifest=msgspec.structs.replace(layout.manifest, tensors=[]))
@@ -197,8 +211,11 @@ def test_an_ipc_load_failing_half_way_is_rolled_back_to_the_last_good_weights(ch
     pack_bucket(buffer, layout.manifest.tensors, [torch.full((2, 3), -1.0)])  # the learner moves on
     good = {k: v.clone() for k, v in model.params.items()}
     assert torch.equal(good["a.weight"], torch.full((2, 3), 5.0))  # the rollback copy was taken at load time
-    buffer2, layout2 = shared({"b.weight": torch.full((4,), 7.0), "c.weight": torch.full((3,), 7.0),
-                               "a.weight": torch.ones(2, 3)}, layout_id=2, handle=b"h2")
+    buffer2, layout2 = shared(
+        {"b.weight": torch.full((4,), 7.0), "c.weight": torch.full((3,), 7.0), "a.weight": torch.ones(2, 3)},
+        layout_id=2,
+        handle=b"h2",
+    )
     buffers[b"h2"] = buffer2
     model.fail_after = 2
     with pytest.raises(WeightsRolledBack, match="boom"):

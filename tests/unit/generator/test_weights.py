@@ -59,8 +59,11 @@ def test_validation_refuses_before_writing(checkpoint, method):
     model = FakeModel(disk)
     loader = WeightLoader(path, method=method, in_process=True, keep_rollback_copy=True)
     llm = FakeLLM(model)
-    for bad, match in [([("a.weight", torch.zeros(3, 2))], "shape"), ([("zzz", torch.zeros(1))], "not a tensor"),
-                       ([("b.weight", torch.ones(4, dtype=torch.int64))], "dtype")]:
+    for bad, match in [
+        ([("a.weight", torch.zeros(3, 2))], "shape"),
+        ([("zzz", torch.zeros(1))], "not a tensor"),
+        ([("b.weight", torch.ones(4, dtype=torch.int64))], "dtype"),
+    ]:
         with pytest.raises(WeightLoadError, match=match):
             loader.apply(llm, [("c.weight", torch.full((3,), 9.0)), *bad])
     with pytest.raises(WeightLoadError, match="empty"):
@@ -78,7 +81,11 @@ def test_a_load_failing_half_way_is_rolled_back_to_the_last_good_weights(checkpo
     loader.apply(llm, [("a.weight", torch.full((2, 3), 5.0))])  # version 1: a partial update
     good = {k: v.clone() for k, v in model.params.items()}
     model.fail_after = 2
-    update = [("b.weight", torch.full((4,), 7.0)), ("c.weight", torch.full((3,), 7.0)), ("a.weight", torch.ones(2, 3))]
+    update = [
+        ("b.weight", torch.full((4,), 7.0)),
+        ("c.weight", torch.full((3,), 7.0)),
+        ("a.weight", torch.ones(2, 3)),
+    ]
     with pytest.raises(WeightsRolledBack, match="boom"):
         loader.apply(llm, update)
     for name in good:  # b and c had been overwritten; the rollback restored them and kept version 1's a

@@ -37,8 +37,9 @@ def micro_batches(processor, image_token_id):
 
     def prompt(text, images):
         content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
-        return tok.encode(processor.apply_chat_template([{"role": "user", "content": content}],
-                                                         add_generation_prompt=True))
+        return tok.encode(
+            processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        )
 
     resp = tok.encode("one two three four")
     a = make_sample(prompt("colour?", 1), resp, [("red", _png((200, 30, 30)))], cache, image_token_id)

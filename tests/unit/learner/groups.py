@@ -17,8 +17,18 @@ def png(colour, size=(56, 56)) -> bytes:
     return buf.getvalue()
 
 
-def make_group(processor, store: ImageStore, rewards, *, image=True, version=0, seed=0, group_id=None,
-               resp_len=(3, 9), temperature=1.0) -> ScoredGroup:
+def make_group(
+    processor,
+    store: ImageStore,
+    rewards,
+    *,
+    image=True,
+    version=0,
+    seed=0,
+    group_id=None,
+    resp_len=(3, 9),
+    temperature=1.0,
+) -> ScoredGroup:
     """A scored group: one prompt (with or without an image), len(rewards) random responses."""
     rng = random.Random(seed)
     refs = [store.put(png((rng.randrange(256), 40, 40)))] if image else []
@@ -27,14 +37,29 @@ def make_group(processor, store: ImageStore, rewards, *, image=True, version=0, 
     samples = []
     for _ in rewards:
         n = rng.randint(*resp_len)
-        samples.append(Sample.of(
-            token_ids=[rng.randrange(30, vocab) for _ in range(n)],
-            logprobs=[-rng.uniform(5.0, 9.0) for _ in range(n)],
-            response_text="", version_start=version, version_end=version, finish_reason="stop"))
+        samples.append(
+            Sample.of(
+                token_ids=[rng.randrange(30, vocab) for _ in range(n)],
+                logprobs=[-rng.uniform(5.0, 9.0) for _ in range(n)],
+                response_text="",
+                version_start=version,
+                version_end=version,
+                finish_reason="stop",
+            )
+        )
     group = RolloutGroup(
-        group_id=group_id or uuid.uuid4().hex, prompt_id=f"p{seed}", data_source="synthetic",
-        prompt_token_ids=prompt, images=refs, ground_truth="red", samples=samples, temperature=temperature)
-    return ScoredGroup(group=group, scores=[Score(reward=r, accuracy=float(r > 0.5), format=1.0) for r in rewards])
+        group_id=group_id or uuid.uuid4().hex,
+        prompt_id=f"p{seed}",
+        data_source="synthetic",
+        prompt_token_ids=prompt,
+        images=refs,
+        ground_truth="red",
+        samples=samples,
+        temperature=temperature,
+    )
+    return ScoredGroup(
+        group=group, scores=[Score(reward=r, accuracy=float(r > 0.5), format=1.0) for r in rewards]
+    )
 
 
 def set_token(scored: ScoredGroup, *, sample: int, index: int, token: int) -> None:

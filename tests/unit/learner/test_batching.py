@@ -64,8 +64,10 @@ def store(redis_server, names):
 
 
 def test_samples_carry_group_advantages_and_pack(tiny_processor, store):
-    groups = [make_group(tiny_processor, store, [1.0, 0.0, 0.5], seed=1),
-              make_group(tiny_processor, store, [0.0, 1.0], seed=2, image=False, version=3)]
+    groups = [
+        make_group(tiny_processor, store, [1.0, 0.0, 0.5], seed=1),
+        make_group(tiny_processor, store, [0.0, 1.0], seed=2, image=False, version=3),
+    ]
     advs = batch_advantages([[s.reward for s in g.scores] for g in groups], "drgrpo")
     samples = to_samples(groups, advs)
     assert [s.advantage for s in samples] == pytest.approx([0.5, -0.5, 0.0, -0.5, 0.5])
@@ -75,7 +77,8 @@ def test_samples_carry_group_advantages_and_pack(tiny_processor, store):
     image_token = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     mb = PackedMicroBatch.build(samples, store.get, cache, image_token)
     assert mb.has_images and mb.packed.num_tokens == sum(
-        sample_length(s, lambda ref: 4) for s in samples)  # a 56x56 image is 4 tokens on the tiny processor
+        sample_length(s, lambda ref: 4) for s in samples
+    )  # a 56x56 image is 4 tokens on the tiny processor
     n = sum(len(s.response_ids) for s in samples)
     assert mb.behaviour_logprobs.shape == (n,) and mb.advantages.shape == (n,)
     assert mb.seq_index.tolist() == [i for i, s in enumerate(samples) for _ in s.response_ids]
@@ -87,8 +90,9 @@ def test_truncated_samples_are_masked_after_their_group_advantages(tiny_processo
 
     group = make_group(tiny_processor, store, [1.0, 0.0, 0.0], seed=4)
     cut = msgspec.structs.replace(group.group.samples[2], finish_reason="length")
-    group = msgspec.structs.replace(group, group=msgspec.structs.replace(
-        group.group, samples=[*group.group.samples[:2], cut]))
+    group = msgspec.structs.replace(
+        group, group=msgspec.structs.replace(group.group, samples=[*group.group.samples[:2], cut])
+    )
     advs = batch_advantages([[s.reward for s in group.scores]], "drgrpo")
     samples = to_samples([group], advs)
     assert [s.truncated for s in samples] == [False, False, True]
@@ -103,8 +107,9 @@ def test_samples_keep_both_versions_and_spans_are_counted(tiny_processor, store)
 
     group = make_group(tiny_processor, store, [1.0, 0.0], seed=5, version=2)
     spanned = msgspec.structs.replace(group.group.samples[1], version_end=3)  # an in-flight update
-    group = msgspec.structs.replace(group, group=msgspec.structs.replace(
-        group.group, samples=[group.group.samples[0], spanned]))
+    group = msgspec.structs.replace(
+        group, group=msgspec.structs.replace(group.group, samples=[group.group.samples[0], spanned])
+    )
     samples = to_samples([group], [[0.5, -0.5]])
     assert [(s.version_start, s.version_end) for s in samples] == [(2, 2), (2, 3)]
     assert [spans_versions(s) for s in samples] == [False, True]
@@ -116,7 +121,9 @@ def test_validate_group_names_the_problem(tiny_processor, store):
     good = make_group(tiny_processor, store, [1.0, 0.0])
     assert validate_group(good) is None
     bad = make_group(tiny_processor, store, [1.0, 0.0])
-    bad.group.samples[1].behaviour_logprobs_f32 = bad.group.samples[1].behaviour_logprobs_f32[:-4]  # one fewer
+    bad.group.samples[1].behaviour_logprobs_f32 = bad.group.samples[1].behaviour_logprobs_f32[
+        :-4
+    ]  # one fewer
     assert "logprobs" in validate_group(bad)
     short = make_group(tiny_processor, store, [1.0, 0.0])
     short.scores.pop()

@@ -60,7 +60,9 @@ def test_keeps_newest_and_ignores_partial(tiny_model_dir, tmp_path):
         ckpt.save(root, opt, sched, TrainerState(step=step))
     (tmp_path / "step-00000009.tmp").mkdir()  # a save that died half-way
     assert sorted(p.name for p in tmp_path.glob("step-*") if not p.name.endswith(".tmp")) == [
-        "step-00000002", "step-00000003"]
+        "step-00000002",
+        "step-00000003",
+    ]
     assert ckpt.latest().name == "step-00000003"
     state = json.loads((ckpt.latest() / "trainer_state.json").read_text())
     assert state["step"] == 3

@@ -28,8 +28,15 @@ def data():
         png = _png((i * 40, 10, 10))
         ref = image_ref(png)
         blobs[ref.sha256] = png
-        records.append(PromptRecord(prompt_id=f"p{i}", data_source="synthetic" if i % 2 else "geo",
-                                    problem="<image> what?", images=[ref], ground_truth=str(i)))
+        records.append(
+            PromptRecord(
+                prompt_id=f"p{i}",
+                data_source="synthetic" if i % 2 else "geo",
+                problem="<image> what?",
+                images=[ref],
+                ground_truth=str(i),
+            )
+        )
     return records, blobs
 
 
@@ -104,7 +111,9 @@ def test_resume_prefers_the_newer_cursor(transport, names, data):
 
 def test_bad_image_bytes_are_refused(transport, names, data):
     records, blobs = data
-    feeder = PromptFeeder(transport, names, records, lambda ref: _png((1, 2, 3)), groups_per_step=1, max_staleness=0)
+    feeder = PromptFeeder(
+        transport, names, records, lambda ref: _png((1, 2, 3)), groups_per_step=1, max_staleness=0
+    )
     with pytest.raises(ValueError, match="hash to"):
         feeder.top_up(consumed=0, version=0)
     with pytest.raises(ValueError, match="at least one"):
@@ -112,10 +121,27 @@ def test_bad_image_bytes_are_refused(transport, names, data):
 
 
 def _scored(prompt_id, source, accs):
-    samples = [Sample.of(token_ids=[1], logprobs=[-0.1], response_text="x", version_start=0,
-                         version_end=0, finish_reason="stop") for _ in accs]
-    group = RolloutGroup(group_id=f"g-{prompt_id}", prompt_id=prompt_id, data_source=source, prompt_token_ids=[1],
-                         images=[], ground_truth="1", samples=samples, split="test")
+    samples = [
+        Sample.of(
+            token_ids=[1],
+            logprobs=[-0.1],
+            response_text="x",
+            version_start=0,
+            version_end=0,
+            finish_reason="stop",
+        )
+        for _ in accs
+    ]
+    group = RolloutGroup(
+        group_id=f"g-{prompt_id}",
+        prompt_id=prompt_id,
+        data_source=source,
+        prompt_token_ids=[1],
+        images=[],
+        ground_truth="1",
+        samples=samples,
+        split="test",
+    )
     return ScoredGroup(group=group, scores=[Score(reward=a, accuracy=a, format=1.0) for a in accs])
 
 

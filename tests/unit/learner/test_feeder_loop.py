@@ -54,23 +54,45 @@ class StandIn(threading.Thread):
         samples, scores = [], []
         for i in range(n):
             length = self.rng.randint(2, 6)
-            samples.append(Sample.of(token_ids=[self.rng.randrange(30, 1000) for _ in range(length)],
-                                     logprobs=[-7.0] * length, response_text="", version_start=version,
-                                     version_end=version, finish_reason="stop"))
+            samples.append(
+                Sample.of(
+                    token_ids=[self.rng.randrange(30, 1000) for _ in range(length)],
+                    logprobs=[-7.0] * length,
+                    response_text="",
+                    version_start=version,
+                    version_end=version,
+                    finish_reason="stop",
+                )
+            )
             acc = float(i % 2) if record.split == "train" else 1.0
             scores.append(Score(reward=acc, accuracy=acc, format=1.0))
-        group = RolloutGroup(group_id=uuid.uuid4().hex, prompt_id=record.prompt_id, data_source=record.data_source,
-                             prompt_token_ids=prompt, images=record.images, ground_truth=record.ground_truth,
-                             samples=samples, split=record.split)
+        group = RolloutGroup(
+            group_id=uuid.uuid4().hex,
+            prompt_id=record.prompt_id,
+            data_source=record.data_source,
+            prompt_token_ids=prompt,
+            images=record.images,
+            ground_truth=record.ground_truth,
+            samples=samples,
+            split=record.split,
+        )
         return ScoredGroup(group=group, scores=scores)
 
 
-def test_feeder_drives_training_within_the_staleness_bound(tiny_model_dir, tiny_processor, redis_server, names,
-                                                           tmp_path):
+def test_feeder_drives_training_within_the_staleness_bound(
+    tiny_model_dir, tiny_processor, redis_server, names, tmp_path
+):
     task = tmp_path / "task"
     write_task(SyntheticConfig(out=task, train=12, test=3, image_size=56))
-    cfg = LearnerConfig(model=str(tiny_model_dir), broker=redis_server.url, namespace=names.namespace,
-                        run_dir=str(tmp_path / "run"), max_steps=4, weight_sync=False, idle_exit_s=20.0)
+    cfg = LearnerConfig(
+        model=str(tiny_model_dir),
+        broker=redis_server.url,
+        namespace=names.namespace,
+        run_dir=str(tmp_path / "run"),
+        max_steps=4,
+        weight_sync=False,
+        idle_exit_s=20.0,
+    )
     cfg.algo.groups_per_step, cfg.algo.max_staleness = 2, 1
     cfg.feeder.train_data = str(task)
     cfg.eval.every, cfg.eval.timeout_s, cfg.eval.at_start = 2, 20.0, True
@@ -87,12 +109,15 @@ def test_feeder_drives_training_within_the_staleness_bound(tiny_model_dir, tiny_
     feeder = learner.inbox.feeder
     assert feeder.state.published <= 4 * 2 + feeder.ahead  # never more than `ahead` in flight
     assert all(v >= m for m, v in stand_in.admitted)
-    lines = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        __import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert sum(x["stale_samples"] for x in lines) == 0
     assert all(x["staleness_max"] <= 1 for x in lines) and any("staleness_mean" in x for x in lines)
     assert all(x["version_spanning"] == 0 for x in lines if "staleness_mean" in x)  # batch-loop samples
-    assert learner.registry.get_sample_value("parallax_learner_staleness_bucket", {"le": "1.0"}) == \
-        learner.registry.get_sample_value("parallax_learner_staleness_count")
+    assert learner.registry.get_sample_value(
+        "parallax_learner_staleness_bucket", {"le": "1.0"}
+    ) == learner.registry.get_sample_value("parallax_learner_staleness_count")
     # The round started after step 2 finishes while step 4 is collected (its prompts queue behind it).
     assert any(x.get("eval/accuracy/synthetic") == 1.0 and x.get("eval/missing") == 0.0 for x in lines)
     assert any(x.get("eval/round") == 0.0 for x in lines)  # eval.at_start: round 0 before the first step

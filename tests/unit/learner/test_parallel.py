@@ -16,7 +16,9 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 def _run(args, out, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(args + [str(out), *map(str, extra)], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        args + [str(out), *map(str, extra)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out))
 
@@ -26,8 +28,16 @@ def updates(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     one = _run([sys.executable, str(WORKER), str(tiny_model_dir)], tmp / "one.safetensors")
     two = _run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(WORKER), str(tiny_model_dir)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            str(tiny_model_dir),
+        ],
         tmp / "two.safetensors",
         tmp / "ckpt",
     )

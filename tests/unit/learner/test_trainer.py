@@ -18,8 +18,15 @@ from tests.unit.learner.groups import make_group, set_token
 
 
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
-    cfg = LearnerConfig(model=str(tiny_model_dir), broker=redis_server.url, namespace=names.namespace,
-                        run_dir=str(run_dir), max_steps=2, weight_sync=False, idle_exit_s=3.0)
+    cfg = LearnerConfig(
+        model=str(tiny_model_dir),
+        broker=redis_server.url,
+        namespace=names.namespace,
+        run_dir=str(run_dir),
+        max_steps=2,
+        weight_sync=False,
+        idle_exit_s=3.0,
+    )
     cfg.algo.groups_per_step = 2
     cfg.optim.lr = 1e-3
     cfg.checkpoint.every = 1
@@ -64,11 +71,11 @@ def _lines(run_dir):
 def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, publish, tmp_path):
     cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path)
     publish([1.0, 0.0, 0.5], seed=1)
-    publish([0.3, 0.3, 0.3], seed=2)                    # zero variance: skipped
-    dup = publish([0.0, 1.0], seed=3, image=False)      # text-only group
+    publish([0.3, 0.3, 0.3], seed=2)  # zero variance: skipped
+    dup = publish([0.0, 1.0], seed=3, image=False)  # text-only group
     publish([0.0, 1.0], seed=3, group_id=dup.group.group_id)  # redelivered id: skipped
-    publish([1.0, 0.0], seed=4, version=0)              # step 1 trains at step 1: staleness 1 (kept, K = 1)
-    publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)   # wrong temperature: dead-lettered
+    publish([1.0, 0.0], seed=4, version=0)  # step 1 trains at step 1: staleness 1 (kept, K = 1)
+    publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)  # wrong temperature: dead-lettered
     publish([1.0, 0.0], seed=7, mutate=lambda g: set_token(g, sample=0, index=0, token=10**6))  # OOV
     publish([0.0, 1.0], seed=8, mutate=_lose_image)  # image not in the blob store: dead-lettered
     publish([1.0, 0.0], seed=6)
@@ -85,8 +92,17 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     assert version.version == 2 and version.source == "learner"
     lines = _lines(tmp_path)
     assert [x["step"] for x in lines] == [1.0, 2.0]
-    for key in ("mismatch_kl", "clipped_frac", "masked_frac", "entropy", "grad_norm", "reward_mean", "accuracy",
-                "tokens_per_s", "mfu"):
+    for key in (
+        "mismatch_kl",
+        "clipped_frac",
+        "masked_frac",
+        "entropy",
+        "grad_norm",
+        "reward_mean",
+        "accuracy",
+        "tokens_per_s",
+        "mfu",
+    ):
         assert key in lines[0], key
     assert lines[0]["mismatch_kl"] > 0  # behaviour logprobs were made up: the learner disagrees
     assert learner.transport.pending(names.scored, Names.LEARNER) == 0  # acked after each checkpoint
@@ -96,7 +112,9 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     assert hist == 9.0  # every sample of the trained groups observed once (3 + 2, then 2 + 2)
 
 
-def test_samples_beyond_the_staleness_bound_are_dropped(tiny_model_dir, redis_server, names, publish, tmp_path):
+def test_samples_beyond_the_staleness_bound_are_dropped(
+    tiny_model_dir, redis_server, names, publish, tmp_path
+):
     cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"algo.max_staleness": 0})
     for seed in range(4):
         publish([1.0, 0.0], seed=seed, version=0)  # all sampled at version 0; step 2 trains at version 1
@@ -109,7 +127,9 @@ def test_samples_beyond_the_staleness_bound_are_dropped(tiny_model_dir, redis_se
     learner.close()
 
 
-def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redis_server, names, publish, tmp_path):
+def test_killed_learner_restarts_with_the_same_consumed_ids(
+    tiny_model_dir, redis_server, names, publish, tmp_path
+):
     import os
     import signal
     import subprocess
@@ -118,12 +138,39 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redi
 
     root = Path(__file__).resolve().parents[3]
     sent = [publish([1.0, 0.0], seed=i).group.group_id for i in range(6)]  # three steps' worth
-    cmd = [sys.executable, "-m", "learner", "--model", str(tiny_model_dir), "--broker", redis_server.url,
-           "--namespace", names.namespace, "--run-dir", str(tmp_path), "--no-weight-sync", "--max-steps", "100",
-           "--idle-exit-s", "120", "--claim-idle-s", "1", "--checkpoint.every", "2",
-           "--algo.groups-per-step", "2", "--batching.max-tokens-per-microbatch", "160"]
-    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner",
+        "--model",
+        str(tiny_model_dir),
+        "--broker",
+        redis_server.url,
+        "--namespace",
+        names.namespace,
+        "--run-dir",
+        str(tmp_path),
+        "--no-weight-sync",
+        "--max-steps",
+        "100",
+        "--idle-exit-s",
+        "120",
+        "--claim-idle-s",
+        "1",
+        "--checkpoint.every",
+        "2",
+        "--algo.groups-per-step",
+        "2",
+        "--batching.max-tokens-per-microbatch",
+        "160",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 90
         while not ((tmp_path / "metrics.jsonl").is_file() and len(_lines(tmp_path)) >= 3):
@@ -138,8 +185,16 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(tiny_model_dir, redi
     assert not (tmp_path / "checkpoints" / "step-00000003").exists()  # step 3 died with the process
 
     sent += [publish([0.0, 1.0], seed=10 + i).group.group_id for i in range(2)]
-    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, max_steps=4, claim_idle_s=1.0, idle_exit_s=20.0,
-               **{"checkpoint.every": 2})
+    cfg = _cfg(
+        tiny_model_dir,
+        redis_server,
+        names,
+        tmp_path,
+        max_steps=4,
+        claim_idle_s=1.0,
+        idle_exit_s=20.0,
+        **{"checkpoint.every": 2},
+    )
     learner = Learner(cfg, sender=NullSender())
     assert learner.state.step == 2 and learner.inbox.consumed == set(ckpt["consumed"])
     learner.train()  # step 3 again (re-delivered groups) and step 4 (new ones)
@@ -157,14 +212,19 @@ def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server,
     from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver, module_loader
     from policy.loading import load_model
 
-    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, weight_sync=True, max_steps=2, sync_timeout_s=20.0)
+    cfg = _cfg(
+        tiny_model_dir, redis_server, names, tmp_path, weight_sync=True, max_steps=2, sync_timeout_s=20.0
+    )
     for seed in range(4):
         publish([1.0, 0.0], seed=seed)
     learner = Learner(cfg)  # builds the WeightSender and publishes its rendezvous on the broker
     replica = load_model(tiny_model_dir)
     transport = broker.connect(redis_server.url)
-    receiver = WeightReceiver(ReceiverConfig(generator_id="gen-test", timeout_s=20.0),
-                              apply=module_loader(replica), resolve=broker_resolver(transport, names)).start()
+    receiver = WeightReceiver(
+        ReceiverConfig(generator_id="gen-test", timeout_s=20.0),
+        apply=module_loader(replica),
+        resolve=broker_resolver(transport, names),
+    ).start()
     try:
         deadline = time.monotonic() + 20
         while not learner.sender.members() and time.monotonic() < deadline:

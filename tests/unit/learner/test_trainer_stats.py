@@ -7,14 +7,27 @@ from learner.trainer import Learner
 
 
 def _group(generator_id: str, generate_s: float, rewards=(1.0, 0.0)) -> ScoredGroup:
-    group = RolloutGroup(group_id=f"{generator_id}-{generate_s}-{rewards}", prompt_id="p", data_source="synthetic",
-                         prompt_token_ids=[1, 2], images=[], ground_truth="red", samples=[],
-                         generator_id=generator_id, timings={"generate": generate_s})
+    group = RolloutGroup(
+        group_id=f"{generator_id}-{generate_s}-{rewards}",
+        prompt_id="p",
+        data_source="synthetic",
+        prompt_token_ids=[1, 2],
+        images=[],
+        ground_truth="red",
+        samples=[],
+        generator_id=generator_id,
+        timings={"generate": generate_s},
+    )
     return ScoredGroup(group=group, scores=[Score(reward=r, accuracy=r, format=1.0) for r in rewards])
 
 
 def test_generate_seconds_count_each_generate_call_once():
-    groups = [_group("gen-a", 1.5), _group("gen-a", 1.5, (0.0, 0.0)), _group("gen-a", 0.5), _group("gen-b", 1.5)]
+    groups = [
+        _group("gen-a", 1.5),
+        _group("gen-a", 1.5, (0.0, 0.0)),
+        _group("gen-a", 0.5),
+        _group("gen-b", 1.5),
+    ]
     stats = Learner._rollout_stats(SimpleNamespace(inbox=None), groups, [], 0)
     assert stats["generate_calls"] == 3.0  # gen-a's call shared by two groups counts once
     assert stats["generate_s"] == 3.5

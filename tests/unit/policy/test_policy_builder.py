@@ -18,8 +18,15 @@ def _sha(path):
 
 
 def test_checkpoint_files_and_config(tiny_model_dir):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "processor_config.json", "generation_config.json", "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "processor_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         assert (tiny_model_dir / name).is_file(), name
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
@@ -45,14 +52,22 @@ def test_tokenizer_special_tokens_roundtrip_and_chat_template(tiny_processor):
     assert len(set(ids)) == 22 and None not in ids and tok.unk_token_id not in ids[1:]
     assert ids == list(range(ids[0], ids[0] + 22))
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    for text in ["<think> 3 red circles </think> \\boxed{3}", "héllo 中文 \t\n x^2=\\frac{1}{2}", "blue square 17"]:
+    for text in [
+        "<think> 3 red circles </think> \\boxed{3}",
+        "héllo 中文 \t\n x^2=\\frac{1}{2}",
+        "blue square 17",
+    ]:
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode("<|image_pad|>") == [tok.convert_tokens_to_ids("<|image_pad|>")]
     rendered = tiny_processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
-        add_generation_prompt=True, tokenize=False)
-    assert rendered == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                        "<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n")
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_build_is_deterministic_by_seed_and_cached(tmp_path, tiny_model_dir):
@@ -85,8 +100,12 @@ def test_unknown_preset_and_foreign_out_dir_are_rejected(tmp_path):
 
 def test_cli_build_into_out_dir(tmp_path, tiny_model_dir):
     out = tmp_path / "model"
-    run = subprocess.run([sys.executable, "-m", "policy", "build", "--preset", "tiny", "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "policy", "build", "--preset", "tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith(str(out))
     assert _sha(out / "model.safetensors") == _sha(tiny_model_dir / "model.safetensors")

@@ -65,7 +65,9 @@ def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, ti
     eager = run()
     n = apply_compile(model, mode)
     layers = len(model.model.language_model.layers)
-    assert n == layers if mode == "blocks" else n > 3 * layers  # two norms and an MLP per decoder block, + vision
+    assert (
+        n == layers if mode == "blocks" else n > 3 * layers
+    )  # two norms and an MLP per decoder block, + vision
     policy.compile_logprobs = mode == "elementwise"
     compiled = run()
     for a, b in zip(compiled, eager):

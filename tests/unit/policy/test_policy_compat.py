@@ -29,7 +29,8 @@ def test_smart_resize_resolves_to_pil_implementation():
 
     assert smart_resize is pil_resize
     assert smart_resize(300, 200, factor=28, min_pixels=56 * 56, max_pixels=224 * 224) == pil_resize(
-        300, 200, factor=28, min_pixels=56 * 56, max_pixels=224 * 224)
+        300, 200, factor=28, min_pixels=56 * 56, max_pixels=224 * 224
+    )
 
 
 @pytest.mark.skipif(compat.torchvision_usable(), reason="torchvision works here: no patches needed")
@@ -38,9 +39,16 @@ def test_without_compat_the_vllm_import_fails_and_with_it_succeeds():
     bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert bare.returncode != 0 and "torchvision" in bare.stderr
     fixed = subprocess.run(
-        [sys.executable, "-c", "from policy import compat; compat.install(); " + code
-         + "\nfrom transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; print('ok')"],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-c",
+            "from policy import compat; compat.install(); "
+            + code
+            + "\nfrom transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; print('ok')",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert fixed.returncode == 0, fixed.stderr
     assert fixed.stdout.strip() == "ok"
 

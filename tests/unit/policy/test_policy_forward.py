@@ -29,8 +29,9 @@ def test_packed_logprobs_equal_padded_forward(tiny_processor, sharp_model, ids, 
     pad_token, image_token = ids
     samples = make_samples(tiny_processor, counts, seed=7)
     with torch.no_grad():
-        ours, entropy = packed_logprobs(sharp_model, pack(samples, image_token), temperature=temperature,
-                                        chunk_size=16)
+        ours, entropy = packed_logprobs(
+            sharp_model, pack(samples, image_token), temperature=temperature, chunk_size=16
+        )
     ref = padded_logprobs(sharp_model, samples, pad_token, image_token, temperature)
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= 1e-5
@@ -110,14 +111,26 @@ def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa(causal):
     module.num_key_value_groups, module.is_causal = 2, True
     q, k, v = torch.randn(1, 4, 11, 8), torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
     cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
-    out, _ = varlen_attention(module, q, k, v, None, scaling=0.3, is_causal=causal, cu_seq_lens_q=cu,
-                              cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    out, _ = varlen_attention(
+        module,
+        q,
+        k,
+        v,
+        None,
+        scaling=0.3,
+        is_causal=causal,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=6,
+        max_length_k=6,
+    )
     seg = torch.repeat_interleave(torch.arange(3), torch.tensor([4, 1, 6]))
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask &= torch.ones(11, 11, dtype=torch.bool).tril()
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3).transpose(1, 2)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.3
+    ).transpose(1, 2)
     assert out.shape == (1, 11, 4, 8)
     assert torch.allclose(out, ref, atol=1e-6)
 
@@ -132,11 +145,14 @@ def _group_samples(processor, image_token):
     g = torch.Generator().manual_seed(11)
     out = []
     for name, n_images, n_samples in (("a", 2, 3), ("b", 1, 2)):
-        images = [(f"{name}{k}", noisy_png(100 + k + 10 * n_images, (56 + 28 * k, 84))) for k in range(n_images)]
+        images = [
+            (f"{name}{k}", noisy_png(100 + k + 10 * n_images, (56 + 28 * k, 84))) for k in range(n_images)
+        ]
         ids = render_prompt_ids(processor, "<image>" * n_images + f"Question {name}?", n_images)
         for _ in range(n_samples):
-            response = torch.randint(0, len(processor.tokenizer) - 30, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                     generator=g).tolist()
+            response = torch.randint(
+                0, len(processor.tokenizer) - 30, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g
+            ).tolist()
             out.append(make_sample(ids, response, images, cache, image_token))
     return out
 

@@ -36,4 +36,3 @@ def test_bad_paths_and_dtypes_get_clear_errors(tmp_path):
         load_processor(tmp_path)
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8")
-

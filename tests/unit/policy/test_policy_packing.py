@@ -7,7 +7,6 @@ import torch
 
 from policy.mrope import mrope_position_ids
 from policy.packing import PixelCache, Sample, expand_image_pads, pack
-
 from tests.fixtures.models import make_samples, noisy_png
 
 
@@ -17,14 +16,16 @@ def image_token_id(tiny_processor):
 
 
 @pytest.mark.parametrize("counts", [(0,), (1,), (2,), (0, 1, 2, 2, 1, 0)])
-def test_positions_equal_get_rope_index_for_every_sequence(tiny_processor, tiny_model, image_token_id, counts):
+def test_positions_equal_get_rope_index_for_every_sequence(
+    tiny_processor, tiny_model, image_token_id, counts
+):
     samples = make_samples(tiny_processor, counts, seed=len(counts))
     batch = pack(samples, image_token_id)
     bounds = batch.cu_seqlens.tolist()
     grids = iter(batch.image_grid_thw.tolist() if batch.image_grid_thw is not None else [])
     for i, s in enumerate(samples):
         seq = torch.tensor([s.prompt_ids + s.response_ids])
-        ours = batch.position_ids[:, 0, bounds[i]:bounds[i + 1]]
+        ours = batch.position_ids[:, 0, bounds[i] : bounds[i + 1]]
         assert ours[:, 0].tolist() == [0, 0, 0]  # restarted per sequence
         mm = (seq == image_token_id).int()
         if not s.image_grid_thw:
@@ -48,7 +49,8 @@ def test_pack_layout(tiny_processor, image_token_id):
     assert batch.pixel_values.shape[0] == int(batch.image_grid_thw.prod(-1).sum())
     assert int((batch.input_ids == image_token_id).sum()) == int(batch.image_grid_thw.prod(-1).sum()) // 4
     assert [t.tolist() for t in batch.split(torch.arange(len(batch.target_index)))][1] == list(
-        range(batch.response_lens[0], batch.response_lens[0] + batch.response_lens[1]))
+        range(batch.response_lens[0], batch.response_lens[0] + batch.response_lens[1])
+    )
 
 
 def test_expand_image_pads_and_errors(image_token_id):
@@ -67,7 +69,10 @@ def test_pack_rejects_inconsistent_samples(image_token_id):
     with pytest.raises(ValueError, match="response"):
         pack([Sample(prompt_ids=[1, 2], response_ids=[])], image_token_id)
     with pytest.raises(ValueError, match="pixel values"):
-        pack([Sample(prompt_ids=[image_token_id] * 4, response_ids=[3], image_grid_thw=[(1, 4, 4)])], image_token_id)
+        pack(
+            [Sample(prompt_ids=[image_token_id] * 4, response_ids=[3], image_grid_thw=[(1, 4, 4)])],
+            image_token_id,
+        )
     with pytest.raises(ValueError, match="zero samples"):
         pack([], image_token_id)
 

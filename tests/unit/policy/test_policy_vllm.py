@@ -41,8 +41,14 @@ def llm(sharp_dir, tmp_path_factory):
     compat.install_vllm()
     from vllm import LLM
 
-    engine = LLM(model=str(sharp_dir), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                 limit_mm_per_prompt={"image": 2, "video": 0})
+    engine = LLM(
+        model=str(sharp_dir),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        limit_mm_per_prompt={"image": 2, "video": 0},
+    )
     yield engine
     del engine
     mp.undo()
@@ -56,8 +62,11 @@ def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_d
     tok = tiny_processor.tokenizer
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     images = [("a", noisy_png(11, (224, 224))), ("b", noisy_png(12, (100, 60)))]
-    prompts = [("<image>What colour is it?", images[:1]), ("How many? <image> and <image>", images),
-               ("No image here.", [])]
+    prompts = [
+        ("<image>What colour is it?", images[:1]),
+        ("How many? <image> and <image>", images),
+        ("No image here.", []),
+    ]
     requests = []
     for problem, imgs in prompts:
         ids = render_prompt_ids(tiny_processor, problem, len(imgs))
@@ -77,7 +86,7 @@ def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_d
         for completion in out.outputs:
             response = list(completion.token_ids)
             if pad in response:  # random weights may sample the pad; the generator bans it
-                response = response[:response.index(pad)]
+                response = response[: response.index(pad)]
             if not response:
                 continue
             lps = [step[token].logprob for token, step in zip(response, completion.logprobs)]
@@ -86,7 +95,9 @@ def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_d
     assert len(samples) >= 4
     model = load_model(sharp_dir, dtype="float32")
     with torch.no_grad():
-        ours, _ = packed_logprobs(model, pack(samples, pad), banned_token_ids=[])  # this raw vLLM bans nothing
+        ours, _ = packed_logprobs(
+            model, pack(samples, pad), banned_token_ids=[]
+        )  # this raw vLLM bans nothing
     theirs = torch.tensor(behaviour)
     assert theirs.std() > 0.1  # logprobs vary, so agreement is meaningful
     diff = (ours - theirs).abs().max().item()

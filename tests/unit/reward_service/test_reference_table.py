@@ -99,8 +99,9 @@ def easyr1_reference(response: str, ground_truth: str) -> tuple[float, float]:
     return acc, fmt
 
 
-@pytest.mark.parametrize("response, ground_truth, accuracy, format", [row[1:] for row in TABLE],
-                         ids=[row[0] for row in TABLE])
+@pytest.mark.parametrize(
+    "response, ground_truth, accuracy, format", [row[1:] for row in TABLE], ids=[row[0] for row in TABLE]
+)
 def test_reference_row(response, ground_truth, accuracy, format):
     parts = compute(response, ground_truth)
     assert (parts.accuracy, parts.format) == (accuracy, format)
@@ -122,8 +123,26 @@ def test_weights_combine_to_the_reward():
     assert Weights(accuracy=1.0, format=0.5).combine(1.0, 1.0) == pytest.approx(1.5)
 
 
-PIECES = ["<", ">", "/", " ", "\n", "\t", "<think>", "</think>", "< think >", "</ think>", "\\boxed{",
-          "}", "{", "a", "4", "\u3000", "\\", "think"]
+PIECES = [
+    "<",
+    ">",
+    "/",
+    " ",
+    "\n",
+    "\t",
+    "<think>",
+    "</think>",
+    "< think >",
+    "</ think>",
+    "\\boxed{",
+    "}",
+    "{",
+    "a",
+    "4",
+    "\u3000",
+    "\\",
+    "think",
+]
 
 
 def test_linear_time_forms_equal_easyr1_regexes_on_random_strings():

@@ -47,7 +47,7 @@ PATHOLOGICAL = {
     "many-close-think": ("<think>" + "</think>" * 200_000 + "no box", "4"),
     "deep-braces": (T + "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}", "1"),
     "deep-braces-unclosed": (T + "\\boxed{" + "{" * 200_000, "1"),
-    "unicode-junk": (T + "\\boxed{" + "é漢\u200b\U0001F600\x00\x07\u202e" * 50 + "}", IRRATIONAL),
+    "unicode-junk": (T + "\\boxed{" + "é漢\u200b\U0001f600\x00\x07\u202e" * 50 + "}", IRRATIONAL),
     "lone-surrogates": (T + "\\boxed{\ud800\udfff}", "4"),
     "power-tower-braced": (T + "\\boxed{9^{9^{9^9}}}", IRRATIONAL),
     "power-tower-python": (T + "\\boxed{10**10**10}", IRRATIONAL),

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
 from broker.names import Names
 from broker.schemas import RolloutGroup, Score
 from broker.transport import Delivery, TransportError
-
 from reward_service.metrics import RewardMetrics
 from reward_service.outbox import Outbox
 
@@ -40,8 +40,15 @@ class MemoryTransport:
 
 
 def _group(group_id: str) -> RolloutGroup:
-    return RolloutGroup(group_id=group_id, prompt_id="p", data_source="geometry3k", prompt_token_ids=[],
-                        images=[], ground_truth="1", samples=[])
+    return RolloutGroup(
+        group_id=group_id,
+        prompt_id="p",
+        data_source="geometry3k",
+        prompt_token_ids=[],
+        images=[],
+        ground_truth="1",
+        samples=[],
+    )
 
 
 @pytest.mark.parametrize("threaded", [False, True])
@@ -49,7 +56,9 @@ def test_each_group_is_published_once_and_acked_after(threaded):
     transport, names = MemoryTransport(), Names("t")
     outbox = Outbox(transport, names, "w", RewardMetrics(), stopping=lambda: False, threaded=threaded)
     for i, gid in enumerate(["a", "b", "a"]):
-        outbox.submit(Delivery(names.rollouts, f"{i}-0", b""), _group(gid), [Score(reward=1, accuracy=1, format=0)])
+        outbox.submit(
+            Delivery(names.rollouts, f"{i}-0", b""), _group(gid), [Score(reward=1, accuracy=1, format=0)]
+        )
     outbox.close()
     assert len(transport.published) == 2 and transport.acked == ["0-0", "1-0", "2-0"]
     assert (outbox.published, outbox.duplicates) == (2, 1)

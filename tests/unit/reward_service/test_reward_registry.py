@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tasks.synthetic import verify
 
 from reward_service.config import RewardConfig
-from reward_service.rewards import REWARDS, UnknownReward, load, load_format, route
-from reward_service.rewards import synthetic
+from reward_service.rewards import REWARDS, UnknownReward, load, load_format, route, synthetic
+from tasks.synthetic import verify
 
 T = "<think>look</think>"
 
@@ -29,10 +28,17 @@ def test_every_registered_reward_loads_with_a_format_part():
         assert load_format(name)("\\boxed{4}") == 0.0
 
 
-@pytest.mark.parametrize("response, truth", [
-    (T + " \\boxed{Red}", "red"), (T + " \\boxed{\\text{blue}}", "blue"), (T + " \\boxed{three}", "3"),
-    (T + " \\boxed{left} \\boxed{right}", "left"), ("no box", "red"), (T + " \\boxed{2}", "3"),
-])
+@pytest.mark.parametrize(
+    "response, truth",
+    [
+        (T + " \\boxed{Red}", "red"),
+        (T + " \\boxed{\\text{blue}}", "blue"),
+        (T + " \\boxed{three}", "3"),
+        (T + " \\boxed{left} \\boxed{right}", "left"),
+        ("no box", "red"),
+        (T + " \\boxed{2}", "3"),
+    ],
+)
 def test_synthetic_reward_is_the_tasks_verifier(response, truth):
     assert synthetic.compute(response, truth).accuracy == float(verify(response, truth))
 

@@ -11,8 +11,9 @@ import sys
 import time
 import urllib.request
 
-import broker
 import pytest
+
+import broker
 from broker.channel import Publisher, Subscriber
 from broker.names import Names
 from broker.redis_server import free_port
@@ -26,15 +27,41 @@ CLIENT = "test-learner"
 
 
 def make_group(group_id: str, answers: list[str], ground_truth: str, data_source: str = "geometry3k"):
-    samples = [Sample.of(token_ids=[1, 2], logprobs=[-0.1, -0.2], response_text=a,
-                         version_start=0, version_end=0, finish_reason="stop") for a in answers]
-    return RolloutGroup(group_id=group_id, prompt_id=f"p-{group_id}", data_source=data_source,
-                        prompt_token_ids=[1, 2, 3], images=[], ground_truth=ground_truth, samples=samples)
+    samples = [
+        Sample.of(
+            token_ids=[1, 2],
+            logprobs=[-0.1, -0.2],
+            response_text=a,
+            version_start=0,
+            version_end=0,
+            finish_reason="stop",
+        )
+        for a in answers
+    ]
+    return RolloutGroup(
+        group_id=group_id,
+        prompt_id=f"p-{group_id}",
+        data_source=data_source,
+        prompt_token_ids=[1, 2, 3],
+        images=[],
+        ground_truth=ground_truth,
+        samples=samples,
+    )
 
 
 def config(url: str, names: Names, **overrides) -> RewardConfig:
-    base = dict(broker=url, namespace=names.namespace, metrics_port=0, burst=True, block_s=0.2,
-                timeout_s=1.0, group_budget_s=2.0, claim_idle_s=5.0, spare_grader=False, groups_per_read=1)
+    base = dict(
+        broker=url,
+        namespace=names.namespace,
+        metrics_port=0,
+        burst=True,
+        block_s=0.2,
+        timeout_s=1.0,
+        group_budget_s=2.0,
+        claim_idle_s=5.0,
+        spare_grader=False,
+        groups_per_read=1,
+    )
     return RewardConfig(**{**base, **overrides})
 
 
@@ -64,11 +91,15 @@ def run_worker(cfg: RewardConfig, index: int = 0) -> RewardWorker:
 
 
 def test_worker_scores_every_sample_and_publishes(broker_url, names):
-    publish(broker_url, names, [
-        make_group("g-geo", [T + "\\boxed{4}", "\\boxed{4}", T + "\\boxed{5}", "no box"], "4"),
-        make_group("g-syn", [T + "\\boxed{ Red }", T + "\\boxed{blue}"], "red", data_source="synthetic"),
-        make_group("g-other", [T + "\\boxed{\\frac{1}{2}}"], "0.5", data_source="unlisted-source"),
-    ])
+    publish(
+        broker_url,
+        names,
+        [
+            make_group("g-geo", [T + "\\boxed{4}", "\\boxed{4}", T + "\\boxed{5}", "no box"], "4"),
+            make_group("g-syn", [T + "\\boxed{ Red }", T + "\\boxed{blue}"], "red", data_source="synthetic"),
+            make_group("g-other", [T + "\\boxed{\\frac{1}{2}}"], "0.5", data_source="unlisted-source"),
+        ],
+    )
     worker = run_worker(config(broker_url, names))
     assert worker.published == 3
     by_id = {s.group.group_id: s for s in scored(broker_url, names)}
@@ -102,8 +133,16 @@ def test_a_window_of_groups_in_the_grader_keeps_order_timeouts_and_publish_once(
 
 def test_weights_and_routes_are_configurable_and_publishing_inline_works(redis_server, names):
     publish(redis_server.url, names, [make_group("g1", ["\\boxed{red}"], "red", data_source="colours")])
-    run_worker(config(redis_server.url, names, accuracy_weight=1.0, format_weight=0.5,
-                      routes={"colours": "synthetic"}, publish_thread=False))
+    run_worker(
+        config(
+            redis_server.url,
+            names,
+            accuracy_weight=1.0,
+            format_weight=0.5,
+            routes={"colours": "synthetic"},
+            publish_thread=False,
+        )
+    )
     [group] = scored(redis_server.url, names)
     assert (group.scores[0].accuracy, group.scores[0].reward) == (1.0, 1.0)
 
@@ -170,9 +209,29 @@ def test_a_killed_workers_pending_group_is_reclaimed(redis_server, names):
     slow = make_group("g-slow", [T + "\\boxed{9**9**9}", T + "\\boxed{2\\sqrt{3}}"], "2\\sqrt{3}")
     publish(redis_server.url, names, [slow])
     victim = subprocess.Popen(
-        [sys.executable, "-m", "reward_service", "--broker", redis_server.url, "--namespace", names.namespace,
-         "--metrics-port", "0", "--timeout-s", "100", "--group-budget-s", "150", "--claim-idle-s", "300",
-         "--groups-per-read", "1", "--no-spare-grader", "--consumer", "victim"])
+        [
+            sys.executable,
+            "-m",
+            "reward_service",
+            "--broker",
+            redis_server.url,
+            "--namespace",
+            names.namespace,
+            "--metrics-port",
+            "0",
+            "--timeout-s",
+            "100",
+            "--group-budget-s",
+            "150",
+            "--claim-idle-s",
+            "300",
+            "--groups-per-read",
+            "1",
+            "--no-spare-grader",
+            "--consumer",
+            "victim",
+        ]
+    )
     try:
         with broker.connect(redis_server.url) as transport:
             deadline = time.monotonic() + 60
@@ -185,19 +244,44 @@ def test_a_killed_workers_pending_group_is_reclaimed(redis_server, names):
     rescuer = run_worker(config(redis_server.url, names, claim_idle_s=3.0, group_budget_s=2.5, timeout_s=0.8))
     assert rescuer.published == 1
     [group] = scored(redis_server.url, names)
-    assert [(s.timed_out, s.accuracy, s.format) for s in group.scores] == [(True, 0.0, 1.0), (False, 1.0, 1.0)]
+    assert [(s.timed_out, s.accuracy, s.format) for s in group.scores] == [
+        (True, 0.0, 1.0),
+        (False, 1.0, 1.0),
+    ]
     with broker.connect(redis_server.url) as transport:
         assert transport.pending(names.rollouts, Names.REWARD) == 0
 
 
 def test_supervisor_runs_n_workers_that_share_the_stream(redis_server, names):
-    groups = [make_group(f"g{i:03d}", [T + f"\\boxed{{{i}}}", f"\\boxed{{{i + 1}}}"], str(i)) for i in range(40)]
+    groups = [
+        make_group(f"g{i:03d}", [T + f"\\boxed{{{i}}}", f"\\boxed{{{i + 1}}}"], str(i)) for i in range(40)
+    ]
     publish(redis_server.url, names, groups)
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "reward_service", "--workers", "2", "--burst", "--broker-url", redis_server.url,
-         "--namespace", names.namespace, "--metrics-port", str(port), "--timeout-s", "2", "--block-s", "0.2",
-         "--no-spare-grader"], timeout=120, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "reward_service",
+            "--workers",
+            "2",
+            "--burst",
+            "--broker-url",
+            redis_server.url,
+            "--namespace",
+            names.namespace,
+            "--metrics-port",
+            str(port),
+            "--timeout-s",
+            "2",
+            "--block-s",
+            "0.2",
+            "--no-spare-grader",
+        ],
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = scored(redis_server.url, names)
     assert sorted(s.group.group_id for s in out) == [g.group_id for g in groups]
@@ -206,16 +290,23 @@ def test_supervisor_runs_n_workers_that_share_the_stream(redis_server, names):
 
 
 def test_metrics_are_served_per_data_source(redis_server, names):
-    publish(redis_server.url, names, [
-        make_group("g1", [T + "\\boxed{4}", T + "\\boxed{5}"], "4"),
-        make_group("g2", [T + "\\boxed{red}"], "red", data_source="synthetic"),
-        make_group("g3", [T + "\\boxed{9**9**9}"], "2\\sqrt{3}"),
-    ])
+    publish(
+        redis_server.url,
+        names,
+        [
+            make_group("g1", [T + "\\boxed{4}", T + "\\boxed{5}"], "4"),
+            make_group("g2", [T + "\\boxed{red}"], "red", data_source="synthetic"),
+            make_group("g3", [T + "\\boxed{9**9**9}"], "2\\sqrt{3}"),
+        ],
+    )
     port = free_port()
     run_worker(config(redis_server.url, names, metrics_port=port - 2), index=2)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+    series = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert series['parallax_reward_samples_total{data_source="geometry3k"}'] == 3
     assert series['parallax_reward_samples_total{data_source="synthetic"}'] == 1
     assert series['parallax_reward_accuracy_total{data_source="geometry3k"}'] == 1

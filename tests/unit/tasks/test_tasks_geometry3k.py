@@ -14,12 +14,14 @@ from PIL import Image
 from tasks.geometry3k import Geo3kConfig, preprocess
 from tasks.records import encode_png, read_image_bytes, read_records
 
-SCHEMA = pa.schema([
-    ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-    ("problem", pa.string()),
-    ("answer", pa.string()),
-    ("id", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+        ("problem", pa.string()),
+        ("answer", pa.string()),
+        ("id", pa.string()),
+    ]
+)
 
 
 def _img(size=(120, 90), colour=(0, 0, 0)):
@@ -30,14 +32,28 @@ def _img(size=(120, 90), colour=(0, 0, 0)):
 def geo3k_parquet(tmp_path):
     rows = [
         {"images": [_img()], "problem": "<image>Find x.", "answer": "48", "id": "0"},
-        {"images": [_img(colour=(9, 9, 9))], "problem": "<image>Find the area.", "answer": "12\\sqrt{3}", "id": "1"},
-        {"images": [{"bytes": b"\x89PNG broken", "path": "y.png"}], "problem": "<image>Find y.", "answer": "3",
-         "id": "2"},
+        {
+            "images": [_img(colour=(9, 9, 9))],
+            "problem": "<image>Find the area.",
+            "answer": "12\\sqrt{3}",
+            "id": "1",
+        },
+        {
+            "images": [{"bytes": b"\x89PNG broken", "path": "y.png"}],
+            "problem": "<image>Find y.",
+            "answer": "3",
+            "id": "2",
+        },
         {"images": [_img()], "problem": "<image>Find z.", "answer": None, "id": "3"},
         {"images": [_img()], "problem": "<image>Find w.", "answer": "  ", "id": "4"},
         {"images": [_img(size=(2000, 2000))], "problem": "<image>Huge.", "answer": "5", "id": "5"},
         {"images": [_img()], "problem": "<image><image>Two placeholders.", "answer": "7", "id": "6"},
-        {"images": [{"bytes": None, "path": "lost.png"}], "problem": "<image>No bytes.", "answer": "1", "id": "7"},
+        {
+            "images": [{"bytes": None, "path": "lost.png"}],
+            "problem": "<image>No bytes.",
+            "answer": "1",
+            "id": "7",
+        },
     ]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
@@ -50,12 +66,19 @@ def test_preprocess_keeps_good_rows_and_counts_skips(geo3k_parquet, tmp_path, ti
     config = Geo3kConfig(input=geo3k_parquet, out=out, split="train", max_prompt_len=120)
     manifest = preprocess(config, processor=_processor_with_max_pixels(tiny_processor, 1024 * 1024))
     assert manifest["records"] == {"train": 2}
-    assert manifest["skipped"] == {"image_placeholder_mismatch": 1, "missing_answer": 2, "missing_image": 1,
-                                   "too_long": 1, "undecodable_image": 1}
+    assert manifest["skipped"] == {
+        "image_placeholder_mismatch": 1,
+        "missing_answer": 2,
+        "missing_image": 1,
+        "too_long": 1,
+        "undecodable_image": 1,
+    }
     records = list(read_records(out, "train"))
     assert [r.prompt_id for r in records] == ["geometry3k-train-0", "geometry3k-train-1"]
     assert records[1].ground_truth == "12\\sqrt{3}"
-    assert records[0].problem.startswith("<image>Find x. You FIRST think") and "\\boxed{}" in records[0].problem
+    assert (
+        records[0].problem.startswith("<image>Find x. You FIRST think") and "\\boxed{}" in records[0].problem
+    )
     assert records[0].data_source == "geometry3k" and records[0].split == "train"
     assert Image.open(__import__("io").BytesIO(read_image_bytes(out, records[0].images[0]))).size == (120, 90)
     on_disk = json.loads((out / "manifest.json").read_text())
@@ -72,9 +95,25 @@ def _processor_with_max_pixels(processor, max_pixels):
 
 def test_cli_writes_records(geo3k_parquet, tmp_path, tiny_model_dir):
     out = tmp_path / "cli"
-    run = subprocess.run([sys.executable, "-m", "tasks", "geometry3k", "--input", str(geo3k_parquet),
-                          "--out", str(out), "--split", "test", "--model", str(tiny_model_dir)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tasks",
+            "geometry3k",
+            "--input",
+            str(geo3k_parquet),
+            "--out",
+            str(out),
+            "--split",
+            "test",
+            "--model",
+            str(tiny_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert len(list(read_records(out, "test"))) == 3  # the huge image fits: the tiny processor shrinks it
     assert "undecodable_image" in run.stderr

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from tasks.prompt import (INSTRUCTION, build_messages, expanded_length, num_image_tokens, render_prompt_ids,
-                          render_prompt_text, with_instruction)
+from tasks.prompt import (
+    INSTRUCTION,
+    build_messages,
+    expanded_length,
+    num_image_tokens,
+    render_prompt_ids,
+    render_prompt_text,
+    with_instruction,
+)
 
 
 def test_instruction_is_think_then_boxed():
@@ -28,7 +35,9 @@ def test_prompt_ids_have_one_pad_per_image_inside_vision_markers(tiny_processor,
     tok = tiny_processor.tokenizer
     problem = "<image>" * n_images + "What colour is the shape?"
     ids = render_prompt_ids(tiny_processor, problem, n_images)
-    pad, start, end = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    pad, start, end = (
+        tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+    )
     positions = [i for i, t in enumerate(ids) if t == pad]
     assert len(positions) == n_images
     for p in positions:

@@ -8,8 +8,16 @@ import pytest
 from PIL import Image
 
 from broker.schemas import ImageRef
-from tasks.records import (BadImage, RecordWriter, decode_image, encode_png, image_ref, make_record,
-                           read_image_bytes, read_records)
+from tasks.records import (
+    BadImage,
+    RecordWriter,
+    decode_image,
+    encode_png,
+    image_ref,
+    make_record,
+    read_image_bytes,
+    read_records,
+)
 
 
 def _png(colour=(255, 0, 0), size=(20, 10)):
@@ -37,8 +45,14 @@ def test_make_record_returns_blobs_and_calls_the_store():
         return image_ref(data)
 
     a, b = _png(), _png((0, 0, 255))
-    record, blobs = make_record(prompt_id="p1", data_source="t", problem="<image><image>which?", images=[a, b],
-                                ground_truth="x", put_image=put)
+    record, blobs = make_record(
+        prompt_id="p1",
+        data_source="t",
+        problem="<image><image>which?",
+        images=[a, b],
+        ground_truth="x",
+        put_image=put,
+    )
     assert [r.sha256 for r in record.images] == [hashlib.sha256(d).hexdigest() for d in (a, b)]
     assert blobs == {hashlib.sha256(a).hexdigest(): a, hashlib.sha256(b).hexdigest(): b}
     assert stored == [a, b]
@@ -48,16 +62,28 @@ def test_make_record_returns_blobs_and_calls_the_store():
 
 def test_store_returning_a_different_sha_is_an_error():
     with pytest.raises(ValueError, match="sha"):
-        make_record(prompt_id="p", data_source="t", problem="<image>", images=[_png()], ground_truth="x",
-                    put_image=lambda data: ImageRef(sha256="0" * 64))
+        make_record(
+            prompt_id="p",
+            data_source="t",
+            problem="<image>",
+            images=[_png()],
+            ground_truth="x",
+            put_image=lambda data: ImageRef(sha256="0" * 64),
+        )
 
 
 def test_writer_roundtrip_stores_each_image_once(tmp_path):
     img = _png()
     with RecordWriter(tmp_path) as writer:
         for i in range(3):
-            record, blobs = make_record(prompt_id=f"p{i}", data_source="t", problem="<image>q", images=[img],
-                                        ground_truth=str(i), split="train" if i < 2 else "test")
+            record, blobs = make_record(
+                prompt_id=f"p{i}",
+                data_source="t",
+                problem="<image>q",
+                images=[img],
+                ground_truth=str(i),
+                split="train" if i < 2 else "test",
+            )
             writer.write(record, blobs)
         writer.close(skipped={"too_long": 1})
     train = list(read_records(tmp_path, "train"))

@@ -15,8 +15,12 @@ from tasks.synthetic import PALETTE, SyntheticConfig, generate, last_boxed, make
 def _foreground(image):
     bg = image.getpixel((0, 0))
     w, h = image.size
-    return [(x, y, image.getpixel((x, y))) for y in range(h) for x in range(w)
-            if max(abs(a - b) for a, b in zip(image.getpixel((x, y)), bg)) > 25]
+    return [
+        (x, y, image.getpixel((x, y)))
+        for y in range(h)
+        for x in range(w)
+        if max(abs(a - b) for a, b in zip(image.getpixel((x, y)), bg)) > 25
+    ]
 
 
 def test_colour_answer_is_the_drawn_colour():
@@ -46,12 +50,16 @@ def test_examples_are_deterministic_and_splits_differ():
     a = make_example(config, "train", 5)
     assert a.image.tobytes() == make_example(config, "train", 5).image.tobytes()
     assert a.image.tobytes() != make_example(config, "test", 5).image.tobytes()
-    assert a.image.tobytes() != make_example(SyntheticConfig(task="mixed", seed=1), "train", 5).image.tobytes()
+    assert (
+        a.image.tobytes() != make_example(SyntheticConfig(task="mixed", seed=1), "train", 5).image.tobytes()
+    )
     assert {make_example(config, "train", i).task for i in range(30)} == {"colour", "count", "bigger"}
 
 
 def test_answers_are_balanced_over_the_palette():
-    answers = collections.Counter(make_example(SyntheticConfig(n_colours=4), "train", i).answer for i in range(400))
+    answers = collections.Counter(
+        make_example(SyntheticConfig(n_colours=4), "train", i).answer for i in range(400)
+    )
     assert set(answers) == {"red", "green", "blue", "yellow"}
     assert min(answers.values()) > 60
 
@@ -88,18 +96,21 @@ def test_records_and_task_dir(tmp_path, tiny_processor):
     assert expanded_length(len(ids), [(112, 112)], tiny_processor.image_processor) == len(ids) - 1 + 16
 
 
-@pytest.mark.parametrize("response,truth,expected", [
-    ("<think>red</think> \\boxed{red}", "red", 1.0),
-    ("\\boxed{blue} then \\boxed{Red}", "red", 1.0),          # last box wins, case-insensitive
-    ("\\boxed{red} then \\boxed{blue}", "red", 0.0),
-    ("no box red", "red", 0.0),
-    ("\\boxed{\\text{three}}", "3", 1.0),
-    ("\\boxed{3.0}", "3", 1.0),
-    ("\\boxed{ left. }", "left", 1.0),
-    ("\\boxed{4", "4", 0.0),                                   # unclosed
-    ("\\boxed{grey}", "gray", 1.0),
-    ("\\boxed{}", "red", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,truth,expected",
+    [
+        ("<think>red</think> \\boxed{red}", "red", 1.0),
+        ("\\boxed{blue} then \\boxed{Red}", "red", 1.0),  # last box wins, case-insensitive
+        ("\\boxed{red} then \\boxed{blue}", "red", 0.0),
+        ("no box red", "red", 0.0),
+        ("\\boxed{\\text{three}}", "3", 1.0),
+        ("\\boxed{3.0}", "3", 1.0),
+        ("\\boxed{ left. }", "left", 1.0),
+        ("\\boxed{4", "4", 0.0),  # unclosed
+        ("\\boxed{grey}", "gray", 1.0),
+        ("\\boxed{}", "red", 0.0),
+    ],
+)
 def test_verify(response, truth, expected):
     assert verify(response, truth) == expected
 

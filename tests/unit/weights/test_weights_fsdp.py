@@ -6,9 +6,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 
+from weights_procs import digest, fsdp_learner_main, perturb
+
 from generator.weight_receiver import ReceiverConfig, WeightReceiver, module_loader
 from policy.loading import load_model
-from weights_procs import digest, fsdp_learner_main, perturb
 
 
 def _free_port() -> int:
@@ -23,7 +24,8 @@ def test_fsdp_sharded_learner_sends_full_tensors_bit_exact(tiny_model_dir, tmp_p
     perturb(expected, 0.25)
     target = load_model(tiny_model_dir)
     receiver = WeightReceiver(
-        ReceiverConfig("gen", timeout_s=20.0, retry_s=0.2), apply=module_loader(target),
+        ReceiverConfig("gen", timeout_s=20.0, retry_s=0.2),
+        apply=module_loader(target),
         resolve=lambda: address_file.read_text() if address_file.exists() else None,
     ).start()
     ctx = mp.get_context("spawn")

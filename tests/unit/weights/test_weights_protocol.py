@@ -6,6 +6,7 @@ import msgspec
 import pytest
 import torch
 from safetensors import safe_open
+from weights_procs import Net, digest, perturb
 
 from generator.weight_receiver import module_loader
 from policy.weight_transfer import (
@@ -25,7 +26,6 @@ from policy.weight_transfer import (
     validate_manifest,
     verify,
 )
-from weights_procs import Net, digest, perturb
 
 
 def _pack(model, bucket_bytes):
@@ -44,8 +44,10 @@ def _pack(model, bucket_bytes):
 
 def test_layout_aligns_and_gives_big_tensors_their_own_bucket():
     entries = [
-        ("a", torch.float32, (3,)), ("b", torch.bfloat16, (1000,)),
-        ("c", torch.int64, ()), ("d", torch.bool, (5,)),
+        ("a", torch.float32, (3,)),
+        ("b", torch.bfloat16, (1000,)),
+        ("c", torch.int64, ()),
+        ("d", torch.bool, (5,)),
     ]
     layout = plan_layout(entries, bucket_bytes=256)
     assert [t.bucket for t in layout.tensors] == [0, 1, 2, 2]

@@ -12,13 +12,20 @@ import time
 from pathlib import Path
 
 import pytest
+from weights_procs import (
+    DyingSender,
+    Net,
+    digest,
+    dying_learner_main,
+    generator_main,
+    perturb,
+    read_lines,
+    wait_until,
+)
 
 from generator.weight_receiver import ReceiverConfig, WeightReceiver, module_loader
 from learner.weight_sender import SenderConfig, WeightSender
 from policy.loading import load_model
-from weights_procs import (
-    DyingSender, Net, digest, dying_learner_main, generator_main, perturb, read_lines, wait_until,
-)
 
 CTX = mp.get_context("spawn")
 

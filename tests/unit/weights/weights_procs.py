@@ -80,8 +80,9 @@ def _load_model(kind: str):
     return load_model(kind, dtype="float32", device="cpu")
 
 
-def generator_main(address: str, generator_id: str, out_dir: str, model: str = "net",
-                   timeout_s: float = 10.0) -> None:
+def generator_main(
+    address: str, generator_id: str, out_dir: str, model: str = "net", timeout_s: float = 10.0
+) -> None:
     """A generator: receive versions into its own model, append {version, digest} to <out_dir>/<id>.jsonl.
 
     `model` is "net" (weights_procs.Net) or a checkpoint directory. Stops when <out_dir>/stop exists.
@@ -181,6 +182,14 @@ def gpu_generator_main(address: str, generator_id: str, out_dir: str, device: st
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         with out.open("a") as f:
-            f.write(json.dumps({"version": received.version, "digest": h.hexdigest(),
-                                "device": str(received.buffers[0].device)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "version": received.version,
+                        "digest": h.hexdigest(),
+                        "device": str(received.buffers[0].device),
+                    }
+                )
+                + "\n"
+            )
     receiver.close()
