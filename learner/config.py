@@ -14,19 +14,49 @@ from typing import Literal
 WEIGHT_TRANSPORTS = ("broadcast", "cuda-ipc")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 CORRECTIONS = ("none", "decoupled", "tis", "icepop", "geo_mask")
+POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
+POLICY_CORRECTIONS = {
+    "ppo-clip": CORRECTIONS,
+    "gspo": ("none", "geo_mask"),
+    "cispo": ("none", "tis", "icepop", "geo_mask"),
+    "sapo": CORRECTIONS,
+}
+"""The off-policy corrections each policy loss can be combined with (README, "Policy losses"): GSPO's ratio
+is one per sequence, so only sequence-level rejection fits it (a per-token weight brings back the token-level
+variance GSPO removes); CISPO's weight is a truncated importance weight, so decoupled's unbounded k on top of
+it would undo the truncation (tis and icepop keep it bounded)."""
 PROXIMAL_MODES = ("detached", "recompute", "behaviour")
 
 
 @dataclass
 class LossConfig:
-    """PPO-clip loss, off-policy correction and regularisers (see learner/losses.py)."""
+    """Policy loss (PPO-clip, GSPO, CISPO, SAPO), off-policy correction, regularisers (learner/losses.py)."""
 
+    policy: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
+    """The policy-gradient surrogate on u = π_θ/π_prox: ppo-clip (token ratio, hard clip), gspo (one ratio per
+    sequence, exp of the mean token log-ratio, clipped per sequence), cispo (clipped stop-gradient ratio times
+    log π_θ), sapo (sigmoid soft gate instead of a clip). Corrections each takes: POLICY_CORRECTIONS."""
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.3
     """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when > clip_low)."""
     dual_clip: float = 3.0
-    """Dual-clip constant c for negative advantages (loss capped at -A·c); <= 1 disables."""
+    """Dual-clip constant c for negative advantages (loss capped at -A·c); <= 1 disables. ppo-clip and gspo
+    only (cispo and sapo have no clipped surrogate to cap)."""
+    gspo_clip_low: float = 3e-4
+    """gspo: the sequence ratio is clipped below at 1 - gspo_clip_low (GSPO paper: 3e-4)."""
+    gspo_clip_high: float = 4e-4
+    """gspo: the sequence ratio is clipped above at 1 + gspo_clip_high (GSPO paper: 4e-4)."""
+    cispo_clip_low: float = 1.0
+    """cispo: the stop-gradient weight is clipped below at 1 - cispo_clip_low (>= 1: no lower bound, as
+    MiniMax-M1)."""
+    cispo_clip_high: float = 3.0
+    """cispo: the stop-gradient weight is clipped above at 1 + cispo_clip_high (3: at most 4, Tinker's
+    default)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature τ of the gate (4/τ)·σ(τ(u-1)) for tokens with A > 0 (SAPO paper: 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: temperature for A <= 0; larger decays faster off-policy (SAPO paper: 1.05, >= sapo_tau_pos)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses become the batch loss; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser."""
     norm_length: int = 1024
@@ -246,6 +276,24 @@ class LearnerConfig:
             raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}")
         if self.loss.correction not in CORRECTIONS:
             raise ValueError(f"loss.correction must be one of {CORRECTIONS}")
+        if self.loss.policy not in POLICY_LOSSES:
+            raise ValueError(f"loss.policy must be one of {POLICY_LOSSES}, not {self.loss.policy!r}")
+        takes = POLICY_CORRECTIONS[self.loss.policy]
+        if self.loss.correction not in takes:
+            raise ValueError(
+                f"loss.policy={self.loss.policy} cannot take loss.correction={self.loss.correction}; "
+                f"it takes one of {takes} (why: learner/config.py POLICY_CORRECTIONS)"
+            )
+        clips = (
+            self.loss.gspo_clip_low,
+            self.loss.gspo_clip_high,
+            self.loss.cispo_clip_low,
+            self.loss.cispo_clip_high,
+        )
+        if min(clips) < 0:
+            raise ValueError("loss.gspo_clip_low/high and loss.cispo_clip_low/high must be >= 0")
+        if self.loss.sapo_tau_pos <= 0 or self.loss.sapo_tau_neg <= 0:
+            raise ValueError("loss.sapo_tau_pos and loss.sapo_tau_neg must be > 0")
         if self.algo.proximal not in PROXIMAL_MODES:
             raise ValueError(f"algo.proximal must be one of {PROXIMAL_MODES}")
         if self.algo.mini_batches > 1 and self.algo.proximal == "detached":

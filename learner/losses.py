@@ -1,21 +1,31 @@
-"""Policy-gradient losses of the learner: PPO-clip with off-policy corrections.
+"""Policy-gradient losses of the learner: PPO-clip, GSPO, CISPO, SAPO, with off-policy corrections.
 
 Inputs are the flattened response tokens of one packed micro-batch (no padding): per token
 the current logprob log π_θ (with grad), the behaviour logprob log μ (vLLM, as sampled), the
 proximal logprob log π_prox (the learner's policy before this optimizer step; `None` means
 "not recomputed", then π_prox := μ), the sequence's advantage and the sequence index.
 
-Per token, with u = π_θ/π_prox and k = π_prox/μ (engine mismatch + staleness):
-    pg   = max(-A·u, -A·clip(u, 1-ε_low, 1+ε_high))          clip-higher (DAPO)
-    pg   = min(pg, -A·c)  where A < 0                          dual clip (c > 1; 0 disables)
+Per token, with u = π_θ/π_prox and k = π_prox/μ (engine mismatch + staleness), the surrogate pg
+of `LossConfig.policy` (sg = stop-gradient):
+    ppo-clip : pg = max(-A·u, -A·clip(u, 1-ε_low, 1+ε_high))     clip-higher (DAPO)
+    gspo     : the same on s = sg(S)·u/sg(u), S = exp(mean_seq log u) (GSPO-token: every token
+               carries its sequence's ratio S and the gradient of its own log π_θ), clipped by
+               gspo_clip_low/high, so a whole sequence is in or out of the trust region
+    cispo    : pg = -A · sg(clip(u, 1-ε_low^IS, 1+ε_high^IS)) · log π_θ   (MiniMax-M1)
+    sapo     : pg = -A · (4/τ)·σ(τ·(u-1)),  τ = τ_pos if A > 0 else τ_neg   (soft gate, Qwen)
+    ppo-clip and gspo: pg = min(pg, -A·c) where A < 0            dual clip (c > 1; 0 disables)
     loss = w · pg  (+ β·low_var_kl(π_θ, π_ref))  (- λ·entropy)
-with the off-policy weight w chosen by `LossConfig.correction`:
+At u = 1 (one optimizer step per batch with π_prox detached) all four have the gradient -A·∇log π_θ;
+they differ once π_θ moves away from π_prox (mini-batches, recomputed π_prox). GSPO's paper
+aggregates seq-mean-token-mean (then each sequence weighs the same, whatever its length).
+The off-policy weight w is chosen by `LossConfig.correction`:
     none      : w = 1 (naive PPO on π_prox, or on μ when π_prox is not recomputed)
     decoupled : w = k (AReaL); tokens with k > `behav_weight_cap` (when > 0) get w = 0
     tis       : w = min(k, C)                                  truncated IS (Yao et al.)
     icepop    : w = k if α ≤ k ≤ β else 0                       IcePop's M(k)
     geo_mask  : w = 1 if lo ≤ exp(mean_seq log k) ≤ hi else 0   whole sequence rejected
-w is a constant (no gradient flows through it).
+w is a constant (no gradient flows through it). Which corrections each policy takes, and why:
+learner/config.py POLICY_CORRECTIONS (checked by LearnerConfig.validate).
 
 Aggregation (`LossConfig.aggregation`) divides a numerator by a denominator; the trainer
 passes the denominator of the whole optimizer step (all micro-batches, all ranks) so that
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.config import AGGREGATIONS, CORRECTIONS, LossConfig
+from learner.config import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, LossConfig
 
 
 @dataclass
@@ -105,6 +115,63 @@ def off_policy_weight(cfg: LossConfig, log_k: Tensor, batch: TokenBatch) -> Tens
     raise ValueError(f"unknown correction {cfg.correction!r}; choose one of {CORRECTIONS}")
 
 
+def _clipped(cfg: LossConfig, ratio: Tensor, adv: Tensor, low: float, high: float):
+    """max(-A·r, -A·clip(r)) with the dual clip: (pg, clipped mask, dual-clip mask)."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = pg_clipped > pg_unclipped
+    dual_active = torch.zeros_like(pg, dtype=torch.bool)
+    if cfg.dual_clip > 1.0:
+        pg_dual = -adv * cfg.dual_clip
+        dual_active = (adv < 0) & (pg_dual < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg_dual), pg)
+    return pg, clipped, dual_active
+
+
+def ppo_clip_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+    """PPO-clip on the token ratio u: (pg, ratio, clipped mask, dual-clip mask)."""
+    ratio = log_u.exp()
+    pg, clipped, dual_active = _clipped(cfg, ratio, adv, cfg.clip_low, cfg.clip_high)
+    return pg, ratio, clipped, dual_active
+
+
+def gspo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+    """GSPO-token: the sequence ratio exp(mean log u) as each token's value, its own log u's gradient."""
+    log_seq = seq_mean(log_u.detach(), batch.seq_index, batch.num_seqs)[batch.seq_index]
+    ratio = (log_seq + log_u - log_u.detach()).exp()
+    pg, clipped, dual_active = _clipped(cfg, ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
+    return pg, ratio, clipped, dual_active
+
+
+def cispo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+    """CISPO: -A · sg(clip(u)) · log π_θ; the clip bounds the weight and never zeroes a gradient."""
+    ratio = log_u.detach().exp()
+    weight = ratio.clamp(1.0 - cfg.cispo_clip_low, 1.0 + cfg.cispo_clip_high)
+    clipped = weight != ratio
+    return -adv * weight * logp, ratio, clipped, torch.zeros_like(clipped)
+
+
+def sapo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+    """SAPO: -A · (4/τ)·σ(τ(u-1)), with gradient -A·u·4σ(1-σ)·∇log π_θ (= -A·∇log π_θ at u = 1)."""
+    ratio = log_u.exp()
+    tau = torch.where(
+        adv > 0, torch.full_like(ratio, cfg.sapo_tau_pos), torch.full_like(ratio, cfg.sapo_tau_neg)
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return -adv * gate, ratio, none, none
+
+
+SURROGATES = {
+    "ppo-clip": ppo_clip_surrogate,
+    "gspo": gspo_surrogate,
+    "cispo": cispo_surrogate,
+    "sapo": sapo_surrogate,
+}
+"""`LossConfig.policy` -> its surrogate; each returns (pg, ratio, clipped mask, dual-clip mask) per token."""
+
+
 def _aggregate(cfg: LossConfig, token_loss: Tensor, batch: TokenBatch, denom: float) -> Tensor:
     if cfg.aggregation == "seq-mean-token-mean":
         return seq_mean(token_loss, batch.seq_index, batch.num_seqs).sum() / denom
@@ -126,15 +193,10 @@ def policy_loss(
         denom = loss_denominator(cfg, logp.numel(), batch.num_seqs)
 
     log_u = (logp - prox).clamp(-20.0, 20.0)
-    ratio = log_u.exp()
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    dual_active = torch.zeros_like(pg, dtype=torch.bool)
-    if cfg.dual_clip > 1.0:
-        pg_dual = -adv * cfg.dual_clip
-        dual_active = (adv < 0) & (pg_dual < pg)
-        pg = torch.where(adv < 0, torch.minimum(pg, pg_dual), pg)
+    surrogate = SURROGATES.get(cfg.policy)
+    if surrogate is None:
+        raise ValueError(f"unknown policy loss {cfg.policy!r}; choose one of {POLICY_LOSSES}")
+    pg, ratio, clipped, dual_active = surrogate(cfg, log_u, logp, adv, batch)
 
     weight = off_policy_weight(cfg, (prox - behav).detach(), batch).detach()
     token_loss = weight * pg
@@ -149,13 +211,11 @@ def policy_loss(
             raise ValueError("entropy_coef > 0 needs entropy")
         token_loss = token_loss - cfg.entropy_coef * batch.entropy
     loss = _aggregate(cfg, token_loss, batch, denom)
-    metrics = _metrics(batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl)
+    metrics = _metrics(batch, logp, behav, ratio, clipped, dual_active, weight, kl)
     return loss, metrics
 
 
-def _metrics(
-    batch, logp, behav, ratio, pg_unclipped, pg_clipped, dual_active, weight, kl
-) -> dict[str, float]:
+def _metrics(batch, logp, behav, ratio, clipped, dual_active, weight, kl) -> dict[str, float]:
     """Token means over the micro-batch (detached), for logging; weight them by `num_tokens`."""
     with torch.no_grad():
         log_r = (logp.detach() - behav).clamp(-20.0, 20.0)  # learner vs behaviour
@@ -165,7 +225,7 @@ def _metrics(
             "mismatch_kl": (log_r.exp() - log_r - 1.0).mean().item(),
             "mismatch_kl_k1": (-log_r).mean().item(),
             "mismatch_abs_logprob_diff": log_r.abs().mean().item(),
-            "clipped_frac": (pg_clipped > pg_unclipped).float().mean().item(),
+            "clipped_frac": clipped.float().mean().item(),
             "dual_clipped_frac": dual_active.float().mean().item(),
             "masked_frac": masked.float().mean().item(),
             "is_weight_mean": weight.mean().item(),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.config import LossConfig
+from learner.config import POLICY_CORRECTIONS, POLICY_LOSSES, LearnerConfig, LossConfig
 from learner.losses import TokenBatch, loss_denominator, low_var_kl, policy_loss
 
 # Two sequences: seq 0 has 4 tokens (A > 0), seq 1 has 3 tokens (A < 0).
@@ -34,10 +34,7 @@ def _reference(cfg, logp, behav, prox, adv, seq, ref=None, ent=None, denom=None)
     token_losses = []
     for t in range(len(seq)):
         a = adv[t]
-        u = torch.exp(logp[t] - prox[t])
-        pg = max(-a * u, -a * min(max(u, 1 - cfg.clip_low), 1 + cfg.clip_high))
-        if cfg.dual_clip > 1 and a < 0:
-            pg = min(pg, torch.tensor(-a * cfg.dual_clip, dtype=torch.float64))
+        pg = _reference_surrogate(cfg, logp, prox, seq, t, a)
         k = math.exp(prox[t] - behav[t])
         if cfg.correction == "none":
             w = 1.0
@@ -67,6 +64,26 @@ def _reference(cfg, logp, behav, prox, adv, seq, ref=None, ent=None, denom=None)
             total = total + sum(mine) / len(mine)
         return total / (denom or num_seqs)
     return sum(token_losses) / (denom or num_seqs * cfg.norm_length)
+
+
+def _reference_surrogate(cfg, logp, prox, seq, t, a):
+    """pg of token t for `cfg.policy`; GSPO with the sequence ratio's full gradient (the paper's form)."""
+    u = torch.exp(logp[t] - prox[t])
+    if cfg.policy == "cispo":
+        w = min(max(u.item(), 1 - cfg.cispo_clip_low), 1 + cfg.cispo_clip_high)  # a constant
+        return -a * w * logp[t]
+    if cfg.policy == "sapo":
+        tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+        return -a * (4 / tau) / (1 + torch.exp(-tau * (u - 1)))
+    low, high = cfg.clip_low, cfg.clip_high
+    if cfg.policy == "gspo":
+        mine = [j for j in range(len(seq)) if seq[j] == seq[t]]
+        u = torch.exp(sum(logp[j] - prox[j] for j in mine) / len(mine))
+        low, high = cfg.gspo_clip_low, cfg.gspo_clip_high
+    pg = max(-a * u, -a * min(max(u, 1 - low), 1 + high))
+    if cfg.dual_clip > 1 and a < 0:
+        pg = min(pg, torch.tensor(-a * cfg.dual_clip, dtype=torch.float64))
+    return pg
 
 
 def _run_both(cfg, with_prox=True, ratio=RATIO, k=K, denom=None):
@@ -101,6 +118,7 @@ def _run_both(cfg, with_prox=True, ratio=RATIO, k=K, denom=None):
 
 CORRECTION_CASES = ["none", "decoupled", "tis", "icepop", "geo_mask"]
 AGG_CASES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+POLICY_CASES = [(p, c) for p in POLICY_LOSSES for c in POLICY_CORRECTIONS[p] if p != "ppo-clip"]
 
 
 @pytest.mark.parametrize("correction", CORRECTION_CASES)
@@ -223,3 +241,98 @@ def test_denominators_and_errors():
         policy_loss(LossConfig(kl_coef=0.1), batch)
     with pytest.raises(ValueError, match="correction"):
         policy_loss(LossConfig(correction="bogus"), batch)
+
+
+@pytest.mark.parametrize("policy,correction", POLICY_CASES)
+@pytest.mark.parametrize("aggregation", AGG_CASES)
+def test_other_policy_losses_match_loop_reference(policy, correction, aggregation):
+    cfg = LossConfig(policy=policy, correction=correction, aggregation=aggregation, norm_length=16)
+    _run_both(cfg)
+    _run_both(cfg, with_prox=False)
+    cfg_reg = LossConfig(
+        policy=policy, correction=correction, aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01
+    )
+    _run_both(cfg_reg)
+
+
+def test_all_policies_share_the_on_policy_gradient():
+    # u = 1 (π_θ = π_prox): every surrogate's gradient is -A·∇log π_θ (over the denominator).
+    ones = [1.0] * 7
+    grads = {}
+    for policy in POLICY_LOSSES:
+        _, _, grad = _run_both(LossConfig(policy=policy, correction="none"), ratio=ones)
+        grads[policy] = grad.tolist()
+    for policy in POLICY_LOSSES:
+        assert grads[policy] == pytest.approx(grads["ppo-clip"], abs=1e-12), policy
+    assert grads["ppo-clip"][0] == pytest.approx(-1.5 / 7)  # A = 1.5, token-mean over 7
+
+
+def test_gspo_clips_whole_sequences():
+    # seq 0 (A > 0): every token's ratio 1.1 -> S = 1.1 > 1 + ε_high: all 4 tokens clipped, no gradient,
+    # although a token-level clip of 0.3 would keep them. seq 1 (A < 0): ratios 0.6, 1.2, 1.2 average out
+    # to S = exp(mean log) = 0.95 (inside [0.9, 1.05]): unclipped, every token gets -A·S / #tokens.
+    ratio = [1.1, 1.1, 1.1, 1.1, 0.6, 1.2, 1.2]
+    cfg = LossConfig(policy="gspo", correction="none", gspo_clip_low=0.1, gspo_clip_high=0.05)
+    _, metrics, grad = _run_both(cfg, ratio=ratio)
+    assert grad[:4].tolist() == [0.0] * 4
+    s = math.exp((math.log(0.6) + 2 * math.log(1.2)) / 3)
+    assert grad[4:].tolist() == pytest.approx([2.0 * s / 7] * 3, abs=1e-12)
+    assert metrics["clipped_frac"] == pytest.approx(4 / 7)
+    assert metrics["ratio_mean"] == pytest.approx((4 * 1.1 + 3 * s) / 7)
+    _, _, grad_ppo = _run_both(LossConfig(policy="ppo-clip", correction="none"), ratio=ratio)
+    assert all(g != 0.0 for g in grad_ppo[:4].tolist())
+
+
+def test_cispo_bounds_the_weight_but_keeps_every_gradient():
+    # PPO-clip zeroes tokens 2 (A > 0, u = 1.31) and 4 (A < 0, u = 0.7); CISPO keeps both, with the
+    # weight u itself inside [1 - ε_low, 1 + ε_high] and the bound outside it.
+    cfg = LossConfig(policy="cispo", correction="none", cispo_clip_low=0.2, cispo_clip_high=0.25)
+    _, metrics, grad = _run_both(cfg)
+    assert all(g != 0.0 for g in grad.tolist())
+    assert grad[1].item() == pytest.approx(-1.5 * 1.2 / 7)  # inside: w = u
+    assert grad[2].item() == pytest.approx(-1.5 * 1.25 / 7)  # above: w = 1 + ε_high
+    assert grad[6].item() == pytest.approx(2.0 * 1.25 / 7)  # A < 0, u = 4: w = 1.25
+    assert grad[4].item() == pytest.approx(2.0 * 0.8 / 7)  # A < 0, u = 0.7 below: w = 0.8
+    assert metrics["clipped_frac"] == pytest.approx(5 / 7)  # 1.31, 0.5, 0.7, 1.5, 4.0
+
+
+def test_sapo_gate_decays_smoothly_and_faster_for_negative_advantages():
+    # Gradient of -A·(4/τ)σ(τ(u-1)) w.r.t. log π_θ: -A·u·4σ(1-σ); no hard zero anywhere.
+    cfg = LossConfig(policy="sapo", correction="none", sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    _, metrics, grad = _run_both(cfg)
+    assert all(g != 0.0 for g in grad.tolist())
+    assert metrics["clipped_frac"] == 0.0
+
+    def expected(a, u, tau):
+        sig = 1 / (1 + math.exp(-tau * (u - 1)))
+        return -a * u * 4 * sig * (1 - sig) / 7
+
+    assert grad[6].item() == pytest.approx(expected(-2.0, 4.0, 2.0))
+    assert grad[3].item() == pytest.approx(expected(1.5, 0.5, 1.0))
+    # The same ratio decays more under τ_neg = 2 than under τ_pos = 1 (per unit of |A|).
+    assert abs(expected(-1.0, 1.5, 2.0)) < abs(expected(1.0, 1.5, 1.0))
+
+
+@pytest.mark.parametrize("policy", POLICY_LOSSES)
+def test_config_accepts_listed_and_refuses_other_corrections(policy):
+    for correction in CORRECTION_CASES:
+        cfg = LearnerConfig(loss=LossConfig(policy=policy, correction=correction))
+        if correction in POLICY_CORRECTIONS[policy]:
+            cfg.validate()
+        else:
+            with pytest.raises(
+                ValueError, match=f"loss.policy={policy} cannot take loss.correction={correction}"
+            ):
+                cfg.validate()
+
+
+def test_config_refuses_unknown_policy_and_bad_parameters():
+    with pytest.raises(ValueError, match="loss.policy must be one of"):
+        LearnerConfig(loss=LossConfig(policy="grpo")).validate()
+    with pytest.raises(ValueError, match="sapo_tau"):
+        LearnerConfig(loss=LossConfig(policy="sapo", sapo_tau_neg=0.0)).validate()
+    with pytest.raises(ValueError, match="cispo_clip"):
+        LearnerConfig(loss=LossConfig(policy="cispo", correction="tis", cispo_clip_high=-1.0)).validate()
+    batch = TokenBatch(torch.zeros(2), torch.zeros(2), torch.ones(2), torch.tensor([0, 0]), 1)
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss(LossConfig(policy="grpo"), batch)
