@@ -12,6 +12,9 @@
 * RECLAIM: XAUTOCLAIM entries idle longer than `claim_idle_ms`, read their delivery counters,
   move the ones delivered more than `max_deliveries` times to the dead-letter stream (and ack
   them), and return the rest with their counters and how many it moved.
+* READ_OWN: re-read this consumer's own pending entries after a cursor (XREADGROUP from an id
+  instead of '>'), with the same redelivery cap as RECLAIM (a restarted consumer gets back what
+  it held, at once, and a poison entry that kills it every time still ends in the dead-letter stream).
 """
 
 from __future__ import annotations
@@ -123,5 +126,51 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[3], 'id', ARG
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 trim_acked(KEYS[1])
 return acked
+"""
+)
+
+_CAP = """
+local function cap(stream, dead, group, id, payload, deliveries, max_deliveries, dead_maxlen)
+  if deliveries <= tonumber(max_deliveries) then return false end
+  redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', 'd', payload, 'id', id, 'group', group,
+    'attempts', deliveries - 1,
+    'reason', 'delivered ' .. (deliveries - 1) .. ' times without ack (max_deliveries '
+      .. max_deliveries .. ')')
+  redis.call('XACK', stream, group, id)
+  return true
+end
+"""
+
+READ_OWN = (
+    _TRIM
+    + _CAP
+    + """
+-- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, consumer, after, count, max_deliveries,
+-- dead_maxlen. Returns {last id read (or ARGV[3]), {{id, payload, deliveries}, ...}, dead-lettered,
+-- entries read}.
+local group, consumer = ARGV[1], ARGV[2]
+local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', ARGV[4], 'STREAMS', KEYS[1],
+  ARGV[3])
+local entries = {}
+if reply and reply[1] then entries = reply[1][2] end
+local out, last, capped = {}, ARGV[3], 0
+for _, entry in ipairs(entries) do
+  local id, fields = entry[1], entry[2]
+  last = id
+  if not fields then
+    redis.call('XACK', KEYS[1], group, id)  -- deleted under us: nothing to hand back
+  else
+    local payload = ''
+    for j = 1, #fields, 2 do if fields[j] == 'd' then payload = fields[j + 1] end end
+    local deliveries = redis.call('XPENDING', KEYS[1], group, id, id, 1)[1][4]
+    if cap(KEYS[1], KEYS[2], group, id, payload, deliveries, ARGV[5], ARGV[6]) then
+      capped = capped + 1
+    else
+      out[#out + 1] = {id, payload, deliveries}
+    end
+  end
+end
+if capped > 0 then trim_acked(KEYS[1]) end
+return {last, out, capped, #entries}
 """
 )

@@ -1,7 +1,16 @@
-"""Start and stop a throw-away local `redis-server` (for the demo, the benchmark and the tests).
+"""Start and stop a local `redis-server` (for the launcher, the benchmark and the tests).
 
 `LocalRedis(password=None).start()` runs `redis-server --port <free> --save '' --appendonly no`
 (in-memory only), waits until it answers PING, and `stop()` terminates exactly that process.
+With `data_dir`, the server keeps an append-only file there (`redis_server_argv`: AOF with
+appendfsync everysec, no RDB snapshots), so `kill()` then `start()` on the same port comes back
+with every stream, group, pending entry and value it had acknowledged.
+
+Why everysec and not always: Redis write(2)s the AOF buffer before it sends the replies of an
+event-loop iteration, so a killed redis-server (kill -9, OOM) loses nothing it acknowledged
+under either setting; only a crash of the whole host can lose up to one second of writes with
+everysec, and on one host that crash takes the learner's unsynced state with it. always would
+fsync on every write, on the path of every publish and ack.
 """
 
 from __future__ import annotations
@@ -31,12 +40,28 @@ def stop_process(process: subprocess.Popen | None, grace_s: float = 5.0) -> None
         process.wait()
 
 
+def redis_server_argv(port: int, *, data_dir: str | None = None, password: str | None = None) -> list[str]:
+    """The redis-server command line: loopback only; with `data_dir`, AOF (everysec) there."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server, or ./run setup)")
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    if data_dir is None:
+        cmd += ["--appendonly", "no"]
+    else:
+        cmd += ["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "everysec"]
+    if password:
+        cmd += ["--requirepass", password]
+    return cmd
+
+
 class LocalRedis:
     """One redis-server child process on a free loopback port; use as a context manager."""
 
-    def __init__(self, password: str | None = None, port: int | None = None):
+    def __init__(self, password: str | None = None, port: int | None = None, data_dir: str | None = None):
         self.password = password
         self.port = port or free_port()
+        self.data_dir = data_dir
         self.process: subprocess.Popen | None = None
 
     @property
@@ -45,12 +70,7 @@ class LocalRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server, or ./run setup)")
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        if self.password:
-            cmd += ["--requirepass", self.password]
+        cmd = redis_server_argv(self.port, data_dir=self.data_dir, password=self.password)
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready(timeout_s)
         return self
@@ -82,6 +102,12 @@ class LocalRedis:
 
     def stop(self) -> None:
         stop_process(self.process)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, no final AOF rewrite) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def __enter__(self) -> LocalRedis:
         return self.start() if self.process is None else self

@@ -11,6 +11,14 @@
   credits already granted < `max_len`; without any it polls with short sleeps, and raises
   `BackpressureTimeout` when that outlasts `timeout`. Credits are spent in MULTI/EXEC batches.
 * Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
+* Restarts: the first `consume` of a (stream, group, consumer) in a process re-reads that
+  consumer's own pending entries (XREADGROUP from id 0, page by page) before anything new, so a
+  restarted process with the same consumer name gets back at once what it held when it died
+  (instead of after `claim_idle_s`); the redelivery cap applies to them as well.
+* Connection errors (server restarting or still loading its AOF, network blip): every call
+  reconnects and retries with redis-py's `ExponentialBackoff` for up to `reconnect_s`, then
+  raises `TransportError`. A retried publish whose MULTI/EXEC reached the server but whose
+  reply was lost appears twice; every stage downstream is idempotent by group id.
 Password and user come from the URL: redis://[user]:password@host:port/db.
 """
 
@@ -20,9 +28,10 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import redis
+from redis.backoff import ExponentialBackoff
 
 from broker import redis_scripts
 from broker.names import Names
@@ -33,6 +42,8 @@ PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
 MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
+RECONNECT_BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)
+"""Sleep before the n-th retry after a connection error: 0.05 s doubling up to 2 s."""
 
 
 def redact(url: str) -> str:
@@ -73,18 +84,42 @@ class RedisTransport(Transport):
         self._ack = self._redis.register_script(redis_scripts.ACK)
         self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
         self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
+        self._read_own = self._redis.register_script(redis_scripts.READ_OWN)
         self._groups: set[tuple[str, str]] = set()
         self._last_reclaim: dict[tuple[str, str], float] = {}  # when a reclaim scan last completed
         self._reclaim_cursor: dict[tuple[str, str], str] = {}
-        with self._errors("connect"):
-            self._redis.ping()
+        self._own_cursor: dict[tuple[str, str, str], str] = {}  # own pending re-read so far; absent = not yet
+        self._own_done: set[tuple[str, str, str]] = set()
+        self.reconnects = 0
+        """Connection errors this transport recovered from (retried successfully)."""
+        self._call("connect", self._redis.ping)
 
-    @contextlib.contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except redis.exceptions.RedisError as exc:
-            raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
+    def _call(self, what: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`, retried with back-off after connection errors for `reconnect_s`;
+        any other Redis error (or running out of time) is a TransportError."""
+        deadline = time.monotonic() + self.options.reconnect_s
+        failures = 0
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except redis.exceptions.AuthenticationError as exc:  # a ConnectionError, but retrying won't help
+                raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                failures += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(
+                        f"redis {what} failed ({redact(self.url)}) after {failures} attempts "
+                        f"over {self.options.reconnect_s:.3g}s: {exc}"
+                    ) from exc
+                self._credits.clear()  # a lost MULTI/EXEC may or may not have spent them: ask again
+                time.sleep(min(RECONNECT_BACKOFF.compute(failures), left))
+                continue
+            except redis.exceptions.RedisError as exc:
+                raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
+            if failures:
+                self.reconnects += 1
+            return result
 
     # ---- streams -------------------------------------------------------------------------------
     def ensure_group(self, stream: str, group: str) -> None:
@@ -92,12 +127,10 @@ class RedisTransport(Transport):
         if (stream, group) in self._groups:
             return
         try:
-            self._redis.xgroup_create(stream, group, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
+            self._call("create group", self._redis.xgroup_create, stream, group, id="0", mkstream=True)
+        except TransportError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise TransportError(f"cannot create group {group!r} on {stream!r}: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
-            raise TransportError(f"cannot create group {group!r} on {stream!r}: {exc}") from exc
         self._groups.add((stream, group))
 
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
@@ -139,31 +172,36 @@ class RedisTransport(Transport):
 
     def _reserve(self, stream: str, want: int) -> int:
         """Ask for credits (at least `credit_batch`); returns how many this producer holds now."""
-        with self._errors("publish"):
-            held = int(
-                self._reserve_script(
-                    keys=[stream, f"{stream}:credits", f"{stream}:leases"],
-                    args=[
-                        self._token,
-                        max(want, self.credit_batch),
-                        self.options.max_len,
-                        int(self.credit_lease_s * 1000),
-                    ],
-                )
+        held = int(
+            self._call(
+                "publish",
+                self._reserve_script,
+                keys=[stream, f"{stream}:credits", f"{stream}:leases"],
+                args=[
+                    self._token,
+                    max(want, self.credit_batch),
+                    self.options.max_len,
+                    int(self.credit_lease_s * 1000),
+                ],
             )
+        )
         # Spend only well inside the lease: credits past it may have been handed to someone else.
         self._credits[stream] = (held, time.monotonic() + self.credit_lease_s / 2)
         return held
 
     def _spend(self, stream: str, payloads: Sequence[bytes]) -> list[str]:
         """XADD `payloads` and give back as many credits, in one MULTI/EXEC."""
-        pipe = self._redis.pipeline(transaction=True)
-        for payload in payloads:
-            pipe.xadd(stream, {"d": payload})
-        pipe.hincrby(f"{stream}:credits", self._token, -len(payloads))
-        with self._errors("publish"):
-            *added, held = pipe.execute()
-        self._credits[stream] = (int(held), self._credits[stream][1])
+
+        def spend():
+            pipe = self._redis.pipeline(transaction=True)
+            for payload in payloads:
+                pipe.xadd(stream, {"d": payload})
+            pipe.hincrby(f"{stream}:credits", self._token, -len(payloads))
+            return pipe.execute()
+
+        valid_until = self._credits[stream][1]
+        *added, held = self._call("publish", spend)
+        self._credits[stream] = (int(held), valid_until)
         return [i.decode() for i in added]
 
     def consume(
@@ -171,25 +209,50 @@ class RedisTransport(Transport):
     ) -> Deliveries:
         count = max(1, count)
         self.ensure_group(stream, group)
+        if (stream, group, consumer) not in self._own_done:
+            own = self._reread_own(stream, group, consumer, count)
+            if own or own.capped:
+                return own
         out = self._reclaim_idle(stream, group, consumer, count)
         if len(out) >= count:
             return out
         block_ms = None if out or block_s <= 0 else max(1, int(min(block_s, MAX_BLOCK_S) * 1000))
         try:
-            reply = self._redis.xreadgroup(
-                group, consumer, {stream: ">"}, count=count - len(out), block=block_ms
+            reply = self._call(
+                "consume",
+                self._redis.xreadgroup,
+                group,
+                consumer,
+                {stream: ">"},
+                count=count - len(out),
+                block=block_ms,
             )
-        except redis.exceptions.ResponseError as exc:
+        except TransportError as exc:
             if "NOGROUP" not in str(exc):
-                raise TransportError(f"redis consume failed: {exc}") from exc
+                raise
             self._groups.discard((stream, group))  # stream deleted under us: recreate next time
             return out
-        except redis.exceptions.RedisError as exc:
-            raise TransportError(f"redis consume failed ({redact(self.url)}): {exc}") from exc
         for _name, entries in reply or []:
             for entry_id, fields in entries:
                 out.append(Delivery(stream, entry_id.decode(), fields.get(b"d", b""), 1))
         return out
+
+    def _reread_own(self, stream: str, group: str, consumer: str, count: int) -> Deliveries:
+        """The next page of this consumer's own pending entries (empty once they are all re-read)."""
+        key, opts = (stream, group, consumer), self.options
+        after = self._own_cursor.get(key, "0")
+        last, entries, capped, read = self._call(
+            "consume",
+            self._read_own,
+            keys=[stream, Names.dead(stream)],
+            args=[group, consumer, after, count, opts.max_deliveries, opts.dead_max_len],
+        )
+        self._own_cursor[key] = last.decode() if isinstance(last, bytes) else str(last)
+        if int(read) < count:
+            self._own_done.add(key)
+        return Deliveries(
+            (Delivery(stream, i.decode(), payload, int(n)) for i, payload, n in entries), capped=int(capped)
+        )
 
     def _reclaim_idle(self, stream: str, group: str, consumer: str, count: int) -> Deliveries:
         """XAUTOCLAIM idle entries, resuming the scan of the pending list where the last one ended."""
@@ -200,19 +263,20 @@ class RedisTransport(Transport):
         ):
             return Deliveries()  # a full scan happened moments ago: nothing can have become idle since
         opts = self.options
-        with self._errors("reclaim"):
-            cursor, claimed, capped = self._reclaim(
-                keys=[stream, Names.dead(stream)],
-                args=[
-                    group,
-                    consumer,
-                    int(opts.claim_idle_s * 1000),
-                    count,
-                    opts.max_deliveries,
-                    opts.dead_max_len,
-                    cursor,
-                ],
-            )
+        cursor, claimed, capped = self._call(
+            "reclaim",
+            self._reclaim,
+            keys=[stream, Names.dead(stream)],
+            args=[
+                group,
+                consumer,
+                int(opts.claim_idle_s * 1000),
+                count,
+                opts.max_deliveries,
+                opts.dead_max_len,
+                cursor,
+            ],
+        )
         self._reclaim_cursor[key] = cursor = cursor.decode()
         if cursor == "0-0":
             self._last_reclaim[key] = now
@@ -223,27 +287,26 @@ class RedisTransport(Transport):
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if not ids:
             return
-        with self._errors("ack"):
-            self._ack(keys=[stream], args=[group, *ids])
+        self._call("ack", self._ack, keys=[stream], args=[group, *ids])
 
     def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
-        with self._errors("dead_letter"):
-            self._dead(
-                keys=[delivery.stream, Names.dead(delivery.stream)],
-                args=[
-                    group,
-                    delivery.id,
-                    delivery.payload,
-                    delivery.attempts,
-                    reason,
-                    self.options.dead_max_len,
-                ],
-            )
+        self._call(
+            "dead_letter",
+            self._dead,
+            keys=[delivery.stream, Names.dead(delivery.stream)],
+            args=[
+                group,
+                delivery.id,
+                delivery.payload,
+                delivery.attempts,
+                reason,
+                self.options.dead_max_len,
+            ],
+        )
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` entries of `<stream>:dead` (for inspection; not consumed)."""
-        with self._errors("dead_letters"):
-            entries = self._redis.xrange(Names.dead(stream), count=count)
+        entries = self._call("dead_letters", self._redis.xrange, Names.dead(stream), count=count)
         return [
             DeadLetter(
                 id=f[b"id"].decode(),
@@ -257,50 +320,45 @@ class RedisTransport(Transport):
 
     def pending(self, stream: str, group: str) -> int:
         try:
-            return int(self._redis.xpending(stream, group)["pending"])
-        except redis.exceptions.ResponseError as exc:
+            return int(self._call("pending", self._redis.xpending, stream, group)["pending"])
+        except TransportError as exc:
             if "NOGROUP" in str(exc) or "no such key" in str(exc):
                 return 0
-            raise TransportError(f"redis pending failed: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
-            raise TransportError(f"redis pending failed ({redact(self.url)}): {exc}") from exc
+            raise
 
     def backlog(self, stream: str) -> int:
-        with self._errors("backlog"):
-            return int(self._redis.xlen(stream))
+        return int(self._call("backlog", self._redis.xlen, stream))
 
     # ---- blobs and values ----------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
         ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
-        with self._errors("put_blob"):
+
+        def put():
             if ttl is None:
                 self._redis.set(key, data, nx=True)
                 self._redis.persist(key)
             elif not self._redis.pexpire(key, max(1, int(ttl * 1000))):  # refreshed if present
                 self._redis.set(key, data, px=max(1, int(ttl * 1000)), nx=True)
 
+        self._call("put_blob", put)
+
     def get_blob(self, key: str) -> bytes | None:
-        with self._errors("get_blob"):
-            return self._redis.get(key)
+        return self._call("get_blob", self._redis.get, key)
 
     def get_blobs(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        with self._errors("get_blobs"):
-            return self._redis.mget(list(keys))
+        return self._call("get_blobs", self._redis.mget, list(keys))
 
     def set_value(self, key: str, value: bytes) -> None:
-        with self._errors("set_value"):
-            self._redis.set(key, value)
+        self._call("set_value", self._redis.set, key, value)
 
     def set_value_nx(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
-        with self._errors("set_value_nx"):
-            px = max(1, int(ttl_s * 1000)) if ttl_s is not None else None
-            return bool(self._redis.set(key, value, nx=True, px=px))
+        px = max(1, int(ttl_s * 1000)) if ttl_s is not None else None
+        return bool(self._call("set_value_nx", self._redis.set, key, value, nx=True, px=px))
 
     def get_value(self, key: str) -> bytes | None:
-        with self._errors("get_value"):
-            return self._redis.get(key)
+        return self._call("get_value", self._redis.get, key)
 
     def close(self) -> None:
         for stream in [s for s in self._credits if self._credits_left(s)]:

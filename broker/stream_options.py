@@ -25,6 +25,9 @@ class StreamOptions:
     dead_max_len: int = 100_000
     """Dead-letter streams keep about this many of the newest entries (they are not work); the
     ZeroMQ broker keeps a fixed 100,000 per stream."""
+    reconnect_s: float = 30.0
+    """After a connection error (broker restarting, network blip) a call reconnects and retries
+    with exponential back-off for this long before it raises `TransportError`; 0 fails at once."""
 
     def __post_init__(self) -> None:
         if self.max_len < 1:
@@ -33,6 +36,8 @@ class StreamOptions:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if self.claim_idle_s <= 0:
             raise ValueError(f"claim_idle_s must be > 0, got {self.claim_idle_s}")
+        if self.reconnect_s < 0:
+            raise ValueError(f"reconnect_s must be >= 0, got {self.reconnect_s}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ Requests that cannot be answered yet are parked: a blocking `consume` until an e
 its `block_s` ends, a `credit` request until the backlog drops below `max_len` or its `wait_s`
 ends. That parking is the back-pressure: a slow consumer holds producers at the broker instead
 of letting the broker's memory grow.
+Retries are exactly-once: a client resends a request that timed out with the same request id
+(its socket identity is fixed, so it survives reconnects); the broker answers a repeat of the
+request it answered last with that same reply again, and ignores a repeat of one still parked.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class ZmqBroker:
         self.socket: zmq.Socket | None = None
         self._waiting_consume: dict[str, list] = {}
         self._waiting_credit: dict[str, deque] = {}
+        self._last_reply: dict[bytes, tuple] = {}  # client -> (rid, header, frames) of its last reply
+        self._parked: set[tuple[bytes, object]] = set()  # (client, rid) of requests not answered yet
         state = self.state
         self._ops = {
             "ping": lambda c, r, f: ("ok", "pong", None),
@@ -66,6 +71,7 @@ class ZmqBroker:
             "publish": self._publish,
             "release": self._release,
             "consume": self._consume,
+            "read_own": self._read_own,
             "ack": self._ack,
             "dead": self._dead,
             "dead_letters": self._dead_letters,
@@ -120,6 +126,8 @@ class ZmqBroker:
         try:
             request = msgspec.msgpack.decode(header.buffer)
             rid, op, args = request[0], request[1], request[2:]
+            if self._repeated(client, rid):
+                return
             reply = self._ops[op](client, rid, frames, *args)
         except KeyError as exc:
             reply = ("err", f"unknown op or stream/key: {exc}", None)
@@ -128,10 +136,27 @@ class ZmqBroker:
             reply = ("err", f"{type(exc).__name__}: {exc}", None)
         if reply is not None:
             self._reply(client, rid, *reply)
+        elif rid:
+            self._parked.add((client, rid))
+
+    def _repeated(self, client: bytes, rid) -> bool:
+        """A client's retry of its last request: answer it again (or wait for the parked one)."""
+        if not rid:
+            return False
+        if (client, rid) in self._parked:
+            return True
+        last = self._last_reply.get(client)
+        if last is not None and last[0] == rid:
+            self.socket.send_multipart([client, last[1], *last[2]], copy=False)
+            return True
+        return False
 
     def _reply(self, client: bytes, rid, status: str, result, credits, frames=()) -> None:
         """Header frame plus payload frames; stored frames are re-sent without copying."""
         header = msgspec.msgpack.encode([rid, status, result, credits])
+        self._parked.discard((client, rid))
+        if rid:
+            self._last_reply[client] = (rid, header, list(frames))
         self.socket.send_multipart([client, header, *frames], copy=False)
 
     # ---- flow control --------------------------------------------------------------------------
@@ -177,6 +202,12 @@ class ZmqBroker:
         args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped)
         self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
         return None
+
+    def _read_own(self, client, rid, frames, stream, group, consumer, after, count, max_deliveries):
+        out, capped, read = self.state.read_own(stream, group, consumer, int(after), count, max_deliveries)
+        self._serve_credit_waiters(stream, time.monotonic())  # the cap may have dead-lettered some
+        status, (entries, capped), credits, payloads = _deliveries_reply(out, capped)
+        return status, [entries, capped, read], credits, payloads
 
     def _serve_consumers(self, stream: str, now: float) -> None:
         waiters = self._waiting_consume.get(stream)

@@ -4,7 +4,8 @@ Pure Python, no sockets (the socket loop is `broker.zmq_broker`). Semantics matc
 transport: a consumer group starts at the stream's oldest retained entry; an entry is delivered
 to one consumer of each group, stays pending until acked, is reclaimed by another consumer once
 idle for `claim_idle_s`, and goes to the dead-letter list after `max_deliveries` deliveries. An
-entry is dropped once every group acked it, so `len(entries)` is the backlog.
+entry is dropped once every group acked it, so `len(entries)` is the backlog. `read_own` hands
+a consumer its own pending entries again (what a restarted process asks for first).
 
 Credit-based flow control: a producer may only publish with credits, and credits are granted
 only while backlog + outstanding credits < max_len. Grants are leased (`CREDIT_LEASE_S`), so a
@@ -127,17 +128,40 @@ class BrokerState:
             seq += 1
         return out, capped
 
+    def read_own(
+        self, name: str, group: str, consumer: str, after: int, count: int, max_deliveries: int
+    ) -> tuple[list[tuple[str, bytes, int]], int, int]:
+        """`consumer`'s own pending entries after sequence number `after`, redelivered (the attempt
+        counted, the idle clock restarted): ([(id, payload, attempts)], dead-lettered past the cap,
+        entries looked at). Fewer than `count` looked at means there are no more."""
+        s, g = self.stream(name), self.ensure_group(name, group)
+        mine = sorted(seq for seq, record in g.pending.items() if record[0] == consumer and seq > after)
+        mine = mine[:count]
+        out, dead, now = [], [], self.clock()
+        for seq in mine:
+            record = g.pending[seq]
+            if record[2] >= max_deliveries:
+                dead.append(seq)
+                continue
+            g.pending[seq] = [consumer, now, record[2] + 1]
+            out.append((str(seq), s.entries[seq][0], record[2] + 1))
+        self._dead_letter_capped(s, g, group, dead, max_deliveries)
+        return out, len(dead), len(mine)
+
+    def _dead_letter_capped(self, s, g, group, seqs, max_deliveries) -> None:
+        for seq in seqs:
+            attempts = g.pending.pop(seq)[2]
+            reason = f"delivered {attempts} times without ack (max_deliveries {max_deliveries})"
+            s.dead.append((str(seq), s.entries[seq][0], reason, group, attempts))
+            self._acked(s, seq)
+
     def _reclaim(self, s, g, group, consumer, count, idle_before, max_deliveries):
         claim, dead = [], []
         for seq, record in g.pending.items():
             if record[1] > idle_before or len(claim) >= count:
                 break
             (claim if record[2] < max_deliveries else dead).append(seq)
-        for seq in dead:
-            attempts = g.pending.pop(seq)[2]
-            reason = f"delivered {attempts} times without ack (max_deliveries {max_deliveries})"
-            s.dead.append((str(seq), s.entries[seq][0], reason, group, attempts))
-            self._acked(s, seq)
+        self._dead_letter_capped(s, g, group, dead, max_deliveries)
         now = self.clock()
         for seq in claim:  # re-inserted at the end: pending stays ordered by delivery time
             g.pending[seq] = [consumer, now, g.pending.pop(seq)[2] + 1]

@@ -7,6 +7,14 @@ Credit-based flow control: `publish` spends credits the broker granted for that 
 none left it asks for more (`credit_batch` at a time), and the broker parks that request while
 the stream's backlog plus the credits it already handed out reach `max_len`. A producer thus
 blocks until consumers ack, and gets `BackpressureTimeout` once `timeout` has passed.
+
+Restarts and reconnects: the first `consume` of a (stream, group, consumer) re-reads that
+consumer's own pending entries (`read_own`, page by page) before anything new, so a restarted
+process with the same consumer name gets its unacked entries back at once. The socket has a
+fixed identity and reconnects by itself (libzmq's back-off, 0.1 s doubling to 2 s); a request
+that gets no answer within `request_timeout_s` is resent with the same request id (the broker
+answers a repeat once: see `broker.zmq_broker`) after an exponential back-off, for up to
+`reconnect_s`, then `TransportError`. A broker that restarted has lost its in-memory state.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 
 import msgspec
@@ -55,10 +64,17 @@ class ZmqTransport(Transport):
         self.credit_batch = credit_batch
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)  # the same after a reconnect
+        self._socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         self._socket.connect(endpoint_of(url))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, valid until)
+        self._own_cursor: dict[tuple[str, str, str], int] = {}
+        self._own_done: set[tuple[str, str, str]] = set()
+        self.retries = 0
+        """Requests resent because the broker did not answer in time."""
         self._closed = False
         try:
             self._request("ping")
@@ -77,26 +93,46 @@ class ZmqTransport(Transport):
             if self._closed:
                 raise TransportError("transport is closed")
             rid = next(self._ids)
-            self._socket.send_multipart([msgspec.msgpack.encode([rid, op, *args]), *frames], copy=False)
-            deadline = time.monotonic() + timeout
+            message = [msgspec.msgpack.encode([rid, op, *args]), *frames]
+            give_up = time.monotonic() + self.options.reconnect_s
+            attempt = 0
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                    if time.monotonic() >= deadline:
-                        raise TransportError(
-                            f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s"
+                self._socket.send_multipart(message, copy=False)
+                reply = self._await(rid, time.monotonic() + timeout)
+                if reply is not None:
+                    break
+                attempt += 1
+                if time.monotonic() >= give_up:
+                    raise TransportError(
+                        f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s"
+                        + (
+                            f" ({attempt} attempts over {self.options.reconnect_s:.3g}s)"
+                            if attempt > 1
+                            else ""
                         )
-                    continue
-                header, *payloads = self._socket.recv_multipart(copy=False)
-                reply_id, status, result, credits = msgspec.msgpack.decode(header.buffer)
-                if credits is not None:  # late replies still tell us our credits
-                    stream, count, lease_s = credits
-                    self._credits[stream] = (count, time.monotonic() + 0.9 * lease_s)
-                if reply_id != rid:
-                    continue
-                if status in status_ok:
-                    return status, result, [p.bytes for p in payloads]
-                raise TransportError(f"zmq broker refused {op!r}: {result}")
+                    )
+                self.retries += 1
+                time.sleep(min(0.05 * 2 ** (attempt - 1), 2.0, max(0.0, give_up - time.monotonic())))
+        status, result, payloads = reply
+        if status in status_ok:
+            return status, result, payloads
+        raise TransportError(f"zmq broker refused {op!r}: {result}")
+
+    def _await(self, rid: int, deadline: float):
+        """The reply to request `rid` as (status, result, payload bytes), or None at the deadline."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            header, *payloads = self._socket.recv_multipart(copy=False)
+            reply_id, status, result, credits = msgspec.msgpack.decode(header.buffer)
+            if credits is not None:  # late replies still tell us our credits
+                stream, count, lease_s = credits
+                self._credits[stream] = (count, time.monotonic() + 0.9 * lease_s)
+            if reply_id == rid:
+                return status, result, [p.bytes for p in payloads]
 
     # ---- streams --------------------------------------------------------------------------------
     def ensure_group(self, stream: str, group: str) -> None:
@@ -151,6 +187,11 @@ class ZmqTransport(Transport):
         self, stream: str, group: str, consumer: str, *, count: int = 1, block_s: float = 1.0
     ) -> Deliveries:
         opts = self.options
+        key = (stream, group, consumer)
+        if key not in self._own_done:
+            own = self._read_own(key, max(1, count))
+            if own or own.capped:
+                return own
         block_s = max(0.0, block_s)
         _, (entries, capped), payloads = self._request(
             "consume",
@@ -163,6 +204,25 @@ class ZmqTransport(Transport):
             opts.max_deliveries,
             timeout=block_s + self.request_timeout_s,
         )
+        return Deliveries(
+            (
+                Delivery(stream, id_, payload, attempts)
+                for (id_, attempts), payload in zip(entries, payloads, strict=True)
+            ),
+            capped=capped,
+        )
+
+    def _read_own(self, key: tuple[str, str, str], count: int) -> Deliveries:
+        """The next page of this consumer's own pending entries (empty once all are re-read)."""
+        stream, group, consumer = key
+        after = self._own_cursor.get(key, 0)
+        _, (entries, capped, read), payloads = self._request(
+            "read_own", stream, group, consumer, after, count, self.options.max_deliveries
+        )
+        if entries:
+            self._own_cursor[key] = max(after, max(int(id_) for id_, _ in entries))
+        if read < count:
+            self._own_done.add(key)
         return Deliveries(
             (
                 Delivery(stream, id_, payload, attempts)

@@ -1,8 +1,9 @@
 """The transport contract, run against both implementations (real redis-server, real ZeroMQ broker).
 
 Every test runs once per `broker_url` kind: ack, no redelivery after ack, reclaim from a dead
-consumer, dead-letter after max_deliveries, backpressure / credit flow control, two groups,
-poisoned entries between good ones, blobs and values.
+consumer, a restarted consumer getting its own pending entries back at once, dead-letter after
+max_deliveries, backpressure / credit flow control, two groups, poisoned entries between good
+ones, blobs and values.
 """
 
 from __future__ import annotations
@@ -91,6 +92,48 @@ def test_unacked_entry_of_a_dead_consumer_is_reclaimed(connect, names):
     live.ack(names.rollouts, "g", [d.id for d in got])
     assert live.pending(names.rollouts, "g") == 0
     assert live.backlog(names.rollouts) == 0
+
+
+def test_a_restarted_consumer_gets_its_own_pending_entries_back_at_once(connect, names):
+    before = connect(claim_idle_s=600)
+    before.ensure_group(names.rollouts, "g")
+    for i in range(5):
+        before.publish(names.rollouts, f"job{i}".encode())
+    held = before.consume(names.rollouts, "g", "worker-0", count=3, block_s=0.5)
+    before.ack(names.rollouts, "g", [held[1].id])  # job1 done, job0 and job2 in progress
+    before.close()  # the process dies holding job0 and job2
+
+    other = connect(claim_idle_s=600)  # another consumer gets only new work, not worker-0's
+    assert [d.payload for d in other.consume(names.rollouts, "g", "worker-1", count=1, block_s=0.5)] == [
+        b"job3"
+    ]
+    after = connect(claim_idle_s=600)  # the restarted process, same consumer name
+    first = after.consume(names.rollouts, "g", "worker-0", count=1, block_s=0.5)  # pages of `count`
+    second = after.consume(names.rollouts, "g", "worker-0", count=5, block_s=0.5)
+    assert [(d.payload, d.attempts) for d in first + second] == [(b"job0", 2), (b"job2", 2)]
+    assert [d.id for d in first + second] == [held[0].id, held[2].id]
+    rest = after.consume(names.rollouts, "g", "worker-0", count=5, block_s=0.5)
+    assert [(d.payload, d.attempts) for d in rest] == [(b"job4", 1)]  # then new entries
+    assert after.consume(names.rollouts, "g", "worker-0", count=5, block_s=0.1) == []  # re-read once
+    after.ack(names.rollouts, "g", [d.id for d in first + second + rest])
+    assert after.pending(names.rollouts, "g") == 1  # worker-1's job3
+
+
+def test_own_pending_entries_past_the_redelivery_cap_are_dead_lettered(connect, names):
+    for attempt in range(1, 4):  # a poison entry kills its consumer each time it is read
+        t = connect(claim_idle_s=600, max_deliveries=2)
+        if attempt == 1:
+            t.ensure_group(names.rollouts, "g")
+            t.publish(names.rollouts, b"poison")
+        got = t.consume(names.rollouts, "g", "w", count=5, block_s=0.5)
+        if attempt <= 2:
+            assert [(d.payload, d.attempts) for d in got] == [(b"poison", attempt)]
+        else:
+            assert got == [] and got.capped == 1
+        t.close()
+    t = connect()
+    assert [(d.payload, d.attempts) for d in t.dead_letters(names.rollouts)] == [(b"poison", 2)]
+    assert t.pending(names.rollouts, "g") == 0 and t.backlog(names.rollouts) == 0
 
 
 def test_dead_letter_after_max_deliveries(connect, names):

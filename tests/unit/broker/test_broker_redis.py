@@ -1,4 +1,5 @@
-"""Redis-only parts of the transport: password from the url, clear connection errors."""
+"""Redis-only parts of the transport: password from the url, clear connection errors, surviving a
+killed and restarted redis-server (with AOF)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_missing_password_is_a_transport_error(redis_server_auth):
 
 def test_unreachable_server_is_a_transport_error():
     with pytest.raises(TransportError, match="connect failed"):
-        broker.connect(f"redis://127.0.0.1:{free_port()}/0")
+        broker.connect(f"redis://127.0.0.1:{free_port()}/0", reconnect_s=0)
 
 
 def test_redact_hides_passwords_only():
@@ -62,3 +63,45 @@ def test_a_dead_producers_unspent_credits_return_after_the_lease(redis_server, n
     assert live.backlog(names.rollouts) == 2
     live.close()
     dead._redis.close()
+
+
+def test_a_killed_and_restarted_server_with_aof_loses_nothing_and_clients_reconnect(tmp_path, names):
+    import threading
+
+    from broker.redis_server import LocalRedis
+
+    server = LocalRedis(data_dir=str(tmp_path)).start()
+    try:
+        t = broker.connect(server.url, reconnect_s=20)
+        t.ensure_group(names.rollouts, "g")
+        for i in range(3):
+            t.publish(names.rollouts, f"m{i}".encode())
+        held = t.consume(names.rollouts, "g", "c", count=2, block_s=0.5)
+        t.ack(names.rollouts, "g", [held[0].id])
+        server.kill()  # m1 pending on c, m2 not yet delivered
+        restart = threading.Timer(0.5, server.start)
+        restart.start()
+        t.publish(names.rollouts, b"m3")  # waits for the server, then goes through
+        restart.join()
+        assert t.reconnects >= 1
+        assert t.pending(names.rollouts, "g") == 1
+        got = t.consume(names.rollouts, "g", "c", count=10, block_s=0.5)
+        assert [d.payload for d in got] == [b"m2", b"m3"]
+        again = broker.connect(server.url).consume(names.rollouts, "g", "c", count=10, block_s=0.1)
+        assert [(d.payload, d.attempts) for d in again] == [(b"m1", 2), (b"m2", 2), (b"m3", 2)]
+    finally:
+        server.stop()
+
+
+def test_a_server_that_stays_down_is_a_transport_error_after_reconnect_s(tmp_path, names):
+    import time
+
+    from broker.redis_server import LocalRedis
+
+    server = LocalRedis(data_dir=str(tmp_path)).start()
+    t = broker.connect(server.url, reconnect_s=1.0)
+    server.kill()
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="attempts"):
+        t.get_value(names.learner_version)
+    assert 1.0 <= time.monotonic() - started < 5.0

@@ -64,7 +64,7 @@ def test_broker_survives_garbage_and_unknown_requests(zmq_broker, names):
 
 def test_unreachable_broker_is_a_transport_error():
     with pytest.raises(TransportError, match="did not answer"):
-        broker.connect(f"zmq://127.0.0.1:{free_port()}", request_timeout_s=0.3)
+        broker.connect(f"zmq://127.0.0.1:{free_port()}", request_timeout_s=0.3, reconnect_s=0)
 
 
 def test_endpoint_of():
@@ -82,3 +82,45 @@ def test_broker_process_cli_serves_and_stops(names):
             t.publish(names.rollouts, b"via the process")
             assert [d.payload for d in t.consume(names.rollouts, "g", "c", block_s=1)] == [b"via the process"]
     assert process.process.returncode is not None
+
+
+def test_a_resent_request_is_answered_once(zmq_broker, names):
+    """A client retry (same request id, same socket identity) does not publish twice."""
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.IDENTITY, b"retrying-client")
+    raw.connect(endpoint_of(zmq_broker.url))
+
+    def ask(*request, frames=()):
+        raw.send_multipart([msgspec.msgpack.encode(list(request)), *frames])
+        assert raw.poll(2000)
+        return msgspec.msgpack.decode(raw.recv_multipart()[0])
+
+    try:
+        assert ask(1, "credit", names.rollouts, 4, 10, 0.0)[1] == "ok"
+        first = ask(2, "publish", names.rollouts, frames=[b"once"])
+        again = ask(2, "publish", names.rollouts, frames=[b"once"])  # the reply was "lost": resent
+        assert first[1] == "ok" and again[:3] == first[:3]
+        assert ask(3, "backlog", names.rollouts)[2] == 1
+    finally:
+        raw.close()
+
+
+def test_requests_are_resent_until_the_broker_answers(names):
+    """A broker that is down for a moment (here: not started yet) is waited for, within reconnect_s."""
+    import threading
+
+    from broker.zmq_broker import BrokerThread
+
+    port = free_port()
+    late = BrokerThread(bind=f"tcp://127.0.0.1:{port}")
+    timer = threading.Timer(1.0, late.start)
+    timer.start()
+    try:
+        with broker.connect(f"zmq://127.0.0.1:{port}", request_timeout_s=0.3, reconnect_s=20) as t:
+            assert t.retries >= 1
+            t.set_value(names.learner_version, b"ok")
+            assert t.get_value(names.learner_version) == b"ok"
+    finally:
+        timer.join()
+        late.stop()
