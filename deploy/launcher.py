@@ -4,10 +4,21 @@
     python -m deploy --broker zmq            # the same over the ZeroMQ broker
     python -m deploy --task.shuffle-images   # control: images unrelated to the questions
     python -m deploy --config deploy/configs/demo.toml --learner.optim.lr 1e-4
+    python -m deploy --learner.gpus 0 --generator.gpus 0 ...          # one GPU shared (CUDA-IPC weights)
+    python -m deploy --learner.gpus 0-5 --generator.gpus 6-7 ...      # split GPUs (NCCL broadcast)
+    python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \
+        --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
+
+GPU indices count among CUDA_VISIBLE_DEVICES, as usual; which process gets which GPU and how the
+weights travel is decided by deploy.plan.plan_gpus (a shared GPU splits its memory between vLLM's
+`--generator.engine.gpu-memory-utilization` and the learner, which starts once vLLM is up).
+Before anything starts, deploy/preflight.py checks the checkpoint (Qwen2.5-VL, parameter count),
+the GPU indices, the memory estimate and that vLLM is importable; a failed start is explained.
 
 Stages, each shown in the live progress and logged with its start time in events.jsonl:
   build      the model preset, built locally (`python -m policy build`, cached by config hash);
-  task       the synthetic visual task's train/test splits (`python -m tasks synthetic`);
+  task       the synthetic visual task's train/test splits (`python -m tasks synthetic`), or the
+             Geometry3k parquet files preprocessed into prompt records (`python -m tasks geometry3k`);
   broker     a local redis-server (or `python -m broker zmq-broker`) on a free port;
   reward     `python -m reward_service` (its workers);
   warm-start the format warm start (`python -m deploy.warmstart`, random answers: no image
@@ -25,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
 import socket
@@ -34,7 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
-from deploy.plan import LaunchConfig, role_configs, write_role_configs
+from deploy.plan import GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs, write_role_configs
+from deploy.preflight import PreflightError, explain_failure, inspect_model, require_vllm, visible_gpus
 from deploy.processes import Child, ChildDied, ProcessGroup, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
 
@@ -80,7 +91,11 @@ class Launcher:
                     self.outcome, code = "interrupted", 130
                 except ChildDied as exc:
                     self.outcome, code = "failed", 1
-                    self.progress.message(f"[launcher] {exc}")
+                    self.progress.message(f"[launcher] {exc}{self._explain()}")
+                except (PreflightError, LayoutError) as exc:
+                    self.outcome, code = "failed", 2
+                    self.progress.message(f"[launcher] cannot start: {exc}")
+                    self._event("error", error=str(exc))
                 finally:
                     self._stop_all()
                 self._finish()
@@ -91,29 +106,59 @@ class Launcher:
 
     def _pipeline(self) -> None:
         cfg = self.cfg
+        self._plan(n_params=0)  # indices and overlaps, before anything is built
         model_dir = self._build_model()
-        task_dir = self._write_task()
+        gpus = self._plan(n_params=inspect_model(model_dir).n_params)
+        task_dir, test_dir = self._write_task(model_dir)
         broker_url = self._start_broker()
         self._stage("reward")
-        configs = role_configs(cfg, self.run_dir, model_dir, task_dir, broker_url, self.namespace)
-        paths = write_role_configs(configs, self.run_dir)
+
+        def configs_for(model: Path):
+            configs = role_configs(
+                cfg, self.run_dir, model, task_dir, broker_url, self.namespace, test_dir=test_dir, gpus=gpus
+            )
+            return configs, write_role_configs(configs, self.run_dir)
+
+        configs, paths = configs_for(model_dir)
         self._start(self.roles, "reward", "reward_service", ["--config", str(paths["reward"])])
         if cfg.warm_start.steps > 0:
-            model_dir = self._warm_start(model_dir, task_dir)
-            configs = role_configs(cfg, self.run_dir, model_dir, task_dir, broker_url, self.namespace)
-            paths = write_role_configs(configs, self.run_dir)
-        self._stage("rl")
-        self._start(self.roles, "generator", "generator", ["--config", str(paths["generator"])])
+            model_dir = self._warm_start(model_dir, task_dir, gpus)
+            configs, paths = configs_for(model_dir)
+        self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
+        generator = self._start(self.roles, "generator", "generator", ["--config", str(paths["generator"])])
+        if gpus.kind == "shared":  # vLLM checks the GPU's free memory at start: let it go first
+            self._wait_ready(generator, configs["generator"].metrics_port)
         learner = self._start(
             self.roles, "learner", "learner", ["--config", str(paths["learner"])], critical=False
         )
         self._train(learner, configs["generator"].metrics_port)
 
+    def _plan(self, n_params: int) -> GpuPlan:
+        """The GPU layout (deploy.plan.plan_gpus) on this machine's GPUs; a GPU run needs vLLM importable."""
+        cfg = self.cfg
+        wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
+        gpus = plan_gpus(
+            cfg.learner.gpus,
+            cfg.generator.gpus,
+            visible_gpus() if wanted else [],
+            tp=cfg.generator.tp,
+            n_params=n_params,
+            kl=cfg.learner.loss.kl_coef > 0,
+            gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+        )
+        if gpus.kind != "cpu":
+            require_vllm()
+            for group in (self.infra, self.roles):
+                group.env.update(gpu_env(os.environ))
+        if n_params:
+            self._event("plan", **dataclasses.asdict(gpus), n_params=n_params)
+        return gpus
+
     # ------------------------------------------------------------------ stages
     def _build_model(self) -> Path:
         if self.cfg.model:
             self._stage("build", f"using {self.cfg.model}")
-            return Path(self.cfg.model).resolve()
+            return inspect_model(self.cfg.model).path
         self._stage("build", self.cfg.preset)
         child = self._start(
             self.infra,
@@ -125,7 +170,10 @@ class Launcher:
         self._wait(child)
         return Path(child.log_path.read_text().strip().splitlines()[-1])
 
-    def _write_task(self) -> Path:
+    def _write_task(self, model_dir: Path) -> tuple[Path, Path]:
+        """(training task directory, held-out task directory) of this run."""
+        if self.cfg.task.task == "geometry3k":
+            return self._geometry3k(model_dir)
         t = self.cfg.task
         self._stage(
             "task",
@@ -146,13 +194,35 @@ class Launcher:
             str(t.n_colours),
             "--image-size",
             str(t.image_size),
+            "--max-count",
+            str(t.max_count),
             "--seed",
             str(t.seed),
         ]
         if t.shuffle_images:
             args.append("--shuffle-images")
         self._wait(self._start(self.infra, "task", "tasks", args, critical=False))
-        return out
+        return out, out
+
+    def _geometry3k(self, model_dir: Path) -> tuple[Path, Path]:
+        """Preprocess the train and test parquet files into two task directories (one child each)."""
+        from tasks.geometry3k import find_splits
+
+        t, g = self.cfg.task, self.cfg.generator
+        try:
+            splits = find_splits(t.data_dir)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+        self._stage("task", f"geometry3k from {t.data_dir}: " + ", ".join(p.name for p in splits.values()))
+        max_prompt_len = g.engine.max_model_len - g.sampling.max_tokens
+        dirs = {}
+        for split, parquet in splits.items():
+            out = self.run_dir / "data" / split
+            args = ["geometry3k", "--input", str(parquet), "--out", str(out), "--split", split]
+            args += ["--model", str(model_dir), "--max-prompt-len", str(max_prompt_len)]
+            self._wait(self._start(self.infra, f"task-{split}", "tasks", args, critical=False))
+            dirs[split] = out
+        return dirs["train"], dirs["test"]
 
     def _start_broker(self) -> str:
         self._stage("broker", self.cfg.broker)
@@ -187,7 +257,7 @@ class Launcher:
             time.sleep(0.1)
         return url
 
-    def _warm_start(self, model_dir: Path, task_dir: Path) -> Path:
+    def _warm_start(self, model_dir: Path, task_dir: Path, gpus: GpuPlan) -> Path:
         ws = self.cfg.warm_start
         self._stage("warm-start", f"{ws.steps} supervised steps on random answers")
         out = self.run_dir / "warmstart" / "model"
@@ -210,12 +280,34 @@ class Launcher:
                 str(ws.lr),
                 "--seed",
                 str(self.cfg.learner.seed),
+                "--thought",
+                ws.thought,
+                "--device",
+                "cpu" if gpus.kind == "cpu" else "cuda",
             ],
             critical=False,
+            env={"CUDA_VISIBLE_DEVICES": gpus.learner_gpus.split(",")[0]} if gpus.kind != "cpu" else None,
         )
         tail_ = JsonlTail(out.with_name(out.name + ".metrics.jsonl"))
         self._wait(child, on_tick=lambda: self.status.warm(tail_.read()))
         return out
+
+    def _wait_ready(self, generator: Child, port: int) -> None:
+        """Wait until the generator serves (its metrics port is open, or its log says so)."""
+        self.progress.message(
+            "[launcher] waiting for the generator's vLLM engine before starting the learner"
+        )
+        deadline = time.monotonic() + self.cfg.generator_start_s
+        while not (port_open(port) if port else "serving version" in tail(generator.log_path, 200)):
+            self.infra.check()
+            self.roles.check()
+            if time.monotonic() > deadline:
+                raise ChildDied(
+                    f"the generator's vLLM engine did not start within {self.cfg.generator_start_s:.0f} s "
+                    f"(--generator-start-s); last log lines:\n{tail(generator.log_path)}"
+                )
+            self.progress.show(self.status)
+            time.sleep(0.5)
 
     def _train(self, learner: Child, generator_port: int) -> None:
         metrics = self.metrics
@@ -254,9 +346,15 @@ class Launcher:
 
     # ------------------------------------------------------------------ helpers
     def _start(
-        self, group: ProcessGroup, name: str, module: str, args: list[str], critical: bool = True
+        self,
+        group: ProcessGroup,
+        name: str,
+        module: str,
+        args: list[str],
+        critical: bool = True,
+        env: dict[str, str] | None = None,
     ) -> Child:
-        child = group.python(name, module, args, critical=critical)
+        child = group.python(name, module, args, critical=critical, env=env)
         self._write_pids()
         return child
 
@@ -292,6 +390,15 @@ class Launcher:
         pids = {c.name: c.popen.pid for g in (self.infra, self.roles) for c in g.children}
         (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
 
+    def _explain(self) -> str:
+        """The known fix for the first child that died with a recognisable error ("" if none)."""
+        for child in (c for g in (self.infra, self.roles) for c in g.children):
+            if child.popen.poll() not in (None, 0) or "Error" in tail(child.log_path, 5):
+                fix = explain_failure(tail(child.log_path, 300))
+                if fix:
+                    return f"\n[launcher] {child.name}: {fix}"
+        return ""
+
     def _stop_all(self) -> None:
         """Stop the roles (newest first), then the broker; a second Ctrl-C cannot interrupt this."""
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -304,7 +411,7 @@ class Launcher:
             signal.signal(signal.SIGINT, previous)
 
     def _finish(self) -> None:
-        from deploy.plot import plot_runs, run_curve
+        from deploy.plot import plot_runs, run_curve, summarize
 
         self.status.learner(self.metrics.read())
         curve = run_curve(self.run_dir, label="demo" if not self.cfg.task.shuffle_images else "control")
@@ -313,7 +420,8 @@ class Launcher:
         png = plot_runs(
             [curve],
             self.run_dir / "curve.png",
-            title=f"Parallax {self.cfg.preset} on '{self.cfg.task.task}'"
+            title=f"Parallax {Path(self.cfg.model).name if self.cfg.model else self.cfg.preset} "
+            f"on '{self.cfg.task.task}'"
             + (" (control: shuffled images)" if self.cfg.task.shuffle_images else ""),
         )
         self.progress.show(self.status, force=True)
@@ -323,30 +431,6 @@ class Launcher:
             f"{summary['final_eval_accuracy']} (best {summary['best_eval_accuracy']}); "
             f"run dir {self.run_dir}; plot {png}"
         )
-
-
-def summarize(curve, outcome: str, target: float) -> dict:
-    """The run's headline numbers (summary.json)."""
-    evals = list(zip(curve.eval_t, curve.eval_step, curve.eval_acc))
-    hit = next((t for t, _, acc in evals if acc >= target), None)
-    return {
-        "outcome": outcome,
-        "minutes": curve.reward_t[-1] if curve.reward_t else 0.0,
-        "steps": len(curve.reward),
-        "first_eval_accuracy": evals[0][2] if evals else None,
-        "final_eval_accuracy": evals[-1][2] if evals else None,
-        "best_eval_accuracy": max((a for *_, a in evals), default=None),
-        "target": target,
-        "minutes_to_target": hit,
-        "evals": [{"minutes": round(t, 2), "step": s, "accuracy": a} for t, s, a in evals],
-        "stages": {k: [_finite(v[0]), _finite(v[1])] for k, v in curve.stages.items()},
-        "chance": _finite(curve.chance, 4),
-    }
-
-
-def _finite(value: float, digits: int = 2) -> float | None:
-    """Rounded, or None for NaN/inf (JSON has no NaN): a stage still running has no end."""
-    return round(value, digits) if math.isfinite(value) else None
 
 
 def child_env(threads: int, run_id: str) -> dict[str, str]:
@@ -359,6 +443,21 @@ def child_env(threads: int, run_id: str) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         RUN_ID_ENV: run_id,
     }
+
+
+GPU_ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # its sampler needs flashinfer, which vLLM does not require
+    "NCCL_NVLS_ENABLE": "0",  # NVLink multicast (NVLS) is not usable on the lent machines
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
+}
+"""Environment of every child on a GPU layout (a value already in the environment wins)."""
+
+
+def gpu_env(environ) -> dict[str, str]:
+    """GPU_ENV, without the variables the user already set."""
+    return {k: v for k, v in GPU_ENV.items() if k not in environ}
 
 
 def free_port() -> int:
@@ -379,8 +478,18 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def task_shorthand(argv: list[str]) -> list[str]:
+    """`--task NAME` (e.g. `--task geometry3k`) means `--task.task NAME`."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--task" and not out[i + 1].startswith("-"):
+            out[i] = "--task.task"
+    return [("--task.task=" + a.split("=", 1)[1]) if a.startswith("--task=") else a for a in out]
+
+
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
 
-    cfg = load_config(LaunchConfig, list(sys.argv[1:] if argv is None else argv), description=__doc__)
+    args = task_shorthand(list(sys.argv[1:] if argv is None else argv))
+    cfg = load_config(LaunchConfig, args, description=__doc__)
     return Launcher(cfg).run()

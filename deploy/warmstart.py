@@ -12,7 +12,11 @@ W is independent of the image, the data carries no information about what the im
 model learns the format and a uniform prior over answers, held-out accuracy stays at chance,
 and everything it later learns about the images comes from RL.
 
-    python -m deploy.warmstart --model BASE_DIR --task-dir DATA --out OUT_DIR [--steps 40]
+    python -m deploy.warmstart --model BASE_DIR --task-dir DATA --out OUT_DIR [--steps 40] [--device cuda]
+
+On a GPU (`--device cuda`, what the launcher passes on a GPU layout) the model keeps fp32 weights
+and runs its forward under bf16 autocast; `--thought` sets the text of the think block (a longer
+one makes every later response that much longer).
 
 Writes a Hugging Face checkpoint (what the generator and learner load) into OUT_DIR and one JSON
 line per step into OUT_DIR.metrics.jsonl (`{"stage": "warm-start", "step", "loss", ...}`).
@@ -56,11 +60,15 @@ class WarmStartConfig:
     """Seed of the prompt order and of the random answers."""
     threads: int = 0
     """torch threads (0 = torch's default)."""
+    device: str = "cpu"
+    """cpu, or cuda (fp32 weights, bf16 autocast)."""
+    thought: str = THOUGHT
+    """The fixed content of the <think> block."""
 
 
-def response_text(answer: str) -> str:
+def response_text(answer: str, thought: str = THOUGHT) -> str:
     """The response the warm start teaches for one (random) answer."""
-    return f"<think> {THOUGHT} </think> \\boxed{{{answer}}}"
+    return f"<think> {thought} </think> \\boxed{{{answer}}}"
 
 
 def answer_vocabulary(records) -> dict[str, list[str]]:
@@ -99,7 +107,9 @@ def run(cfg: WarmStartConfig) -> Path:
     processor = load_processor(cfg.model)
     tok = processor.tokenizer
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model = load_model(cfg.model, dtype="float32").train()
+    device = torch.device(cfg.device)
+    model = load_model(cfg.model, dtype="float32", device=device).train()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     policy = PackedPolicy(model)
     image_token_id = model.config.image_token_id
     cache = PixelCache(processor.image_processor)
@@ -115,12 +125,13 @@ def run(cfg: WarmStartConfig) -> Path:
             for i in batch:
                 r = records[i]
                 prompt = render_prompt_ids(processor, r.problem, len(r.images))
-                response = tok.encode(response_text(targets[i]), add_special_tokens=False) + [end_id]
+                text = response_text(targets[i], cfg.thought)
+                response = tok.encode(text, add_special_tokens=False) + [end_id]
                 images = [(ref.sha256, read_image_bytes(cfg.task_dir, ref)) for ref in r.images]
                 samples.append(make_sample(prompt, response, images, cache, image_token_id))
-            logprobs, _ = policy(
-                pack(samples, image_token_id, processor.image_processor.merge_size), with_entropy=False
-            )
+            packed = pack(samples, image_token_id, processor.image_processor.merge_size).to(device)
+            with autocast:
+                logprobs, _ = policy(packed, with_entropy=False)
             loss = -logprobs.mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -147,7 +158,7 @@ def _save(trained, base_dir: str, processor, out: Path) -> None:
     from policy.loading import load_model
 
     fresh = load_model(base_dir, dtype="float32")
-    fresh.load_state_dict(trained.state_dict(), strict=True)
+    fresh.load_state_dict({k: v.cpu() for k, v in trained.state_dict().items()}, strict=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp)

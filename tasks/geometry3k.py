@@ -10,6 +10,9 @@ and logged when: the answer is missing or empty, an image is missing or undecoda
 tokens after image expansion.
 
     python -m tasks geometry3k --input train.parquet --out data/geo3k --split train --model MODEL_DIR
+
+`find_splits(data_dir)` locates the train and test parquet files of a downloaded copy (the
+Hugging Face layout `data/train-00000-of-00001.parquet`, or plain `train.parquet`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,38 @@ class Geo3kConfig:
     """Longest prompt kept, in tokens after image expansion."""
     instruction: str = INSTRUCTION
     """Appended to each problem."""
+
+
+SPLITS = ("train", "test")
+"""The splits a run uses: it trains on train and evaluates on test (as EasyR1 and veRL do)."""
+
+
+def find_splits(data_dir: str | Path) -> dict[str, Path]:
+    """{"train": path, "test": path}: the one parquet file of each split under `data_dir` (recursive).
+
+    A split is matched by file name: `<split>.parquet` or `<split>-NNNNN-of-NNNNN.parquet`. A missing
+    or ambiguous split is a ValueError that says what was found.
+    """
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(
+            f"--task.data-dir {root} is not a directory: download the data set first, e.g. "
+            f"`huggingface-cli download hiyouga/geometry3k --repo-type dataset --local-dir {root}`"
+        )
+    found = {}
+    for split in SPLITS:
+        matches = sorted(
+            p for p in root.rglob("*.parquet") if p.stem == split or p.stem.startswith(f"{split}-")
+        )
+        if len(matches) != 1:
+            listed = ", ".join(str(p.relative_to(root)) for p in sorted(root.rglob("*.parquet"))) or "none"
+            problem = "no" if not matches else f"{len(matches)}"
+            raise ValueError(
+                f"{root} holds {problem} {split} parquet file(s) (found: {listed}); it needs exactly one "
+                f"{split}.parquet or {split}-00000-of-00001.parquet (hiyouga/geometry3k layout)"
+            )
+        found[split] = matches[0]
+    return found
 
 
 def iter_rows(path: Path, batch_size: int = 256) -> Iterator[dict]:

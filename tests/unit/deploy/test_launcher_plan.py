@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.launcher import summarize
 from deploy.plan import LaunchConfig, role_configs, write_role_configs, write_toml
-from deploy.plot import plot_runs, run_curve, smooth
+from deploy.plot import plot_runs, run_curve, smooth, summarize
 from deploy.progress import JsonlTail, Rate, RunStatus
 from generator.config import GeneratorConfig
 from learner.config import LearnerConfig

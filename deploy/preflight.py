@@ -1,0 +1,230 @@
+"""Checks the launcher makes before it starts anything, and how it explains a failed start.
+
+- `inspect_model(path)`: is it a Hugging Face Qwen2.5-VL checkpoint (config.json, safetensors
+  weights, tokenizer, image processor), and how many parameters does it have (read from the
+  safetensors headers: nothing is loaded)?
+- `visible_gpus()`: the GPUs this process may use, indexed as CUDA_VISIBLE_DEVICES numbers them
+  (`nvidia-smi`, so torch is not imported here).
+- `require_vllm()`: vLLM must be importable by the children on a GPU run.
+- `explain_failure(log_text)`: the fix for a generator or learner that died in a known way
+  (vLLM out of memory, vLLM not installed, no CUDA device, ...), or "".
+
+Every problem is a `PreflightError` whose message names the fix; the launcher prints it and stops
+whatever it had started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.plan import GpuInfo
+
+QWEN2_5_VL = "qwen2_5_vl"
+BUILD_HINT = "python -m policy build --preset small --out DIR"
+
+
+class PreflightError(RuntimeError):
+    """A problem found before (or while) starting the run; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the launcher needs to know about a checkpoint before starting it."""
+
+    path: Path
+    n_params: int
+    """Parameters counted from the safetensors headers."""
+    dtype: str
+    """torch_dtype / dtype of config.json (what the checkpoint stores)."""
+
+
+def inspect_model(path: str | Path) -> ModelInfo:
+    """A Qwen2.5-VL checkpoint's parameter count; PreflightError (with the fix) for anything else."""
+    path = Path(path).expanduser()
+    fix = (
+        f"pass --model a Hugging Face Qwen2.5-VL directory (e.g. `huggingface-cli download "
+        f"Qwen/Qwen2.5-VL-7B-Instruct --local-dir DIR`) or build one with `{BUILD_HINT}`"
+    )
+    if not path.is_dir():
+        raise PreflightError(f"--model {path} is not a directory: {fix}")
+    config = path / "config.json"
+    if not config.is_file():
+        raise PreflightError(
+            f"--model {path} has no config.json, so it is not a Hugging Face checkpoint: {fix}"
+        )
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"{config} is not readable JSON ({exc}): {fix}") from None
+    model_type = data.get("model_type")
+    architectures = data.get("architectures") or []
+    if model_type != QWEN2_5_VL:
+        raise PreflightError(
+            f"--model {path} is a {model_type or 'untyped'} checkpoint "
+            f"({', '.join(architectures) or 'no architectures'}), not Qwen2.5-VL "
+            f"(config.json model_type {QWEN2_5_VL!r}): {fix}"
+        )
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise PreflightError(
+            f"--model {path} has no *.safetensors weights (vLLM and the learner read safetensors only): "
+            f"convert it with `model.save_pretrained(DIR, safe_serialization=True)` or {fix}"
+        )
+    missing = [
+        name
+        for name, options in (
+            ("tokenizer", ("tokenizer.json", "tokenizer_config.json")),
+            ("image processor", ("preprocessor_config.json", "processor_config.json")),
+        )
+        if not any((path / o).is_file() for o in options)
+    ]
+    if missing:
+        raise PreflightError(
+            f"--model {path} has no {' and no '.join(missing)} files: copy them from the checkpoint it "
+            f"was trained from (`AutoProcessor.from_pretrained(BASE).save_pretrained(DIR)`) or {fix}"
+        )
+    n_params = sum(_safetensors_numel(s) for s in shards)
+    text = data.get("text_config") or {}
+    dtype = str(data.get("torch_dtype") or data.get("dtype") or text.get("dtype") or "")
+    return ModelInfo(path=path.resolve(), n_params=n_params, dtype=dtype)
+
+
+def _safetensors_numel(path: Path) -> int:
+    """Elements of every tensor in one safetensors file (its JSON header only)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise PreflightError(f"{path} is truncated (no safetensors header): download it again")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 << 20:
+            raise PreflightError(f"{path} is not a safetensors file (header of {size} bytes)")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise PreflightError(f"{path} has a corrupt safetensors header: download it again") from None
+    total = 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            n = 1
+            for d in entry["shape"]:
+                n *= d
+            total += n
+    return total
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[GpuInfo]:
+    """The GPUs this launcher may use, indexed 0.. in CUDA_VISIBLE_DEVICES order ([] when none)."""
+    env = os.environ if env is None else env
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = parse_nvidia_smi(out)
+    return restrict_visible(gpus, env.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_nvidia_smi(text: str) -> list[GpuInfo]:
+    """`index, memory.total [MiB], name` lines -> GpuInfo (index = physical until restricted)."""
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",", 2)]
+        if len(parts) >= 2 and parts[0].isdigit():
+            physical = int(parts[0])
+            gpus.append(
+                GpuInfo(physical, physical, float(parts[1]) / 1024, parts[2] if len(parts) > 2 else "")
+            )
+    return gpus
+
+
+def restrict_visible(gpus: list[GpuInfo], cuda_visible: str | None) -> list[GpuInfo]:
+    """Apply CUDA_VISIBLE_DEVICES: the listed physical GPUs, renumbered 0.. in the listed order."""
+    if cuda_visible is None:
+        return gpus
+    by_physical = {g.physical: g for g in gpus}
+    out = []
+    for item in filter(None, (x.strip() for x in cuda_visible.split(","))):
+        if not item.isdigit():
+            raise PreflightError(
+                f"CUDA_VISIBLE_DEVICES={cuda_visible!r} lists {item!r}: use numeric indices (the launcher "
+                "hands each process its GPUs by index)"
+            )
+        g = by_physical.get(int(item))
+        if g is None:
+            break  # CUDA stops at the first invalid entry as well
+        out.append(GpuInfo(len(out), g.physical, g.memory_gib, g.name))
+    return out
+
+
+def require_vllm() -> None:
+    """vLLM must be importable (the generator children inherit this PYTHONPATH)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise PreflightError(
+            "vLLM is not importable, and the generator needs it on a GPU: `pip install vllm` (a release "
+            "built for this torch), or put an installed copy on PYTHONPATH (e.g. export "
+            "PYTHONPATH=/tmp/site:$PWD)"
+        )
+
+
+_KNOWN_FAILURES: list[tuple[str, str]] = [
+    (
+        r"No module named '?vllm'?",
+        "vLLM is not importable in the generator: `pip install vllm` or put it on PYTHONPATH",
+    ),
+    (
+        r"Free memory on device .* is less than desired GPU memory utilization"
+        r"|less than desired GPU memory utilization",
+        "another process holds the GPU memory vLLM asked for: lower "
+        "--generator.engine.gpu-memory-utilization, or free the GPU (nvidia-smi shows who holds it)",
+    ),
+    (
+        r"No available memory for the cache blocks|is larger than the available KV cache memory"
+        r"|KV cache is needed, which is larger than the available",
+        "vLLM has too little memory for its KV cache: raise --generator.engine.gpu-memory-utilization "
+        "(or --generator.engine.kv-cache-gb), or lower --generator.engine.max-model-len",
+    ),
+    (
+        r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory",
+        "a process ran out of GPU memory: lower --generator.engine.gpu-memory-utilization to leave the "
+        "learner more (shared GPU), lower --learner.batching.max-tokens-per-microbatch, or use more GPUs",
+    ),
+    (
+        r"max_model_len.*(greater than|exceeds|larger than)|User-specified max_model_len",
+        "--generator.engine.max-model-len exceeds what the model supports (max_position_embeddings): "
+        "lower it",
+    ),
+    (
+        r"no CUDA GPUs are available|CUDA driver initialization failed|Found no NVIDIA driver",
+        "no CUDA device is usable: check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU (drop the "
+        "--learner.gpus / --generator.gpus flags)",
+    ),
+    (
+        r"No module named '?flashinfer",
+        "vLLM tried to use FlashInfer, which is not installed: export VLLM_USE_FLASHINFER_SAMPLER=0 "
+        "(the launcher sets it unless the environment overrides it) or install flashinfer",
+    ),
+]
+
+
+def explain_failure(log_text: str) -> str:
+    """The fix for the first known failure pattern in a process's log, or ""."""
+    for pattern, fix in _KNOWN_FAILURES:
+        if re.search(pattern, log_text):
+            return fix
+    return ""

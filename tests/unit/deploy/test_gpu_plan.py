@@ -1,0 +1,220 @@
+"""GPU layout planning (deploy.plan.plan_gpus) and the launcher's preflight checks (deploy/preflight.py).
+
+CPU only: the GPUs are described, never used.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from deploy.launcher import gpu_env, task_shorthand
+from deploy.plan import GpuInfo, GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs
+from deploy.preflight import (
+    PreflightError,
+    explain_failure,
+    inspect_model,
+    parse_nvidia_smi,
+    restrict_visible,
+)
+
+
+def h200s(n: int, gib: float = 139.8) -> list[GpuInfo]:
+    return [GpuInfo(i, i, gib, "NVIDIA H200") for i in range(n)]
+
+
+def test_no_gpus_is_the_cpu_layout():
+    plan = plan_gpus("", "", [])
+    assert plan.kind == "cpu" and plan.weight_transport == "broadcast"
+    assert plan.learner_gpus == plan.generator_gpus == "" and plan.engines == ()
+
+
+def test_one_shared_gpu_uses_cuda_ipc_and_splits_memory():
+    plan = plan_gpus("0", "0", h200s(1), n_params=200_000_000, gpu_memory_utilization=0.3)
+    assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
+    assert plan.learner_gpus == plan.generator_gpus == "0" and plan.engines == ((0,),)
+    assert plan.generator_gib == pytest.approx(0.3 * 139.8)
+    assert 0 < plan.learner_gib < 139.8 * 0.7
+
+
+def test_split_layout_broadcasts_one_engine_per_gpu():
+    plan = plan_gpus("0-5", "6-7", h200s(8), n_params=8_300_000_000)
+    assert plan.kind == "split" and plan.weight_transport == "broadcast"
+    assert plan.learner_gpus == "0,1,2,3,4,5" and plan.generator_gpus == "6,7"
+    assert plan.engines == ((6,), (7,))
+
+
+def test_tensor_parallel_generators_group_their_gpus():
+    plan = plan_gpus("0-3", "4-7", h200s(8), tp=2)
+    assert plan.engines == ((4, 5), (6, 7))
+    with pytest.raises(LayoutError, match="--generator.tp 3 does not divide"):
+        plan_gpus("0-3", "4-7", h200s(8), tp=3)
+
+
+def test_indices_follow_cuda_visible_devices():
+    visible = restrict_visible(h200s(8), "4,5,6")
+    assert [(g.index, g.physical) for g in visible] == [(0, 4), (1, 5), (2, 6)]
+    plan = plan_gpus("0", "1-2", visible)
+    assert plan.learner_gpus == "4" and plan.engines == ((5,), (6,))
+
+
+def test_a_missing_gpu_index_names_the_gpus_there_are():
+    with pytest.raises(LayoutError, match=r"GPU index 3 does not exist: this machine shows GPUs 0, 1"):
+        plan_gpus("0", "3", h200s(2))
+    with pytest.raises(LayoutError, match="shows no GPU"):
+        plan_gpus("0", "0", [])
+
+
+@pytest.mark.parametrize(
+    ("learner", "generator"),
+    [("0-1", "1-2"), ("0-1", "0-1"), ("0", "0-1")],
+)
+def test_overlapping_layouts_are_refused(learner, generator):
+    with pytest.raises(LayoutError, match="is in both --learner.gpus and --generator.gpus"):
+        plan_gpus(learner, generator, h200s(4))
+
+
+def test_one_side_only_or_garbage_is_refused():
+    with pytest.raises(LayoutError, match="--learner.gpus is set but --generator.gpus is not"):
+        plan_gpus("0", "", h200s(1))
+    with pytest.raises(LayoutError, match="is not a GPU list"):
+        plan_gpus("zero", "1", h200s(2))
+    with pytest.raises(LayoutError, match="names a GPU twice"):
+        plan_gpus("0,0", "1", h200s(2))
+
+
+def test_a_7b_learner_does_not_fit_next_to_vllm_on_one_gpu():
+    with pytest.raises(LayoutError, match=r"learner needs at least .* GiB .* lower --generator.engine"):
+        plan_gpus("0", "0", h200s(1), n_params=8_300_000_000, kl=True, gpu_memory_utilization=0.5)
+    # sharded over six GPUs it fits
+    assert plan_gpus("0-5", "6-7", h200s(8), n_params=8_300_000_000, kl=True).kind == "split"
+
+
+def test_vllm_share_must_hold_the_weights():
+    with pytest.raises(LayoutError, match="raise --generator.engine.gpu-memory-utilization"):
+        plan_gpus("0-5", "6", h200s(8), n_params=8_300_000_000, gpu_memory_utilization=0.1)
+
+
+def test_role_configs_take_the_plan():
+    cfg = LaunchConfig()
+    plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc")
+    configs = role_configs(
+        cfg, _p("/r"), _p("/m"), _p("/d/train"), "zmq://x:1", "ns", test_dir=_p("/d/test"), gpus=plan
+    )
+    learner, generator = configs["learner"], configs["generator"]
+    assert learner.gpus == generator.gpus == "0"
+    assert _transport(learner) == "cuda-ipc"
+    assert learner.feeder.train_data == "/d/train" and learner.feeder.test_data == "/d/test"
+    cfg.learner = _with_transport(cfg.learner, "cuda-ipc")
+    with pytest.raises(LayoutError, match="needs the learner and the generator on one shared GPU"):
+        role_configs(
+            cfg,
+            _p("/r"),
+            _p("/m"),
+            _p("/d"),
+            "zmq://x:1",
+            "ns",
+            gpus=GpuPlan("split", "0", "1", ((1,),), "broadcast"),
+        )
+
+
+def test_nvidia_smi_lines_parse():
+    gpus = parse_nvidia_smi("0, 143771, NVIDIA H200\n1, 143771, NVIDIA H200\n")
+    assert [(g.index, round(g.memory_gib, 1), g.name) for g in gpus] == [
+        (0, 140.4, "NVIDIA H200"),
+        (1, 140.4, "NVIDIA H200"),
+    ]
+    with pytest.raises(PreflightError, match="use numeric indices"):
+        restrict_visible(gpus, "GPU-1234")
+
+
+def _checkpoint(tmp_path, model_type="qwen2_5_vl", shapes=((4, 8), (3,))):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
+    header = {
+        f"t{i}": {"dtype": "F32", "shape": list(s), "data_offsets": [0, 0]} for i, s in enumerate(shapes)
+    }
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    (d / "tokenizer.json").write_text("{}")
+    (d / "preprocessor_config.json").write_text("{}")
+    return d
+
+
+def test_inspect_model_counts_parameters_from_the_headers(tmp_path):
+    info = inspect_model(_checkpoint(tmp_path))
+    assert info.n_params == 4 * 8 + 3
+
+
+def test_a_checkpoint_that_is_not_qwen2_5_vl_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(
+        PreflightError, match=r"is a llama checkpoint .*not Qwen2.5-VL .*python -m policy build"
+    ):
+        inspect_model(_checkpoint(tmp_path, model_type="llama"))
+    with pytest.raises(PreflightError, match="is not a directory"):
+        inspect_model(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match="has no config.json"):
+        inspect_model(tmp_path / "empty")
+
+
+def test_a_checkpoint_without_weights_or_processor_is_refused(tmp_path):
+    d = _checkpoint(tmp_path)
+    (d / "preprocessor_config.json").unlink()
+    with pytest.raises(PreflightError, match="no image processor"):
+        inspect_model(d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(PreflightError, match=r"no \*.safetensors"):
+        inspect_model(d)
+
+
+def test_known_vllm_failures_are_explained():
+    log = (
+        "ValueError: Free memory on device (10.0/139.8 GiB) on startup is less than desired GPU memory "
+        "utilization (0.9, 125.8 GiB)."
+    )
+    assert "lower --generator.engine.gpu-memory-utilization" in explain_failure(log)
+    assert "pip install vllm" in explain_failure("ModuleNotFoundError: No module named 'vllm'")
+    assert "max-model-len" in explain_failure(
+        "ValueError: User-specified max_model_len (9000) is greater than the derived max_model_len"
+    )
+    assert explain_failure("all good") == ""
+
+
+def test_gpu_env_keeps_what_the_user_set():
+    env = gpu_env({"NCCL_NVLS_ENABLE": "1"})
+    assert "NCCL_NVLS_ENABLE" not in env and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_task_shorthand():
+    assert task_shorthand(["--task", "geometry3k", "--task.data-dir", "D"]) == [
+        "--task.task",
+        "geometry3k",
+        "--task.data-dir",
+        "D",
+    ]
+    assert task_shorthand(["--task=count"]) == ["--task.task=count"]
+
+
+def _p(s):
+    from pathlib import Path
+
+    return Path(s)
+
+
+def _transport(learner):
+    from deploy.plan import weight_transport_of
+
+    return weight_transport_of(learner)
+
+
+def _with_transport(learner, name):
+    import dataclasses
+
+    section = getattr(learner, "weight_sync", None)
+    if dataclasses.is_dataclass(section):
+        return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=name))
+    return dataclasses.replace(learner, weight_transport=name)
