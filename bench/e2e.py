@@ -75,9 +75,9 @@ class BenchConfig:
 
 def warm_start(cfg: BenchConfig, work: Path) -> Path:
     """Build the preset, write a task and run the format warm start once; returns the checkpoint."""
-    from policy.builder import build_tiny_model
+    from policy.builder import build_checkpoint
 
-    base = build_tiny_model(cfg.preset)
+    base = build_checkpoint(cfg.preset)
     task = work / "task"
     run(
         [sys.executable, "-m", "tasks", "synthetic", "--out", str(task), "--train", "400", "--test", "8"],

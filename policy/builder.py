@@ -1,14 +1,14 @@
-"""Build a randomly initialised Qwen2.5-VL checkpoint in Hugging Face format, locally.
+"""Build randomly initialised Qwen2.5-VL models of a preset (policy/presets.py), locally.
 
-`build_tiny_model(preset, seed, cache_dir)` writes config.json, generation_config.json,
+`build_checkpoint(preset, seed, cache_dir)` writes config.json, generation_config.json,
 model.safetensors, the tokenizer files, processor_config.json and chat_template into one
 directory that both transformers and vLLM load. The directory name carries a hash of the
 preset, seed and builder version; an existing build is reused. Builds are atomic: they are
-written into a temporary sibling directory and renamed into place.
+written into a temporary sibling directory and renamed into place. `build_model(preset)`
+returns the random model in memory (no tokenizer), for benches and tests.
 
-Presets:
-- tiny  (~1 M parameters): unit tests; builds in seconds.
-- small (~5 M parameters): the CPU learning demo (learns an image-only task in minutes).
+    python -m policy build --preset small                       # into the cache; prints the directory
+    python -m policy build --preset qwen2.5-vl-7b --out DIR --device cuda
 """
 
 from __future__ import annotations
@@ -22,68 +22,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from policy.presets import PRESETS, Preset, get_preset, model_config
+
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 """Bump when the builder's output changes for the same preset and seed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Shapes of one model preset."""
-
-    tokenizer_vocab: int
-    """Target BPE vocabulary size including the 22 added tokens (the trained vocabulary may be smaller)."""
-    hidden: int
-    """Text model hidden size."""
-    layers: int
-    """Number of decoder layers."""
-    heads: int
-    """Attention heads (head_dim = hidden / heads)."""
-    kv_heads: int
-    """Key/value heads (grouped-query attention)."""
-    ffn: int
-    """MLP intermediate size."""
-    vision_depth: int
-    """Vision transformer blocks."""
-    vision_hidden: int
-    """Vision transformer width."""
-    vision_heads: int
-    """Vision attention heads."""
-    vision_ffn: int
-    """Vision MLP intermediate size."""
-    min_pixels: int = 56 * 56
-    """Image processor lower bound on resized pixels."""
-    max_pixels: int = 224 * 224
-    """Image processor upper bound on resized pixels (224x224 -> 64 image tokens)."""
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        tokenizer_vocab=2048,
-        hidden=128,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=256,
-        vision_depth=2,
-        vision_hidden=64,
-        vision_heads=2,
-        vision_ffn=128,
-    ),
-    "small": Preset(
-        tokenizer_vocab=2048,
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        ffn=768,
-        vision_depth=4,
-        vision_hidden=128,
-        vision_heads=4,
-        vision_ffn=256,
-    ),
-}
 
 
 def default_cache_dir() -> Path:
@@ -92,30 +36,25 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def mrope_section(head_dim: int) -> list[int]:
-    """Temporal/height/width split of the rotary frequencies; sums to head_dim/2 (Qwen: 128 -> [16, 24, 24])."""
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return [t, h, half - t - h]
-
-
 def build_key(preset: str, seed: int) -> str:
     """Content hash of everything that determines the checkpoint."""
     spec = {"preset": dataclasses.asdict(PRESETS[preset]), "seed": seed, "builder": BUILDER_VERSION}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_tiny_model(
-    preset: str = "tiny", seed: int = 0, cache_dir: str | Path | None = None, out: str | Path | None = None
+def build_checkpoint(
+    preset: str = "tiny",
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    out: str | Path | None = None,
+    device: str = "cpu",
 ) -> Path:
-    """Return the directory of the preset's checkpoint, building it if needed.
+    """Return the directory of the preset's checkpoint, building it (on `device`) if needed.
 
     With `out`, the checkpoint is written exactly there (reused if it holds the same build);
     otherwise under `cache_dir` (default `default_cache_dir()`) in a directory named by hash.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    get_preset(preset)
     key = build_key(preset, seed)
     target = (
         Path(out)
@@ -132,7 +71,7 @@ def build_tiny_model(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_checkpoint(tmp, PRESETS[preset], seed)
+        _write_checkpoint(tmp, preset, seed, device)
         (tmp / "parallax_build.json").write_text(json.dumps({"key": key, "preset": preset, "seed": seed}))
         if target.exists():
             target.rmdir()
@@ -150,21 +89,47 @@ def build_tiny_model(
     return target
 
 
-def _write_checkpoint(path: Path, preset: Preset, seed: int) -> None:
-    """Tokenizer, processor, config and random weights into `path`."""
+def build_model(preset: str, device: str = "cpu", dtype=None, seed: int = 0, config=None):
+    """A randomly initialised `Qwen2_5_VLForConditionalGeneration` of `preset`, built on `device`.
+
+    `dtype` defaults to the preset's; `config` (a `Qwen2_5_VLConfig`) defaults to
+    `model_config(preset)`, which needs a preset with Qwen's vocabulary.
+    """
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from policy import compat
-    from policy.tokenizer import build_tokenizer
 
     compat.install()
-    tokenizer = build_tokenizer(preset.tokenizer_vocab, seed)
-    processor = _make_processor(tokenizer, preset)
-    config = _make_config(tokenizer, preset)
+    config = config if config is not None else model_config(preset)
+    dtype = dtype if dtype is not None else getattr(torch, get_preset(preset).dtype)
+    previous = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="sdpa")
+        finally:
+            torch.set_default_dtype(previous)
+    return model.to(dtype)
+
+
+def _write_checkpoint(path: Path, name: str, seed: int, device: str) -> None:
+    """Tokenizer, processor, config and random weights into `path`."""
+    from transformers import GenerationConfig
+
+    from policy import compat
+    from policy.tokenizer import build_full_vocab_tokenizer, build_tokenizer
+
+    compat.install()
+    preset = get_preset(name)
+    if preset.vocab:
+        tokenizer = build_full_vocab_tokenizer(preset.vocab, seed)
+    else:
+        tokenizer = build_tokenizer(preset.tokenizer_vocab, seed)
+    processor = _make_processor(tokenizer, preset)
+    model = build_model(name, device, seed=seed, config=_make_config(tokenizer, name, preset.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=[
@@ -205,48 +170,16 @@ def _make_processor(tokenizer, preset: Preset):
         )
 
 
-def _make_config(tokenizer, preset: Preset):
-    from transformers import Qwen2_5_VLConfig
-
+def _make_config(tokenizer, name: str, dtype: str):
+    """The preset's config with the vocabulary size and special-token ids of `tokenizer`."""
     ids = tokenizer.convert_tokens_to_ids
-    head_dim = preset.hidden // preset.heads
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=preset.hidden,
-        intermediate_size=preset.ffn,
-        num_hidden_layers=preset.layers,
-        num_attention_heads=preset.heads,
-        num_key_value_heads=preset.kv_heads,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "mrope_section": mrope_section(head_dim), "rope_theta": 1e6},
-        tie_word_embeddings=False,
-        use_sliding_window=False,
+    token_ids = dict(
         bos_token_id=ids("<|endoftext|>"),
         eos_token_id=ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    vision = dict(
-        depth=preset.vision_depth,
-        hidden_size=preset.vision_hidden,
-        num_heads=preset.vision_heads,
-        intermediate_size=preset.vision_ffn,
-        out_hidden_size=preset.hidden,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=112,
-        fullatt_block_indexes=[preset.vision_depth - 1],
-        tokens_per_second=2,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-        dtype="float32",
     )
+    return model_config(name, vocab_size=len(tokenizer), token_ids=token_ids, dtype=dtype)

@@ -184,7 +184,6 @@ def build_tokenizer(vocab_size: int, seed: int):
 
     `vocab_size` counts the BPE vocabulary; the added tokens take the ids right after it.
     """
-    from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges = train_bpe(vocab_size - len(SPECIAL_TOKENS), seed)
@@ -200,6 +199,47 @@ def build_tokenizer(vocab_size: int, seed: int):
         errors="replace",
         model_max_length=32768,
     )
+    _add_special_tokens(tokenizer)
+    return tokenizer
+
+
+def build_full_vocab_tokenizer(vocab_size: int, seed: int = 0, special_base: int = 151643):
+    """A `Qwen2Tokenizer` whose ids cover 0..vocab_size-1, Qwen's added tokens at Qwen's ids (151643..).
+
+    For random-weight models of the published shapes: they sample any id, so every id must decode.
+    The locally trained BPE vocabulary comes first, then filler tokens no merge produces (they decode
+    to text), then the 22 added tokens at `special_base`, then filler up to `vocab_size`.
+    """
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = train_bpe(2000, seed=seed)
+    i = 0
+    while len(vocab) < special_base:
+        token = f"w{i}"
+        if token not in vocab:
+            vocab[token] = len(vocab)
+        i += 1
+    for k, (token, _) in enumerate(SPECIAL_TOKENS):
+        vocab[token] = special_base + k
+    while len(vocab) < vocab_size:
+        vocab[f"x{len(vocab)}"] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=32768,
+    )
+    _add_special_tokens(tokenizer)
+    return tokenizer
+
+
+def _add_special_tokens(tokenizer) -> None:
+    """Register Qwen's 22 added tokens (already in the vocabulary) and set the chat template."""
+    from tokenizers import AddedToken
+
     tokenizer.add_tokens(
         [AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS if not s], special_tokens=False
     )
@@ -211,4 +251,3 @@ def build_tokenizer(vocab_size: int, seed: int):
         }
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer

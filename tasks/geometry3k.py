@@ -163,7 +163,7 @@ def preprocess(config: Geo3kConfig, processor=None) -> dict:
 
 
 def _default_processor(model: Path | None):
-    from policy.builder import build_tiny_model
+    from policy.builder import build_checkpoint
     from policy.loading import load_processor
 
-    return load_processor(model if model is not None else build_tiny_model("tiny"))
+    return load_processor(model if model is not None else build_checkpoint("tiny"))

@@ -23,13 +23,13 @@ def test_inflight_update_on_a_multi_process_engine(tmp_path):
     from safetensors.torch import load_file
     from vllm.sampling_params import RequestOutputKind
 
-    from bench.gpu_models import qwen_config, write_checkpoint
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
+    from policy.builder import build_checkpoint
     from tasks.prompt import render_prompt_ids
 
-    ckpt = write_checkpoint(qwen_config("tiny"), tmp_path / "ckpt", seed=0, device="cuda")
+    ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
     torch.cuda.empty_cache()
     engine = Engine(
         ckpt,

@@ -28,16 +28,15 @@ def _opened_in_worker(worker) -> int:
 def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
     from safetensors.torch import load_file
 
-    from bench.gpu_models import build_model, qwen_config, write_checkpoint
-    from bench.gpu_weight_sync import _layer_sums_in_worker, layer_sums
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
+    from policy.builder import build_checkpoint, build_model
     from policy.weight_ipc import IpcSenderConfig, IpcWeightReceiver, IpcWeightSender
     from tasks.prompt import render_prompt_ids
+    from tests.fixtures.weight_sums import layer_sums, layer_sums_in_worker
 
-    config = qwen_config("tiny")
-    ckpt = write_checkpoint(config, tmp_path / "ckpt", seed=0, device="cuda")
+    ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
     torch.cuda.empty_cache()
     engine = Engine(
         ckpt,
@@ -60,13 +59,13 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
             return a[0] == b[0] and all(abs(x - y) <= 1e-3 for x, y in zip(a[1], b[1]))
 
         def served_sums():
-            return engine._llm.collective_rpc(_layer_sums_in_worker)[0]
+            return engine._llm.collective_rpc(layer_sums_in_worker)[0]
 
         def close(a, b):
             return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])) for k in a)
 
         original = greedy()
-        model = build_model(config, "cuda", torch.bfloat16, seed=1)
+        model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=1)
         sender = IpcWeightSender(IpcSenderConfig(dtype="bfloat16"))
         receiver = IpcWeightReceiver("gpu-engine", sender.start())
         assert receiver.take() is None  # registers

@@ -12,24 +12,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_single_gpu_learner_setup_is_fsdp_bf16_and_correct():
     import torch.distributed as dist
 
-    from bench.gpu_models import build_model, qwen_config, synthetic_samples
     from learner.config import ParallelConfig
     from learner.parallel import apply_parallelism, init_distributed
+    from policy.builder import build_model
     from policy.forward import PackedPolicy
     from policy.packing import pack
+    from policy.presets import model_config
+    from policy.synthetic import synthetic_samples
 
     info = init_distributed()
     assert dist.is_initialized() and dist.get_world_size() == 1 and info.device.type == "cuda"
-    config = qwen_config("tiny")
+    config = model_config("tiny-fullvocab")
     samples = synthetic_samples(
         config, n=6, seed=3, text_tokens=24, image_side=224, response=(20, 60), group_size=3
     )
     batch = pack(samples, config.image_token_id).to("cuda")
     assert batch.image_index is not None and batch.image_grid_thw.shape[0] == 2  # two groups, two encodes
 
-    ref_model = build_model(config, "cuda", torch.bfloat16, seed=0).train()
+    ref_model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=0).train()
     ref_lp, _ = PackedPolicy(ref_model)(batch)
-    model = build_model(config, "cuda", torch.float32, seed=0).train()
+    model = build_model("tiny-fullvocab", "cuda", torch.float32, seed=0).train()
     root = apply_parallelism(
         model, ParallelConfig(checkpoint_mode="selective", compile="elementwise"), info.device
     )

@@ -10,12 +10,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_packed_matches_padded_bf16():
     from bench.gpu_learner import padded_logprobs, use_sdpa
-    from bench.gpu_models import build_model, padded_batch, qwen_config, synthetic_samples
+    from policy.builder import build_model
     from policy.forward import PackedPolicy, attention_backend
     from policy.packing import pack
+    from policy.presets import model_config
+    from policy.synthetic import padded_batch, synthetic_samples
 
-    config = qwen_config("tiny")
-    model = build_model(config, "cuda", torch.bfloat16, seed=0).eval()
+    config = model_config("tiny-fullvocab")
+    model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=0).eval()
     samples = synthetic_samples(config, n=4, seed=3, text_tokens=24, image_side=224, response=(20, 60))
     with torch.no_grad():
         use_sdpa(model)

@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _model(seed: int):
-    from bench.gpu_models import build_model, qwen_config
+    from policy.builder import build_model
 
-    return build_model(qwen_config("tiny"), "cuda", torch.bfloat16, seed=seed)
+    return build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=seed)
 
 
 def _generator(address: str, port: int) -> None:

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from policy.builder import PRESETS, build_key, build_tiny_model, mrope_section
+from policy.builder import build_checkpoint, build_key
+from policy.presets import PRESETS, mrope_section
 from policy.tokenizer import SPECIAL_TOKENS
 
 
@@ -71,14 +72,14 @@ def test_tokenizer_special_tokens_roundtrip_and_chat_template(tiny_processor):
 
 
 def test_build_is_deterministic_by_seed_and_cached(tmp_path, tiny_model_dir):
-    a = build_tiny_model("tiny", seed=0, cache_dir=tmp_path)
+    a = build_checkpoint("tiny", seed=0, cache_dir=tmp_path)
     assert a.name == tiny_model_dir.name
     assert _sha(a / "model.safetensors") == _sha(tiny_model_dir / "model.safetensors")
     assert _sha(a / "tokenizer.json") == _sha(tiny_model_dir / "tokenizer.json")
     mtime = (a / "model.safetensors").stat().st_mtime_ns
-    assert build_tiny_model("tiny", seed=0, cache_dir=tmp_path) == a
+    assert build_checkpoint("tiny", seed=0, cache_dir=tmp_path) == a
     assert (a / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
-    b = build_tiny_model("tiny", seed=1, cache_dir=tmp_path)
+    b = build_checkpoint("tiny", seed=1, cache_dir=tmp_path)
     assert b != a and _sha(b / "model.safetensors") != _sha(a / "model.safetensors")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary dirs left
 
@@ -90,11 +91,11 @@ def test_build_key_depends_on_preset_and_seed():
 
 def test_unknown_preset_and_foreign_out_dir_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown preset"):
-        build_tiny_model("huge", cache_dir=tmp_path)
+        build_checkpoint("huge", cache_dir=tmp_path)
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "x").write_text("mine")
     with pytest.raises(FileExistsError):
-        build_tiny_model("tiny", out=tmp_path / "occupied")
+        build_checkpoint("tiny", out=tmp_path / "occupied")
     assert (tmp_path / "occupied" / "x").read_text() == "mine"
 
 

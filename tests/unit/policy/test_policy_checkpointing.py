@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu_models import build_model, qwen_config, synthetic_samples
+from policy.builder import build_model
 from policy.checkpointing import apply_checkpointing, parse_mode
 from policy.forward import PackedPolicy
 from policy.packing import pack
+from policy.presets import model_config
+from policy.synthetic import synthetic_samples
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = qwen_config("tiny")
-    model = build_model(config, "cpu", torch.float32, seed=1)
+    config = model_config("tiny-fullvocab")
+    model = build_model("tiny-fullvocab", "cpu", torch.float32, seed=1)
     samples = synthetic_samples(config, n=3, seed=2, text_tokens=12, image_side=112, response=(3, 9))
     return model, samples
 

@@ -1,0 +1,164 @@
+"""Helpers every bench shares: the --device flag, timing, the table, the JSON result file.
+
+A bench is one script, `python -m bench.NAME [flags]` (tyro: a dataclass with a docstring per
+field becomes the flags), that measures the alternatives side by side in one run, prints one
+table with the ratios and writes `bench/results/NAME.json` (or `--out`). The JSON records the
+exact command, the machine and the time, so every committed result says how to reproduce it.
+
+    elapsed = timed(step, device="cuda", repeats=5)          # seconds per call, CUDA events on GPU
+    print(table("packed vs padded", ["mode", "s", "x"], rows))
+    write_result(result, out)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+Device = Literal["cpu", "cuda"]
+"""Where a bench runs: the type of every bench's `device` field."""
+
+RESULTS = Path("bench/results")
+"""Where results go by default: bench/results/<question>.json."""
+
+MODELS = {"tiny": "tiny-fullvocab", "3b": "qwen2.5-vl-3b", "7b": "qwen2.5-vl-7b"}
+"""The benches' short model names and the policy/presets.py preset each stands for."""
+
+
+def preset_name(model: str) -> str:
+    """The preset of a bench's model name ("3b"), or the name itself if it is a preset already."""
+    from policy.presets import get_preset
+
+    name = MODELS.get(model, model)
+    get_preset(name)
+    return name
+
+
+def param_counts(model) -> dict[str, int]:
+    """Parameter counts: N_LM as the learner's MFU uses it (no input embedding), the whole model, vision."""
+    from learner.metrics import lm_param_count
+
+    return {
+        "n_lm": lm_param_count(model),
+        "n_total": sum(p.numel() for p in model.parameters()),
+        "n_vision": sum(p.numel() for p in model.model.visual.parameters()),
+    }
+
+
+def check_device(device: str) -> str:
+    """`device` if it can run here; a clear error for cuda without a GPU or an unknown name."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, not {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA GPU is visible here; run with --device cpu")
+    return device
+
+
+def timed(fn: Callable[[], Any], device: str = "cpu", repeats: int = 5, warmup: int = 1) -> list[float]:
+    """Seconds per call of `fn`, `repeats` times after `warmup` calls.
+
+    On cuda each call is bracketed by CUDA events (the GPU's own clock, queued work included);
+    on cpu by time.perf_counter.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        import torch
+
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of `values` (what every bench reports over repeats)."""
+    return float(statistics.median(values))
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is zero (a bench never divides by zero in a table)."""
+    return a / b if b else None
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any] | dict]) -> str:
+    """The bench table as text (rich); rows are sequences or dicts keyed by column name."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for i, name in enumerate(columns):
+        t.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        values = [row.get(c) for c in columns] if isinstance(row, dict) else list(row)
+        t.add_row(*(_cell(v) for v in values))
+    buffer = io.StringIO()
+    Console(file=buffer, width=200, force_terminal=False, color_system=None).print(t)
+    return buffer.getvalue().rstrip()
+
+
+def machine() -> dict:
+    """Where the numbers come from: host, CPUs, Python, torch and the GPU if any."""
+    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def write_result(result: dict, out: str | Path) -> Path:
+    """Write `result` as JSON to `out`, with the command that produced it, the machine and the time."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": shlex.join(["python", "-m", _module_name(), *sys.argv[1:]]),
+        "machine": machine(),
+        "when": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **result,
+    }
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None and spec.name else Path(sys.argv[0]).stem

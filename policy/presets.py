@@ -1,0 +1,233 @@
+"""Model shapes the builder knows, by name: toy presets and the published Qwen2.5-VL-3B/-7B.
+
+One copy of every shape used by the tests, the demo and the benches. `model_config(name)` turns
+a preset into a transformers `Qwen2_5_VLConfig`; policy/builder.py builds random weights from it
+(`build_model` in memory, `build_checkpoint` as a directory transformers and vLLM load).
+
+    from policy.presets import PRESETS, model_config
+    config = model_config("qwen2.5-vl-7b")   # published shapes, Qwen's vocabulary and token ids
+
+Presets:
+- tiny  (~1 M parameters, local 2k tokenizer): unit tests; builds in seconds.
+- small (~5 M parameters, local 2k tokenizer): the CPU learning demo.
+- tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
+  real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
+- qwen2.5-vl-3b, qwen2.5-vl-7b: the published Qwen2.5-VL-{3B,7B}-Instruct config.json values
+  (https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/config.json and
+  https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/config.json), text and vision;
+  tests/unit/policy/test_policy_presets.py checks them value by value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+QWEN_TOKEN_IDS = dict(
+    bos_token_id=151643,
+    eos_token_id=151645,
+    pad_token_id=151643,
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+)
+"""Qwen2.5-VL's special token ids (published config.json; pad = <|endoftext|> as in its tokenizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Shapes of one Qwen2.5-VL model."""
+
+    hidden: int
+    """Text model hidden size."""
+    layers: int
+    """Number of decoder layers."""
+    heads: int
+    """Attention heads (head_dim = hidden / heads)."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention)."""
+    ffn: int
+    """MLP intermediate size."""
+    vision_depth: int
+    """Vision transformer blocks."""
+    vision_hidden: int
+    """Vision transformer width."""
+    vision_heads: int
+    """Vision attention heads."""
+    vision_ffn: int
+    """Vision MLP intermediate size."""
+    vocab: int = 0
+    """Model vocabulary with Qwen's token ids; 0: a locally trained tokenizer of `tokenizer_vocab` sets it."""
+    tokenizer_vocab: int = 2048
+    """Target BPE vocabulary of the local tokenizer, including the 22 added tokens (vocab = 0 only)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head (the published 3B does)."""
+    fullatt_block_indexes: tuple[int, ...] = ()
+    """Vision blocks with full (not windowed) attention; () means the last block only."""
+    max_position_embeddings: int = 4096
+    """Text model context length in the config."""
+    dtype: str = "float32"
+    """Weights dtype of a built checkpoint."""
+    min_pixels: int = 56 * 56
+    """Image processor lower bound on resized pixels."""
+    max_pixels: int = 224 * 224
+    """Image processor upper bound on resized pixels (224x224 -> 64 image tokens)."""
+
+
+_QWEN_VISION = dict(
+    vision_depth=32,
+    vision_hidden=1280,
+    vision_heads=16,
+    vision_ffn=3420,
+    fullatt_block_indexes=(7, 15, 23, 31),
+)
+"""The vision tower shared by the published 3B and 7B (patch 14, temporal patch 2, merge 2, window 112)."""
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        hidden=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=256,
+        vision_depth=2,
+        vision_hidden=64,
+        vision_heads=2,
+        vision_ffn=128,
+    ),
+    "small": Preset(
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        ffn=768,
+        vision_depth=4,
+        vision_hidden=128,
+        vision_heads=4,
+        vision_ffn=256,
+    ),
+    "tiny-fullvocab": Preset(
+        hidden=128,
+        layers=2,
+        heads=2,
+        kv_heads=1,
+        ffn=256,
+        vision_depth=4,
+        vision_hidden=64,
+        vision_heads=2,
+        vision_ffn=128,
+        vocab=151936,
+        tie_word_embeddings=True,
+        fullatt_block_indexes=(1, 3),
+        max_position_embeddings=128000,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+    ),
+    "qwen2.5-vl-3b": Preset(
+        hidden=2048,
+        layers=36,
+        heads=16,
+        kv_heads=2,
+        ffn=11008,
+        vocab=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=128000,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+        **_QWEN_VISION,
+    ),
+    "qwen2.5-vl-7b": Preset(
+        hidden=3584,
+        layers=28,
+        heads=28,
+        kv_heads=4,
+        ffn=18944,
+        vocab=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=128000,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+        **_QWEN_VISION,
+    ),
+}
+"""Every preset by name. The published presets cap images at 448x448 (256 tokens), the benches' input."""
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`, or a ValueError listing the known ones."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Temporal/height/width split of rotary frequencies; sums to head_dim/2 (128 -> [16, 24, 24])."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def model_config(
+    name: str, vocab_size: int | None = None, token_ids: dict[str, int] | None = None, dtype: str = "bfloat16"
+):
+    """The `Qwen2_5_VLConfig` of preset `name` (sdpa attention).
+
+    `vocab_size` and `token_ids` default to the preset's vocabulary and Qwen's ids; a preset with a
+    local tokenizer (vocab = 0) needs both, from that tokenizer (policy/builder.py passes them).
+    """
+    from transformers import Qwen2_5_VLConfig
+
+    preset = get_preset(name)
+    vocab_size = vocab_size or preset.vocab
+    if not vocab_size:
+        raise ValueError(f"preset {name!r} has a local tokenizer: pass vocab_size and token_ids from it")
+    ids = dict(QWEN_TOKEN_IDS if token_ids is None else token_ids)
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.ffn,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        rope_parameters={
+            "rope_type": "default",
+            "mrope_section": mrope_section(preset.hidden // preset.heads),
+            "rope_theta": 1e6,
+        },
+        tie_word_embeddings=preset.tie_word_embeddings,
+        use_sliding_window=False,
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+        dtype=dtype,
+    )
+    vision = dict(
+        depth=preset.vision_depth,
+        hidden_size=preset.vision_hidden,
+        num_heads=preset.vision_heads,
+        intermediate_size=preset.vision_ffn,
+        out_hidden_size=preset.hidden,
+        hidden_act="silu",
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=list(preset.fullatt_block_indexes or [preset.vision_depth - 1]),
+        tokens_per_second=2,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["image_token_id"],
+        video_token_id=ids["video_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
+        tie_word_embeddings=preset.tie_word_embeddings,
+        dtype=dtype,
+        attn_implementation="sdpa",
+    )

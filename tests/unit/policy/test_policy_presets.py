@@ -1,0 +1,103 @@
+"""The published presets against the published Qwen2.5-VL-{3B,7B}-Instruct config.json values.
+
+PUBLISHED copies the values of https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/config.json
+and https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/config.json by hand (text part
+at the top level there, vision part under "vision_config"), so a wrong preset fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy.builder import build_model
+from policy.presets import PRESETS, QWEN_TOKEN_IDS, get_preset, model_config
+
+_VISION = dict(
+    depth=32,
+    hidden_act="silu",
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+    temporal_patch_size=2,
+)
+_TEXT = dict(
+    hidden_act="silu",
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-06,
+    use_sliding_window=False,
+)
+PUBLISHED = {
+    "qwen2.5-vl-3b": dict(
+        text=dict(
+            _TEXT,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_attention_heads=16,
+            num_hidden_layers=36,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+        vision=dict(_VISION, out_hidden_size=2048),
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-vl-7b": dict(
+        text=dict(
+            _TEXT,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_hidden_layers=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+        ),
+        vision=dict(_VISION, out_hidden_size=3584),
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_presets_match_the_published_config(name):
+    config = model_config(name)
+    want = PUBLISHED[name]
+    for key, value in want["text"].items():
+        assert getattr(config.text_config, key) == value, key
+    for key, value in want["vision"].items():
+        assert getattr(config.vision_config, key) == value, key
+    assert config.tie_word_embeddings == want["tie_word_embeddings"]
+    assert config.text_config.tie_word_embeddings == want["tie_word_embeddings"]
+    rope = config.text_config.rope_parameters
+    assert rope["mrope_section"] == [16, 24, 24] and rope["rope_theta"] == 1e6
+    for key, value in QWEN_TOKEN_IDS.items():
+        owner = config.text_config if key in ("bos_token_id", "eos_token_id", "pad_token_id") else config
+        assert getattr(owner, key) == value, key
+
+
+@pytest.mark.parametrize("name,total", [("qwen2.5-vl-3b", 3_754_622_976), ("qwen2.5-vl-7b", 8_292_166_656)])
+def test_published_presets_have_the_published_parameter_count(name, total):
+    """The parameter counts the model cards list (3.75 B and 8.29 B), built on the meta device."""
+    model = build_model(name, "meta", torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == total
+
+
+def test_every_preset_builds_a_consistent_config():
+    for name, preset in PRESETS.items():
+        config = model_config(name, vocab_size=preset.vocab or 2048, token_ids=QWEN_TOKEN_IDS)
+        head_dim = preset.hidden // preset.heads
+        assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
+        assert config.vision_config.out_hidden_size == preset.hidden
+        assert preset.heads % preset.kv_heads == 0
+
+
+def test_local_tokenizer_presets_need_a_vocabulary_and_unknown_names_fail():
+    with pytest.raises(ValueError, match="local tokenizer"):
+        model_config("tiny")
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("qwen2.5-vl-72b")
