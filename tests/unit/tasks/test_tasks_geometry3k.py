@@ -11,21 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from tasks.geometry3k import Geo3kConfig, preprocess
-from tasks.records import encode_png, read_image_bytes, read_records
+from tasks.geometry3k import Geo3kConfig, find_splits, preprocess
+from tasks.records import read_image_bytes, read_records
+from tests.fixtures.geometry3k import SCHEMA, image_item, problems, write_split
 
-SCHEMA = pa.schema(
-    [
-        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-        ("problem", pa.string()),
-        ("answer", pa.string()),
-        ("id", pa.string()),
-    ]
-)
-
-
-def _img(size=(120, 90), colour=(0, 0, 0)):
-    return {"bytes": encode_png(Image.new("RGB", size, colour)), "path": "x.png"}
+_img = image_item
 
 
 @pytest.fixture
@@ -117,3 +107,20 @@ def test_cli_writes_records(geo3k_parquet, tmp_path, tiny_model_dir):
     assert run.returncode == 0, run.stderr
     assert len(list(read_records(out, "test"))) == 3  # the huge image fits: the tiny processor shrinks it
     assert "undecodable_image" in run.stderr
+
+
+def test_find_splits_in_the_hugging_face_layout(tmp_path):
+    train = write_split(tmp_path, "train", problems(2))
+    test = write_split(tmp_path, "test", problems(1, seed=1))
+    write_split(tmp_path, "validation", problems(1, seed=2))
+    assert find_splits(tmp_path) == {"train": train, "test": test}
+
+
+def test_find_splits_says_what_is_missing(tmp_path):
+    write_split(tmp_path, "train", problems(2))
+    with pytest.raises(
+        ValueError, match=r"holds no test parquet file\(s\) \(found: data/train-00000-of-00001"
+    ):
+        find_splits(tmp_path)
+    with pytest.raises(ValueError, match="is not a directory: download the data set first"):
+        find_splits(tmp_path / "nowhere")
