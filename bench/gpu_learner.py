@@ -11,7 +11,7 @@ on the same weights and the same samples, in this order:
   packed-*  policy.forward.PackedPolicy on padding-free packs (policy.packing.pack) with varlen
             attention in the language model and the vision tower, logprob/entropy computed in
             1024-row chunks under checkpointing; "full" recomputes every block, "selective"
-            keeps matmul/attention outputs (policy/checkpointing.py).
+            keeps matmul/attention outputs (policy/recompute.py).
 The loss is the learner's own (learner.losses.policy_loss, PPO-clip with decoupled correction).
 Before timing, the packed and padded logprobs of the same tokens are compared (no grad).
 One step = forward + backward of every micro-batch + optimizer step. Reported: tokens/s (all
@@ -279,15 +279,15 @@ def parse_variant(variant: str) -> dict:
 
 def run_variant(model, config, samples, variant: str, args, device) -> dict:
     """Warm up, then time `steps` optimizer steps of one variant; returns seconds per step and memory."""
-    from policy.checkpointing import apply_checkpointing
     from policy.compile import apply_compile
+    from policy.recompute import apply_recompute
 
     v = parse_variant(variant)
     mode = v["mode"]
     vision_mode = "none" if mode == "none" else "selective" if v["vision_selective"] else "full"
     if v["base"] == "padded":
         use_sdpa(model)
-        apply_checkpointing(model, "full", "full")
+        apply_recompute(model, "full", "full")
         steps = args.baseline_steps
         inputs = [padded_batch(samples, config, device)]
         forward = _padded_forward(model)
@@ -295,7 +295,7 @@ def run_variant(model, config, samples, variant: str, args, device) -> dict:
         from policy.forward import PackedPolicy
 
         policy = PackedPolicy(model, chunk_size=args.chunk, compile_logprobs=v["compile"] == "elementwise")
-        apply_checkpointing(model, mode, vision_mode)
+        apply_recompute(model, mode, vision_mode)
         apply_compile(model, v["compile"])
         steps = args.steps
         inputs = packs(samples, config, v["max_tokens"], device, v["dedup"])

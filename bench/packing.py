@@ -32,7 +32,7 @@ import torch
 import tyro
 
 from policy.forward import VISION_ATTN_NAME, PackedPolicy, set_vision_attention
-from policy.packing import Sample, pack
+from policy.packing import PackSample, pack
 
 
 @dataclass
@@ -126,7 +126,7 @@ def model_from_shapes(name: str, dtype: str, device: str):
     return model
 
 
-def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[Sample]:
+def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[PackSample]:
     """Random samples with the configured length mix; one image per sample."""
     cfg = model.config
     vocab = cfg.text_config.vocab_size
@@ -157,7 +157,7 @@ def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[Sample
         grid = (1, a * merge, b * merge)
         pixels = torch.randn(a * b * merge * merge, patch_dim)
         samples.append(
-            Sample(
+            PackSample(
                 prompt_ids=prompt,
                 response_ids=ids(scaled(config.response_tokens)),
                 image_grid_thw=[grid],
@@ -168,7 +168,7 @@ def synth_samples(config: BenchConfig, model, rng: random.Random) -> list[Sample
 
 
 def padded_step(
-    model, samples: list[Sample], micro_batch: int, pad_id: int, backward: bool
+    model, samples: list[PackSample], micro_batch: int, pad_id: int, backward: bool
 ) -> list[torch.Tensor]:
     """The baseline: right-padded micro-batches through the HF forward; returns per-sample logprobs."""
     device, out = model.device, []
@@ -204,7 +204,7 @@ def padded_step(
     return out
 
 
-def token_bins(samples: list[Sample], budget: int) -> list[list[Sample]]:
+def token_bins(samples: list[PackSample], budget: int) -> list[list[PackSample]]:
     """Greedy bins of consecutive samples holding at most `budget` real tokens (at least one sample each)."""
     bins, current, used = [], [], 0
     for s in samples:
@@ -220,7 +220,7 @@ def token_bins(samples: list[Sample], budget: int) -> list[list[Sample]]:
 
 
 def packed_step(
-    policy: PackedPolicy, samples: list[Sample], budget: int, backward: bool
+    policy: PackedPolicy, samples: list[PackSample], budget: int, backward: bool
 ) -> list[torch.Tensor]:
     """Packed micro-batches through PackedPolicy; returns per-sample logprobs."""
     out = []

@@ -177,10 +177,10 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _make_group(gid: str, truth: str, responses: list[str]):
-    from broker.schemas import RolloutGroup, Sample
+    from broker.schemas import Rollout, RolloutGroup
 
     samples = [
-        Sample.of(
+        Rollout.of(
             token_ids=[], logprobs=[], response_text=r, version_start=0, version_end=0, finish_reason="stop"
         )
         for r in responses

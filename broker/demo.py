@@ -27,7 +27,7 @@ import msgspec
 from broker import codec, connect
 from broker.images import ImageStore
 from broker.names import Names
-from broker.schemas import ImageRef, RolloutGroup, Sample
+from broker.schemas import ImageRef, Rollout, RolloutGroup
 
 POOL = 16
 """Distinct groups a producer cycles through (building random groups is not what we time)."""
@@ -57,7 +57,7 @@ def realistic_group(
         images=[image],
         ground_truth="3\\sqrt{2}",
         samples=[
-            Sample.of(
+            Rollout.of(
                 token_ids=[rng.randrange(151_643) for _ in range(tokens)],
                 logprobs=[-rng.expovariate(2.0) for _ in range(tokens)],
                 response_text="<think>" + "x" * 1200 + "</think> \\boxed{3\\sqrt{2}}",

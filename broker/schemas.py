@@ -20,7 +20,7 @@ import numpy as np
 
 SCHEMA_VERSION = 2
 """Bump when a field changes meaning or a required field is added.
-2: `Sample` carries its token ids and logprobs packed (int32 / float32 bytes) instead of as lists."""
+2: `Rollout` carries its token ids and logprobs packed (int32 / float32 bytes) instead of as lists."""
 
 
 class ImageRef(msgspec.Struct, frozen=True):
@@ -55,12 +55,12 @@ class PromptRecord(msgspec.Struct, tag="prompt", kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
-class Sample(msgspec.Struct, kw_only=True):
+class Rollout(msgspec.Struct, kw_only=True):
     """One sampled response of a group.
 
     Token ids and logprobs travel packed, as little-endian int32 / float32 bytes: decoding the
     8 x 1,024 msgpack numbers of a typical group took ~200-300 us, the packed group decodes in
-    ~10 us. Build with `Sample.of(token_ids=..., logprobs=..., ...)` from lists or arrays;
+    ~10 us. Build with `Rollout.of(token_ids=..., logprobs=..., ...)` from lists or arrays;
     read with `num_tokens`, `token_ids()` and `logprobs()` (read-only numpy views).
     """
 
@@ -82,7 +82,7 @@ class Sample(msgspec.Struct, kw_only=True):
         """Reject (also when decoding: the codec then says "malformed") ids and logprobs that do not pair up."""
         ids, logprobs = self.response_token_ids_i32, self.behaviour_logprobs_f32
         if not isinstance(ids, bytes) or not isinstance(logprobs, bytes):
-            raise TypeError("token ids and logprobs are packed bytes: build samples with Sample.of(...)")
+            raise TypeError("token ids and logprobs are packed bytes: build samples with Rollout.of(...)")
         if len(ids) % 4 or len(ids) != len(logprobs):
             raise ValueError(
                 f"{len(ids)} bytes of int32 token ids and {len(logprobs)} bytes of float32 "
@@ -92,7 +92,7 @@ class Sample(msgspec.Struct, kw_only=True):
     @classmethod
     def of(
         cls, *, token_ids: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray, **fields
-    ) -> Sample:
+    ) -> Rollout:
         """A sample from token ids and logprobs as lists or arrays (packed here); `fields`: the rest."""
         return cls(
             response_token_ids_i32=np.asarray(token_ids, dtype="<i4").tobytes(),
@@ -125,7 +125,7 @@ class RolloutGroup(msgspec.Struct, tag="rollout_group", kw_only=True):
     """Chat-templated prompt ids with ONE image pad token per image (not processor-expanded)."""
     images: list[ImageRef]
     ground_truth: str
-    samples: list[Sample]
+    samples: list[Rollout]
     temperature: float = 1.0
     generator_id: str = ""
     split: str = "train"

@@ -39,7 +39,7 @@ from broker import codec
 from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
 from broker.names import Names
-from broker.schemas import PromptRecord, RolloutGroup, Sample, WeightVersion
+from broker.schemas import PromptRecord, Rollout, RolloutGroup, WeightVersion
 from broker.transport import BackpressureTimeout, Delivery
 from generator.config import GeneratorConfig, default_generator_id
 from generator.gate import StalenessGate, VersionReader
@@ -237,7 +237,7 @@ class GeneratorWorker:
         self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result, images_s: float
     ) -> RolloutGroup:
         samples = [
-            Sample.of(
+            Rollout.of(
                 token_ids=c.token_ids,
                 logprobs=c.logprobs,
                 response_text=c.text,

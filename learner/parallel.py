@@ -94,9 +94,9 @@ def apply_parallelism(
     if cfg.activation_checkpointing and cfg.checkpoint_mode == cfg.vision_checkpoint_mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.activation_checkpointing:
-        from policy.checkpointing import apply_checkpointing
+        from policy.recompute import apply_recompute
 
-        apply_checkpointing(model, text=cfg.checkpoint_mode, vision=cfg.vision_checkpoint_mode)
+        apply_recompute(model, text=cfg.checkpoint_mode, vision=cfg.vision_checkpoint_mode)
     model.config.use_cache = False
     if cfg.compile:
         from policy.compile import apply_compile

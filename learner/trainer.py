@@ -62,7 +62,7 @@ from learner.parallel import (
     distributed,
     init_distributed,
 )
-from learner.session import build_inbox, build_sender, guess_peak_flops
+from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
 from runtime.config import write_resolved

@@ -7,7 +7,7 @@ Between its matmuls a decoder block runs dozens of small eager kernels: fp32 RMS
 mean, rsqrt, two multiplies, cast back), SiLU(gate) * up, residual adds; under activation
 checkpointing they run again in the backward pass. `compile_elementwise` turns the norms and the
 SiLU product into fused Triton kernels and leaves every matmul and the varlen attention kernel
-eager, so selective activation checkpointing (policy/checkpointing.py) still sees, and keeps,
+eager, so selective activation checkpointing (policy/recompute.py) still sees, and keeps,
 their outputs. `compile_blocks` compiles whole blocks as torchtitan does; measured on the H200
 (bench/results/GPU.md) a compiled block inside a selectively checkpointed one loses the selective
 policy (its matmuls are recomputed: full-AC memory and FLOPs), so use it with full checkpointing.

@@ -30,7 +30,7 @@ from policy.mrope import image_token_count, mrope_position_ids
 
 
 @dataclasses.dataclass
-class Sample:
+class PackSample:
     """One sequence to pack: processor-expanded prompt ids, response ids and its images' pixels."""
 
     prompt_ids: list[int]
@@ -95,7 +95,7 @@ class PackedBatch:
 
 
 def pack(
-    samples: Sequence[Sample], image_token_id: int, merge: int = 2, dedup_images: bool = True
+    samples: Sequence[PackSample], image_token_id: int, merge: int = 2, dedup_images: bool = True
 ) -> PackedBatch:
     """Pack samples into one row (order preserved); with `dedup_images`, images with equal keys are stored once."""
     if not samples:
@@ -139,7 +139,7 @@ class _Images:
         self.by_key: dict[str, int] = {}
         self.shared = False
 
-    def add(self, s: Sample) -> None:
+    def add(self, s: PackSample) -> None:
         if not s.image_grid_thw:
             return
         if s.pixel_values is None:
@@ -240,12 +240,12 @@ def make_sample(
     images: Sequence[tuple[str, bytes | None]],
     cache: PixelCache,
     image_token_id: int,
-) -> Sample:
-    """A Sample from one-pad-per-image prompt ids, response ids and (sha256, bytes) per image."""
+) -> PackSample:
+    """A PackSample from one-pad-per-image prompt ids, response ids and (sha256, bytes) per image."""
     items = [cache.get(sha, data) for sha, data in images]
     grids = [grid for _, grid in items]
     merge = cache.image_processor.merge_size
-    return Sample(
+    return PackSample(
         prompt_ids=expand_image_pads(prompt_ids, grids, image_token_id, merge),
         response_ids=list(response_ids),
         image_grid_thw=grids,

@@ -1,6 +1,6 @@
 """Random training inputs in the shapes of a model config, for benches and tests (no data set).
 
-`synthetic_samples(config, n)` gives packing samples (policy/packing.py `Sample`) with one image
+`synthetic_samples(config, n)` gives packing samples (policy/packing.py `PackSample`) with one image
 each, random non-special token ids and random pixel patches; `padded_batch` lays the same samples
 out right-padded for the transformers reference forward. Ids follow the config's special tokens,
 so the config must carry Qwen's vocabulary (presets tiny-fullvocab, qwen2.5-vl-3b, qwen2.5-vl-7b).
@@ -33,7 +33,7 @@ def synthetic_samples(
     3*2*14*14) per image). With `group_size` > 1, consecutive samples form GRPO groups: one prompt
     and image (same `image_keys`), different responses.
     """
-    from policy.packing import Sample
+    from policy.packing import PackSample
 
     vc = config.vision_config
     grid = (1, image_side // vc.patch_size, image_side // vc.patch_size)
@@ -57,7 +57,7 @@ def synthetic_samples(
             key = f"image-{seed}-{i}"
         resp = [rng.randrange(vocab) for _ in range(rng.randint(*response))]
         samples.append(
-            Sample(
+            PackSample(
                 prompt_ids=prompt,
                 response_ids=resp,
                 image_grid_thw=[grid],

@@ -6,8 +6,8 @@ from broker.schemas import (
     Control,
     ImageRef,
     PromptRecord,
+    Rollout,
     RolloutGroup,
-    Sample,
     Score,
     ScoredGroup,
     WeightVersion,
@@ -18,7 +18,7 @@ IMAGE = ImageRef(sha256="ab" * 32, format="png", width=224, height=224, nbytes=1
 
 def rollout_group(group_id: str = "g-0", n: int = 2, tokens: int = 8) -> RolloutGroup:
     samples = [
-        Sample.of(
+        Rollout.of(
             token_ids=list(range(i, i + tokens)),
             logprobs=[-0.5 - 0.01 * t for t in range(tokens)],
             response_text=f"<think>look</think> \\boxed{{{i}}}",

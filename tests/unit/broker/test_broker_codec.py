@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from broker import codec
-from broker.schemas import SCHEMA_VERSION, Sample
+from broker.schemas import SCHEMA_VERSION, Rollout
 from tests.unit.broker.messages import every_message, rollout_group
 
 
@@ -101,7 +101,7 @@ def test_a_version_1_group_is_rejected_with_a_clear_error():
 
 
 def test_samples_travel_packed_and_read_back_as_arrays():
-    sample = Sample.of(
+    sample = Rollout.of(
         token_ids=[5, 151_000, 7],
         logprobs=[-0.1, -2.5, 0.0],
         response_text="r",
@@ -124,8 +124,8 @@ def test_ids_and_logprobs_that_do_not_pair_up_are_malformed():
     with pytest.raises(codec.MessageError, match="do not pair up") as info:
         codec.decode(msgspec.msgpack.encode(raw))
     assert info.value.reason == "malformed"
-    with pytest.raises(TypeError, match="Sample.of"):
-        Sample(
+    with pytest.raises(TypeError, match="Rollout.of"):
+        Rollout(
             response_token_ids_i32=[1, 2, 3, 4],
             behaviour_logprobs_f32=[0.0] * 4,
             response_text="",
@@ -146,7 +146,7 @@ def test_nested_group_version_of_a_scored_group_is_checked():
 
 def test_encoding_a_non_message_is_refused():
     sample = rollout_group().samples[0]
-    assert isinstance(sample, Sample)
+    assert isinstance(sample, Rollout)
     with pytest.raises(codec.MessageError) as info:
         codec.encode(sample)
     assert info.value.reason == "wrong_type"

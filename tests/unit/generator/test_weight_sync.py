@@ -104,7 +104,7 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
     import torch
 
     from learner.parallel import DistInfo
-    from learner.session import build_sender
+    from learner.wiring import build_sender
 
     def learner(transport, device="cpu", world=1):
         cfg = SimpleNamespace(

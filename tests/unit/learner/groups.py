@@ -7,7 +7,7 @@ import uuid
 from PIL import Image
 
 from broker.images import ImageStore
-from broker.schemas import RolloutGroup, Sample, Score, ScoredGroup
+from broker.schemas import Rollout, RolloutGroup, Score, ScoredGroup
 from tasks.prompt import render_prompt_ids
 
 
@@ -38,7 +38,7 @@ def make_group(
     for _ in rewards:
         n = rng.randint(*resp_len)
         samples.append(
-            Sample.of(
+            Rollout.of(
                 token_ids=[rng.randrange(30, vocab) for _ in range(n)],
                 logprobs=[-rng.uniform(5.0, 9.0) for _ in range(n)],
                 response_text="",

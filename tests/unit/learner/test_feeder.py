@@ -8,7 +8,7 @@ from PIL import Image
 import broker
 from broker.channel import Subscriber
 from broker.images import ImageStore
-from broker.schemas import PromptRecord, RolloutGroup, Sample, Score, ScoredGroup
+from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import EvalConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder, admission_min_version, eval_prompt_id, eval_round_of
@@ -122,7 +122,7 @@ def test_bad_image_bytes_are_refused(transport, names, data):
 
 def _scored(prompt_id, source, accs):
     samples = [
-        Sample.of(
+        Rollout.of(
             token_ids=[1],
             logprobs=[-0.1],
             response_text="x",

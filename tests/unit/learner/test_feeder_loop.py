@@ -14,10 +14,10 @@ import uuid
 import broker
 from broker import codec
 from broker.channel import Publisher, Subscriber
-from broker.schemas import PromptRecord, RolloutGroup, Sample, Score, ScoredGroup
+from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import LearnerConfig
-from learner.session import NullSender
 from learner.trainer import Learner
+from learner.wiring import NullSender
 from tasks.prompt import render_prompt_ids
 from tasks.synthetic import SyntheticConfig, write_task
 
@@ -55,7 +55,7 @@ class StandIn(threading.Thread):
         for i in range(n):
             length = self.rng.randint(2, 6)
             samples.append(
-                Sample.of(
+                Rollout.of(
                     token_ids=[self.rng.randrange(30, 1000) for _ in range(length)],
                     logprobs=[-7.0] * length,
                     response_text="",

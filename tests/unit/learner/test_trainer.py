@@ -12,8 +12,8 @@ from broker.channel import Publisher
 from broker.images import ImageStore
 from broker.names import Names
 from learner.config import LearnerConfig
-from learner.session import NullSender
 from learner.trainer import Learner
+from learner.wiring import NullSender
 from tests.unit.learner.groups import make_group, set_token
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from policy.mrope import mrope_position_ids
-from policy.packing import PixelCache, Sample, expand_image_pads, pack
+from policy.packing import PackSample, PixelCache, expand_image_pads, pack
 from tests.fixtures.models import make_samples, noisy_png
 
 
@@ -67,10 +67,10 @@ def test_expand_image_pads_and_errors(image_token_id):
 
 def test_pack_rejects_inconsistent_samples(image_token_id):
     with pytest.raises(ValueError, match="response"):
-        pack([Sample(prompt_ids=[1, 2], response_ids=[])], image_token_id)
+        pack([PackSample(prompt_ids=[1, 2], response_ids=[])], image_token_id)
     with pytest.raises(ValueError, match="pixel values"):
         pack(
-            [Sample(prompt_ids=[image_token_id] * 4, response_ids=[3], image_grid_thw=[(1, 4, 4)])],
+            [PackSample(prompt_ids=[image_token_id] * 4, response_ids=[3], image_grid_thw=[(1, 4, 4)])],
             image_token_id,
         )
     with pytest.raises(ValueError, match="zero samples"):

@@ -17,7 +17,7 @@ import broker
 from broker.channel import Publisher, Subscriber
 from broker.names import Names
 from broker.redis_server import free_port
-from broker.schemas import RolloutGroup, Sample, ScoredGroup
+from broker.schemas import Rollout, RolloutGroup, ScoredGroup
 from reward_service.config import RewardConfig
 from reward_service.dedupe import OnceGate, scored_key
 from reward_service.worker import RewardWorker
@@ -28,7 +28,7 @@ CLIENT = "test-learner"
 
 def make_group(group_id: str, answers: list[str], ground_truth: str, data_source: str = "geometry3k"):
     samples = [
-        Sample.of(
+        Rollout.of(
             token_ids=[1, 2],
             logprobs=[-0.1, -0.2],
             response_text=a,

@@ -1,4 +1,4 @@
-"""CPU checks of policy/checkpointing.py: full, selective and no activation checkpointing give the same gradients."""
+"""CPU checks of policy/recompute.py: full, selective and no recomputation give the same gradients."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from policy.builder import build_model
-from policy.checkpointing import apply_checkpointing, parse_mode
 from policy.forward import PackedPolicy
 from policy.packing import pack
 from policy.presets import model_config
+from policy.recompute import apply_recompute, parse_mode
 from policy.synthetic import synthetic_samples
 
 
@@ -21,13 +21,13 @@ def tiny():
     return model, samples
 
 
-def test_checkpointing_modes_keep_gradients(tiny):
+def test_recompute_modes_keep_gradients(tiny):
     model, samples = tiny
     batch = pack(samples, model.config.image_token_id)
     policy = PackedPolicy(model).train()
     grads = {}
     for mode in ("none", "full", "selective"):
-        apply_checkpointing(model, text=mode, vision=mode)
+        apply_recompute(model, text=mode, vision=mode)
         model.zero_grad(set_to_none=True)
         logprobs, _ = policy(batch)
         logprobs.sum().backward()
@@ -55,7 +55,7 @@ def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, ti
     pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     batch = pack(make_samples(tiny_processor, (1, 0), seed=4), pad)
     model = copy.deepcopy(tiny_model).train()
-    apply_checkpointing(model, "selective", "full")
+    apply_recompute(model, "selective", "full")
     policy = PackedPolicy(model, chunk_size=16)
 
     def run():

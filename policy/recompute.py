@@ -1,4 +1,6 @@
-"""Activation checkpointing modes for a Qwen2.5-VL model: full, selective (op-level) or none, per block.
+"""Activation recomputation ("activation checkpointing") for a Qwen2.5-VL model, per block.
+
+Not model checkpoints (those are learner/checkpoint.py). Modes: full, selective (op-level), none.
 
 transformers' `gradient_checkpointing_enable` recomputes every block whole ("full"): the
 forward's matrix products run twice, about a third more model FLOPs per step. "selective"
@@ -7,7 +9,7 @@ attention kernel and recomputes only the cheap elementwise ops (norms, rotary, S
 in the backward pass; it costs memory (for a 7B decoder block about 110 KB per token, against
 7 KB for full checkpointing) and saves nearly all recompute FLOPs.
 
-    apply_checkpointing(model, text="selective", vision="full")
+    apply_recompute(model, text="selective", vision="full")
 
 `text` / `vision` choose the mode of the decoder blocks / vision blocks: "full", "selective",
 "none", or "selective:<k>" (selective on the first k decoder blocks, full on the rest: the knob
@@ -94,8 +96,8 @@ def _set(block: nn.Module, mode: str) -> None:
         block._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
 
 
-def apply_checkpointing(model: nn.Module, text: str = "full", vision: str = "full") -> dict[str, list[str]]:
-    """Set the checkpointing mode of every decoder and vision block of a Qwen2.5-VL `model`; returns the plan."""
+def apply_recompute(model: nn.Module, text: str = "full", vision: str = "full") -> dict[str, list[str]]:
+    """Set the recompute mode of every decoder and vision block of a Qwen2.5-VL `model`; returns the plan."""
     inner = getattr(model, "model", model)
     layers = inner.language_model.layers
     blocks = inner.visual.blocks if getattr(inner, "visual", None) is not None else []
