@@ -26,6 +26,7 @@ is one per sequence, so only sequence-level rejection fits it (a per-token weigh
 variance GSPO removes); CISPO's weight is a truncated importance weight, so decoupled's unbounded k on top of
 it would undo the truncation (tis and icepop keep it bounded)."""
 PROXIMAL_MODES = ("detached", "recompute", "behaviour")
+MASTER_WEIGHTS = ("params", "device", "host", "auto")
 
 
 @dataclass
@@ -123,6 +124,14 @@ class OptimConfig:
     """Linear warm-up steps to the peak learning rate (then constant)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; <= 0 disables (the norm is still logged)."""
+    master_weights: Literal["params", "device", "host", "auto"] = "params"
+    """Where the fp32 master weights live (learner/optim.py). "params": the model's parameters are fp32 (on
+    GPU, FSDP2 casts them to bf16 for compute; fp32 gradients and AdamW moments beside them: 16 bytes per
+    parameter, sharded over the ranks). "device": bf16 parameters and gradients, the optimizer's fp32 master
+    copy and moments on the GPU (16 bytes per parameter, one rank). "host": bf16 parameters and gradients on
+    the GPU (4 bytes per parameter), fp32 master copy and moments in host memory (12 bytes per parameter),
+    the update streamed in pinned chunks with both copy directions overlapping the CPU's AdamW (one rank:
+    what lets a 7B learner share one GPU with its generator). "auto": host on one GPU, params otherwise."""
 
 
 @dataclass
@@ -303,6 +312,10 @@ class LearnerConfig:
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"weight_transport must be one of {WEIGHT_TRANSPORTS}, not {self.weight_transport!r}"
+            )
+        if self.optim.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(
+                f"optim.master_weights must be one of {MASTER_WEIGHTS}, not {self.optim.master_weights!r}"
             )
         if self.algo.groups_per_step < 1 or self.algo.mini_batches < 1:
             raise ValueError("algo.groups_per_step and algo.mini_batches must be >= 1")

@@ -103,11 +103,15 @@ def apply_parallelism(
 
         apply_compile(model, cfg.compile)
     root = PackedPolicy(model, chunk_size=chunk_size, compile_logprobs=cfg.compile == "elementwise")
-    if not distributed():
+    low_precision = next(model.parameters()).dtype != torch.float32
+    if not distributed() or (low_precision and dist.get_world_size() == 1):
+        # bf16 parameters on one rank: FSDP2 would only add a second copy of the parameters and gradients
         return root
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if device.type == "cuda" and cfg.mixed_precision:
+    if low_precision:
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    elif device.type == "cuda" and cfg.mixed_precision:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
@@ -182,21 +186,41 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, LRScheduler]:
-    """AdamW over the trainable parameters, with linear warm-up then a constant rate. On CUDA the fused kernel
-    (no whole-model fp32 temporaries: the foreach path's sqrt(exp_avg_sq) alone is 12 GB for 3B, what ran the
-    one-GPU smoke run out of memory); foreach on CPU."""
+def resolve_master_weights(mode: str, world_size: int, device: torch.device) -> str:
+    """`optim.master_weights` with "auto" resolved: host on one GPU, params otherwise (sharded fp32)."""
+    if mode == "auto":
+        return "host" if world_size == 1 and device.type == "cuda" else "params"
+    if mode != "params" and world_size > 1:
+        raise ValueError(
+            f"optim.master_weights = {mode!r} runs on one rank; a sharded learner ({world_size} ranks) keeps "
+            "its fp32 master weights as FSDP2-sharded parameters: master_weights = params (or auto)"
+        )
+    return mode
+
+
+def param_dtype(master_weights: str) -> torch.dtype:
+    """The dtype the model's parameters are loaded in: fp32 when they are the master weights, else bf16."""
+    return torch.float32 if master_weights == "params" else torch.bfloat16
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, master_weights: str = "params"
+) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    """AdamW over the trainable parameters, with linear warm-up then a constant rate.
+
+    master_weights = "params": torch's AdamW on the (fp32) parameters; on CUDA the fused kernel (no
+    whole-model fp32 temporaries: the foreach path's sqrt(exp_avg_sq) alone is 12 GB for 3B, what ran the
+    one-GPU smoke run out of memory), foreach on CPU. "device" / "host": learner.optim.MasterAdamW (bf16
+    parameters, fp32 master weights and moments on the GPU or in host memory)."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = bool(params) and params[0].device.type == "cuda"
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=on_cuda,
-        foreach=not on_cuda,
-    )
+    hyper = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if master_weights == "params":
+        optimizer = torch.optim.AdamW(params, **hyper, fused=on_cuda, foreach=not on_cuda)
+    else:
+        from learner.optim import MasterAdamW
+
+        optimizer = MasterAdamW(params, **hyper, location=master_weights)
     warmup = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0

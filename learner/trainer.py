@@ -61,6 +61,8 @@ from learner.parallel import (
     clip_grad_norm,
     distributed,
     init_distributed,
+    param_dtype,
+    resolve_master_weights,
 )
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
@@ -95,12 +97,16 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.processor = load_processor(cfg.model)
-        self.hf = load_model(cfg.model, dtype="float32", device=self.info.device).train()
+        self.master_weights = resolve_master_weights(
+            cfg.optim.master_weights, self.info.world_size, self.info.device
+        )
+        self.param_dtype = param_dtype(self.master_weights)
+        self.hf = load_model(cfg.model, dtype=self.param_dtype, device=self.info.device).train()
         self.image_token_id = self.hf.config.image_token_id
         self.n_lm_params = lm_param_count(self.hf)
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
         self.ref = self._reference() if cfg.loss.kl_coef > 0 else None
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
         self.names = Names(cfg.namespace)
         self.transport = transport or broker.connect(
             cfg.broker, claim_idle_s=cfg.claim_idle_s, max_deliveries=cfg.max_deliveries
@@ -386,7 +392,10 @@ class Learner:
     def _reference(self):
         from learner.config import ParallelConfig
 
-        ref = load_model(self.cfg.model, dtype="float32", device=self.info.device)
+        # frozen: bf16 on the GPU whatever the master weights (FSDP2 would cast fp32 ones to bf16 for compute)
+        bf16 = self.info.device.type == "cuda" and self.cfg.parallel.mixed_precision
+        dtype = torch.bfloat16 if bf16 else self.param_dtype
+        ref = load_model(self.cfg.model, dtype=dtype, device=self.info.device)
         ref.eval().requires_grad_(False)
         pcfg = ParallelConfig(
             activation_checkpointing=False, mixed_precision=self.cfg.parallel.mixed_precision

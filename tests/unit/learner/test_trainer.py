@@ -240,3 +240,32 @@ def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server,
         receiver.close()
         transport.close()
         learner.close()
+
+
+def test_host_master_weights_train_bf16_parameters_and_resume(
+    tiny_model_dir, redis_server, names, publish, tmp_path
+):
+    """optim.master_weights = host: bf16 parameters, fp32 master copy and moments in host memory; the
+    parameters are the master rounded, and a restarted learner resumes the fp32 master from its checkpoint."""
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"optim.master_weights": "host"})
+    cfg.max_steps = 1
+    for seed in range(2):
+        publish([1.0, 0.0], seed=seed, image=False)
+    learner = Learner(cfg, sender=NullSender())
+    assert learner.master_weights == "host" and learner.param_dtype == torch.bfloat16
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    start = [learner.optimizer.state[p]["master"].clone() for p in params]
+    learner.train()
+    assert learner.state.step == 1
+    masters = [learner.optimizer.state[p]["master"] for p in params]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert any(not torch.equal(a, b) for a, b in zip(start, masters))
+    assert all(torch.equal(p.detach(), m.to(torch.bfloat16)) for p, m in zip(params, masters))
+    saved = [m.clone() for m in masters]
+    learner.close()
+    resumed = Learner(cfg, sender=NullSender())
+    assert resumed.state.step == 1
+    again = [resumed.optimizer.state[p]["master"] for p in resumed.model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(saved, again))
+    resumed.close()
