@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def group_id(prompt_id: str, prompt_entry_id: str) -> str:
+    """The rollout group id of one delivery of a prompt: the prompt's id and its entry id in the
+    prompts stream. The feeder knows the entry ids it published, so it knows which groups to
+    expect; a prompt published twice (a retried publish) gives two distinct group ids."""
+    return f"{prompt_id}@{prompt_entry_id}"
+
+
 @dataclass(frozen=True)
 class Names:
     """Names under one namespace."""

@@ -38,7 +38,7 @@ import time
 from broker import codec
 from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
-from broker.names import Names
+from broker.names import Names, group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, WeightVersion
 from broker.transport import BackpressureTimeout, Delivery
 from generator.config import GeneratorConfig, default_generator_id
@@ -216,7 +216,7 @@ class GeneratorWorker:
         feeder sees the prompt come back (counted as consumed) instead of waiting for it forever."""
         log.warning("prompt %s rejected (%s): %s", record.prompt_id, reason, detail)
         empty = RolloutGroup(
-            group_id=f"{record.prompt_id}@{delivery.id}",
+            group_id=group_id(record.prompt_id, delivery.id),
             prompt_id=record.prompt_id,
             data_source=record.data_source,
             prompt_token_ids=[],
@@ -248,7 +248,7 @@ class GeneratorWorker:
             for c in result.completions
         ]
         return RolloutGroup(
-            group_id=f"{record.prompt_id}@{delivery.id}",
+            group_id=group_id(record.prompt_id, delivery.id),
             prompt_id=record.prompt_id,
             data_source=record.data_source,
             prompt_token_ids=ids,

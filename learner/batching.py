@@ -1,8 +1,12 @@
 """From scored groups to packed micro-batches: samples, staleness filter, token-budget batching.
 
 * `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
+* `nonfinite_problem` rejects a group with a NaN/inf reward or behaviour logprob (the inbox
+  dead-letters that group alone, before any step sees it).
 * `filter_stale` drops samples whose `version_start` is more than K versions behind the
-  learner (counted; normally the generators' admission gate already prevents them).
+  learner (counted; normally the generators' admission gate already prevents them), and
+  samples of versions lost to a crash (`lost` ranges: weights that were discarded when the
+  learner restarted from an older checkpoint), which count as stale whatever their number.
 * `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
   into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
   alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
@@ -95,9 +99,26 @@ def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | 
     return None
 
 
+def nonfinite_problem(scored: ScoredGroup) -> str | None:
+    """Why this group's numbers cannot be trained on (a non-finite reward or behaviour logprob)."""
+    rewards = np.asarray([s.reward for s in scored.scores], dtype=np.float64)
+    if not np.isfinite(rewards).all():
+        return f"non-finite reward {rewards[~np.isfinite(rewards)][0]}"
+    for i, sample in enumerate(scored.group.samples):
+        logprobs = sample.logprobs()
+        if not np.isfinite(logprobs).all():
+            return f"sample {i}: non-finite behaviour logprob {logprobs[~np.isfinite(logprobs)][0]}"
+    return None
+
+
 def staleness(version: int, sample: TrainSample) -> int:
     """How many versions behind the learner the sample's policy was when it started."""
     return version - sample.version_start
+
+
+def in_lost(version: int, lost: Sequence[Sequence[int]]) -> bool:
+    """True when `version` lies in one of the inclusive `[first, last]` ranges of lost versions."""
+    return any(first <= version <= last for first, last in lost)
 
 
 def spans_versions(sample: TrainSample) -> bool:
@@ -106,10 +127,18 @@ def spans_versions(sample: TrainSample) -> bool:
 
 
 def filter_stale(
-    samples: Sequence[TrainSample], version: int, max_staleness: int
+    samples: Sequence[TrainSample],
+    version: int,
+    max_staleness: int,
+    lost: Sequence[Sequence[int]] = (),
 ) -> tuple[list[TrainSample], int]:
-    """Samples no more than `max_staleness` versions old, and how many were dropped."""
-    kept = [s for s in samples if staleness(version, s) <= max_staleness]
+    """Samples no more than `max_staleness` versions old and not of a `lost` version (nor of a
+    version the learner never reached), and how many were dropped."""
+    kept = [
+        s
+        for s in samples
+        if 0 <= staleness(version, s) <= max_staleness and not in_lost(s.version_start, lost)
+    ]
     return kept, len(samples) - len(kept)
 
 

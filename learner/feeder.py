@@ -15,6 +15,15 @@ sampling drops groups). With ahead = B·(K+1) the cap never binds; K = 0 is sync
 The cursor (epoch, index in the epoch, published count) goes into every checkpoint and, after
 every publish, to the broker (`names.feeder_cursor`): published prompts are durable in the
 stream, so a restart continues after the last one published and never publishes one twice.
+
+Prompts in flight are tracked by id: each publish returns the entries' ids, and the group a
+generator makes of a delivery has the id `broker.names.group_id(prompt_id, entry_id)`, so the
+feeder holds the exact set of group ids it waits for (`in_flight`). `returned(group_id)` takes
+one out; a group that is not in the set (never published, or already back) frees no slot, so
+stray or duplicated entries never change the window. The set goes into each checkpoint, and
+the broker's cursor carries every id published and not yet durably back (in flight, plus those
+returned since the last checkpoint, `settle()`), so that after a crash the union of the two,
+minus the checkpoint's consumed ids, is again exactly what is still to come.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import msgspec
 
 from broker.channel import Publisher
 from broker.images import ImageStore
-from broker.names import Names
+from broker.names import Names, group_id
 from broker.schemas import ImageRef, PromptRecord
 from broker.transport import Transport
 
@@ -82,6 +91,12 @@ class PromptFeeder:
         self.ahead = ahead if ahead > 0 else groups_per_step * (max_staleness + 1)
         self.epochs, self.shuffle, self.seed = epochs, shuffle, seed
         self.state = FeederState()
+        self.in_flight: set[str] = set()
+        """Group ids published and not yet come back."""
+        self.unsettled: set[str] = set()
+        """Group ids come back since the last checkpoint (`settle`)."""
+        self.tracking = True
+        """False after resuming from a cursor without in-flight ids (then every group is accepted)."""
         self.publisher = Publisher(transport, names.prompts)
         self.images = ImageStore(transport, names)
         self._order = self._epoch_order(0)
@@ -91,41 +106,72 @@ class PromptFeeder:
         """True once every prompt of every epoch was published."""
         return self.state.epoch >= self.epochs
 
-    def load_state(self, checkpointed: dict | None) -> None:
-        """Resume from the newer of the checkpoint's cursor and the broker's (published prompts are durable)."""
-        candidates = [FeederState(**checkpointed)] if checkpointed else []
+    def load_state(self, checkpointed: dict | None, consumed: set[str] = frozenset()) -> None:
+        """Resume from the newer of the checkpoint's cursor and the broker's (published prompts are
+        durable); in flight: the ids either one lists, minus the checkpoint's `consumed` ids."""
+        sources = [checkpointed] if checkpointed else []
         stored = self.transport.get_value(self.names.feeder_cursor)
         if stored:
-            candidates.append(FeederState(**json.loads(stored)))
-        if candidates:
-            self.state = max(candidates, key=lambda s: s.published)
+            sources.append(json.loads(stored))
+        if sources:
+            fields = ("epoch", "index", "published")
+            states = [FeederState(**{k: src[k] for k in fields if k in src}) for src in sources]
+            self.state = max(states, key=lambda s: s.published)
+            self.tracking = self.state.published == 0 or any("in_flight" in src for src in sources)
+            ids = {i for src in sources for i in src.get("in_flight", [])}
+            self.in_flight = ids - set(consumed)
+            if not self.tracking:
+                log.warning("the feeder cursor lists no prompts in flight (older run): accepting every group")
         self._order = self._epoch_order(self.state.epoch)
         log.info(
-            "feeder cursor: epoch %d, index %d, %d published",
+            "feeder cursor: epoch %d, index %d, %d published, %d in flight",
             self.state.epoch,
             self.state.index,
             self.state.published,
+            len(self.in_flight),
         )
 
-    def top_up(self, consumed: int, version: int) -> int:
+    def cursor(self) -> dict:
+        """What a checkpoint stores: the cursor and the group ids in flight."""
+        return {**self.state.to_dict(), "in_flight": sorted(self.in_flight)}
+
+    def expects(self, group_id: str) -> bool:
+        """True when `group_id` is a group this feeder published and waits for."""
+        return not self.tracking or group_id in self.in_flight
+
+    def returned(self, group_id: str) -> bool:
+        """Take `group_id` out of the in-flight set (its slot is free); False when it was not in it."""
+        if group_id not in self.in_flight:
+            return not self.tracking
+        self.in_flight.discard(group_id)
+        self.unsettled.add(group_id)
+        return True
+
+    def settle(self) -> None:
+        """The groups returned so far are durable (a checkpoint holds them as consumed)."""
+        self.unsettled.clear()
+
+    def top_up(self, taken: int, version: int) -> int:
         """Publish until `ahead` prompts are in flight; returns how many were published.
 
-        `consumed` counts the groups that came back and hold no slot of the step being collected
-        (received minus those already taken into its batch), so that queue position 0 is the
-        first slot of the step the learner at `version` is collecting.
+        `taken` groups came back into the step being collected and still hold its slots, so that
+        queue position 0 is the first slot of the step the learner at `version` is collecting.
         """
         batch: list[PromptRecord] = []
-        while not self.exhausted and self.state.published + len(batch) - consumed < self.ahead:
-            position = self.state.published + len(batch) - consumed
+        held = len(self.in_flight) + taken
+        while not self.exhausted and held + len(batch) < self.ahead:
+            position = held + len(batch)
             record = self._next_record()
             min_version = admission_min_version(version, position, self.groups_per_step, self.max_staleness)
             batch.append(msgspec.structs.replace(record, min_version=min_version, split="train"))
         if batch:
             for record in batch:
                 self._store_images(record)
-            self.publisher.publish_many(batch)
+            ids = self.publisher.publish_many(batch)
+            self.in_flight.update(group_id(r.prompt_id, i) for r, i in zip(batch, ids, strict=True))
             self.state.published += len(batch)
-            self.transport.set_value(self.names.feeder_cursor, json.dumps(self.state.to_dict()).encode())
+            broker_cursor = {**self.state.to_dict(), "in_flight": sorted(self.in_flight | self.unsettled)}
+            self.transport.set_value(self.names.feeder_cursor, json.dumps(broker_cursor).encode())
         return len(batch)
 
     def publish_eval(self, records: Sequence[PromptRecord], round_id: int, version: int) -> list[str]:

@@ -3,11 +3,18 @@
 `Inbox.collect(version)` tops up the prompt feeder and reads scored groups until one step's
 worth (`groups_per_step`) of trainable groups is in hand:
   * evaluation groups (split != "train") go to the evaluator and are acked at once;
-  * a group id already consumed (trained on or skipped, before or after the last checkpoint)
-    is a redelivery: skipped and counted as `duplicate`;
+  * a redelivery of an entry this learner holds unacked (taken, waiting for its checkpoint) is
+    ignored (counted as `redelivered`); the held delivery gets the ack;
+  * another entry of a group id already consumed (trained on or skipped, before or after the
+    last checkpoint) is dead-lettered ("already consumed") and counted as `duplicate`;
+  * a group the feeder did not publish (its id is not in the feeder's in-flight set) is
+    dead-lettered ("not published by this learner") and counted as `unexpected`;
+    neither kind frees a slot of the feeder's window;
   * malformed groups (sample/score/logprob counts disagree, token ids outside the vocabulary,
     wrong temperature, an image missing from the blob store or undecodable) are
-    dead-lettered with the reason and counted;
+    dead-lettered with the reason and counted as `malformed`; groups with a non-finite reward
+    or behaviour logprob likewise, counted as `nonfinite` (the group alone: the step trains on
+    the others);
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
 Every train group taken or skipped joins `consumed`; its delivery is acked only by
@@ -27,7 +34,7 @@ from broker.names import Names
 from broker.schemas import ScoredGroup
 from broker.transport import Delivery, Transport
 from learner.advantages import has_variance
-from learner.batching import validate_group
+from learner.batching import nonfinite_problem, validate_group
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
@@ -61,16 +68,14 @@ class Inbox:
         self.feeder, self.evaluator = feeder, evaluator
         self.consumed: set[str] = set()
         self.unacked: list[Delivery] = []
-        self.received = 0
-        """Distinct training groups received (taken or skipped): what came back of the feeder's prompts."""
+        self._held: set[str] = set()  # entry ids of `unacked`
         self.skipped: Counter[str] = Counter()
         self.on_skip = on_skip or (lambda reason: None)
         self.eval_metrics: list[dict[str, float]] = []
 
-    def restore(self, consumed: list[str], received: int) -> None:
+    def restore(self, consumed: list[str]) -> None:
         """Resume with the checkpoint's consumed ids."""
         self.consumed = set(consumed)
-        self.received = received
 
     def collect(self, version: int, idle_timeout_s: float = 0.0) -> list[ScoredGroup] | None:
         """One step's trainable groups; None when the data is exhausted (or idle past the timeout)."""
@@ -98,12 +103,15 @@ class Inbox:
         if n:
             self.sub.ack(self.unacked)
             self.unacked = []
+            self._held.clear()
+        if self.feeder is not None:
+            self.feeder.settle()
         return n
 
     def _feed(self, version: int, taken: int = 0) -> None:
         """Top up the feeder; the `taken` groups of this step's batch still occupy their slots."""
         if self.feeder is not None:
-            self.feeder.top_up(consumed=self.received - taken, version=version)
+            self.feeder.top_up(taken=taken, version=version)
         self._poll_eval()
 
     def _poll_eval(self) -> None:
@@ -118,7 +126,7 @@ class Inbox:
         return (
             self.feeder is not None
             and self.feeder.exhausted
-            and self.received >= self.feeder.state.published
+            and not self.feeder.in_flight
             and (self.evaluator is None or not self.evaluator.running)
         )
 
@@ -130,22 +138,32 @@ class Inbox:
                 self._poll_eval()
             self.sub.ack([delivery])
             return False
-        if group.group_id in self.consumed:
-            self._skip("duplicate", delivery, durable=True)
+        if delivery.id in self._held:
+            self._skip("redelivered")  # the held delivery is acked with the next checkpoint
             return False
-        problem = validate_group(scored, self.vocab_size)
+        if group.group_id in self.consumed:
+            self._dead_letter(delivery, "duplicate", f"group {group.group_id}: already consumed")
+            return False
+        if self.feeder is not None and not self.feeder.expects(group.group_id):
+            self._dead_letter(
+                delivery, "unexpected", f"group {group.group_id}: not published by this learner"
+            )
+            return False
+        reason, problem = "malformed", validate_group(scored, self.vocab_size)
+        if problem is None:
+            reason, problem = "nonfinite", nonfinite_problem(scored)
         if problem is None and abs(group.temperature - self.cfg.algo.temperature) > 1e-6:
+            reason = "malformed"
             problem = f"sampled at temperature {group.temperature}, learner uses {self.cfg.algo.temperature}"
         if problem is None:
-            problem = self._image_problem(group)
+            reason, problem = "malformed", self._image_problem(group)
         if problem is not None and problem != "empty":
-            self.sub.reject(delivery, "malformed", f"group {group.group_id}: {problem}")
-            self.skipped["malformed"] += 1
-            self.on_skip("malformed")
             self._consume(group.group_id)
+            self._dead_letter(delivery, reason, f"group {group.group_id}: {problem}")
             return False
         self._consume(group.group_id)
         self.unacked.append(delivery)
+        self._held.add(delivery.id)
         if problem == "empty":
             self._skip("empty")
             return False
@@ -165,11 +183,15 @@ class Inbox:
         return None
 
     def _consume(self, group_id: str) -> None:
+        """The group came back: it joins `consumed` and frees its slot in the feeder's window."""
         self.consumed.add(group_id)
-        self.received += 1
+        if self.feeder is not None:
+            self.feeder.returned(group_id)
 
-    def _skip(self, reason: str, delivery: Delivery | None = None, durable: bool = False) -> None:
+    def _dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        self.sub.reject(delivery, reason, detail)
+        self._skip(reason)
+
+    def _skip(self, reason: str) -> None:
         self.skipped[reason] += 1
         self.on_skip(reason)
-        if delivery is not None and durable:
-            self.unacked.append(delivery)  # acked with the next checkpoint (its group may not be durable yet)

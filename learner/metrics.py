@@ -67,7 +67,16 @@ class LearnerMetrics:
         self.skipped = Counter(
             "parallax_learner_skipped_groups", "groups not trained on", ["reason"], registry=registry
         )
-        for reason in ("zero_variance", "stale", "duplicate", "empty", "malformed"):
+        for reason in (
+            "zero_variance",
+            "stale",
+            "duplicate",
+            "redelivered",
+            "unexpected",
+            "empty",
+            "malformed",
+            "nonfinite",
+        ):
             self.skipped.labels(reason=reason)
         if self.path is not None and enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -131,12 +131,40 @@ class Learner:
             self.state = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
             self._last_ckpt_step = self.state.step
         if self.inbox is not None:
-            self.inbox.restore(self.state.consumed, int(self.state.extra.get("received", 0)))
+            self.inbox.restore(self.state.consumed)
             if self.inbox.feeder is not None:
-                self.inbox.feeder.load_state(self.state.cursor or None)
+                self.inbox.feeder.load_state(self.state.cursor or None, consumed=self.inbox.consumed)
+        self._skip_lost_versions()
         if self.state.version > 0:
             self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
         self._announce()
+
+    def _skip_lost_versions(self) -> None:
+        """After a crash the broker may announce versions newer than the checkpoint: their weights
+        are gone. Their numbers are never reused (the restored weights become the next version
+        after them) and samples of them count as stale (`lost_versions`), never as fresh."""
+        raw = self.transport.get_value(self.names.learner_version) if self.info.is_main else None
+        raw = broadcast_bytes(raw if raw is not None else b"")
+        announced = codec.decode(raw).version if raw else -1
+        if announced <= self.state.version:
+            return
+        lost = [self.state.version + 1, announced]
+        self.state.extra["lost_versions"] = [*self.state.extra.get("lost_versions", []), lost]
+        self.state.extra["version_offset"] = announced + 1 - self.state.step
+        log.warning(
+            "versions %d-%d were announced but not checkpointed: their samples count as stale; "
+            "the restored weights (step %d) are version %d",
+            *lost,
+            self.state.step,
+            announced + 1,
+        )
+        self.state.version = announced + 1
+
+    @property
+    def version_now(self) -> int:
+        """The version number the current weights would be published as (step + the offset that
+        skips versions lost to crashes)."""
+        return self.state.step + int(self.state.extra.get("version_offset", 0))
 
     def train(self) -> None:
         """Train until `max_steps` optimizer steps or until the data runs out."""
@@ -170,10 +198,11 @@ class Learner:
             [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
         )
         samples = all_samples = to_samples(groups, advantages)
-        ages = [staleness(self.state.step, s) for s in samples]
+        ages = [staleness(self.version_now, s) for s in samples]
         for age in ages:
             self.metrics.staleness.observe(age)
-        samples, n_stale = filter_stale(samples, self.state.step, cfg.algo.max_staleness)
+        lost = self.state.extra.get("lost_versions", [])
+        samples, n_stale = filter_stale(samples, self.version_now, cfg.algo.max_staleness, lost)
         values: dict[str, float] = defaultdict(float)
         if cfg.algo.mask_truncated:
             samples, n_truncated = filter_truncated(samples)
@@ -336,15 +365,14 @@ class Learner:
     def _record_consumed(self, groups: list[ScoredGroup]) -> None:
         if self.inbox is not None:
             self.state.consumed = sorted(self.inbox.consumed)
-            self.state.extra["received"] = self.inbox.received
             if self.inbox.feeder is not None:
-                self.state.cursor = self.inbox.feeder.state.to_dict()
+                self.state.cursor = self.inbox.feeder.cursor()
 
     def _maybe_sync(self) -> float:
         if self.state.step % max(self.cfg.sync_every, 1) != 0:
             return 0.0
         t0 = time.perf_counter()
-        self.state.version = self.state.step
+        self.state.version = self.version_now
         self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
         seconds = time.perf_counter() - t0
         self.metrics.sync_seconds.observe(seconds)

@@ -133,3 +133,44 @@ def test_validate_group_names_the_problem(tiny_processor, store):
     assert validate_group(oov) is None and "vocabulary" in validate_group(oov, vocab_size=1000)
     empty = make_group(tiny_processor, store, [])
     assert validate_group(empty) == "empty"
+
+
+def test_samples_of_lost_versions_count_as_stale():
+    from learner.batching import TrainSample, filter_stale
+
+    def at(version):
+        return TrainSample("g", [1], [2], [-0.1], 0.0, version_start=version)
+
+    samples = [at(v) for v in (2, 3, 4, 5, 7)]
+    kept, dropped = filter_stale(samples, version=6, max_staleness=2, lost=[[3, 4]])
+    assert [s.version_start for s in kept] == [5] and dropped == 4  # 2: too old, 3-4: lost, 7: never reached
+
+
+def test_nonfinite_rewards_and_logprobs_are_named():
+    from broker.schemas import Rollout, RolloutGroup, Score, ScoredGroup
+    from learner.batching import nonfinite_problem
+
+    def scored(reward, logprob):
+        sample = Rollout.of(
+            token_ids=[1],
+            logprobs=[logprob],
+            response_text="",
+            version_start=0,
+            version_end=0,
+            finish_reason="stop",
+        )
+        group = RolloutGroup(
+            group_id="g",
+            prompt_id="p",
+            data_source="s",
+            prompt_token_ids=[1],
+            images=[],
+            ground_truth="",
+            samples=[sample],
+        )
+        return ScoredGroup(group=group, scores=[Score(reward=reward, accuracy=0.0, format=0.0)])
+
+    assert nonfinite_problem(scored(1.0, -0.5)) is None
+    assert "reward nan" in nonfinite_problem(scored(float("nan"), -0.5))
+    assert "reward inf" in nonfinite_problem(scored(float("inf"), -0.5))
+    assert "logprob -inf" in nonfinite_problem(scored(1.0, float("-inf")))

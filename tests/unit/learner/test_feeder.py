@@ -8,6 +8,7 @@ from PIL import Image
 import broker
 from broker.channel import Subscriber
 from broker.images import ImageStore
+from broker.names import group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import EvalConfig
 from learner.evaluation import Evaluator
@@ -54,15 +55,19 @@ def _feeder(transport, names, data, **kw):
     return PromptFeeder(transport, names, records, lambda ref: blobs[ref.sha256], **opts)
 
 
-def _drain(transport, names, n):
+def _drain_deliveries(transport, names, n):
     sub = Subscriber(transport, names.prompts, "generators", "g0", expect=PromptRecord)
     got = []
     while len(got) < n:
         batch = sub.poll(count=n - len(got), block_s=0.5)
         assert batch, f"only {len(got)} of {n} prompts arrived"
-        got += [m for _, m in batch]
+        got += batch
         sub.ack([d for d, _ in batch])
     return got
+
+
+def _drain(transport, names, n):
+    return [m for _, m in _drain_deliveries(transport, names, n)]
 
 
 def test_admission_min_version_rule():
@@ -77,21 +82,27 @@ def test_top_up_keeps_b_times_k_plus_one_in_flight(transport, names, data):
     feeder = _feeder(transport, names, data)
     sub = Subscriber(transport, names.prompts, "generators", "g0", expect=PromptRecord)
     del sub
-    assert feeder.top_up(consumed=0, version=3) == 4
-    assert feeder.top_up(consumed=0, version=3) == 0  # still 4 in flight
-    got = _drain(transport, names, 4)
-    assert [r.min_version for r in got] == [2, 2, 3, 3]
-    assert all(r.split == "train" for r in got)
+    assert feeder.top_up(taken=0, version=3) == 4
+    assert feeder.top_up(taken=0, version=3) == 0  # still 4 in flight
+    got = _drain_deliveries(transport, names, 4)
+    assert [r.min_version for _, r in got] == [2, 2, 3, 3]
+    assert all(r.split == "train" for _, r in got)
     store = ImageStore(transport, names)
-    assert store.get(got[0].images[0]) == data[1][got[0].images[0].sha256]
-    assert feeder.top_up(consumed=3, version=4) == 3
-    assert feeder.state.published == 7 and feeder.state.epoch == 1
+    first = got[0][1].images[0]
+    assert store.get(first) == data[1][first.sha256]
+    ids = [group_id(r.prompt_id, d.id) for d, r in got]
+    assert feeder.in_flight == set(ids)
+    for gid in ids[:3]:
+        assert feeder.returned(gid)
+    assert not feeder.returned(ids[0]) and not feeder.returned("p1@0-1")  # twice, or never published
+    assert feeder.top_up(taken=1, version=4) == 2  # one of the returned is in the step being collected
+    assert feeder.state.published == 6 and feeder.state.epoch == 1
 
 
 def test_epochs_cover_every_prompt_once_then_exhaust(transport, names, data):
     feeder = _feeder(transport, names, data, ahead=100)
-    assert feeder.top_up(consumed=0, version=0) == 10
-    assert feeder.exhausted and feeder.top_up(consumed=10, version=0) == 0
+    assert feeder.top_up(taken=0, version=0) == 10
+    assert feeder.exhausted and feeder.top_up(taken=0, version=0) == 0
     got = _drain(transport, names, 10)
     first, second = [r.prompt_id for r in got[:5]], [r.prompt_id for r in got[5:]]
     assert sorted(first) == sorted(second) == [f"p{i}" for i in range(5)]
@@ -100,13 +111,38 @@ def test_epochs_cover_every_prompt_once_then_exhaust(transport, names, data):
 
 def test_resume_prefers_the_newer_cursor(transport, names, data):
     feeder = _feeder(transport, names, data)
-    feeder.top_up(consumed=0, version=0)
-    checkpointed = feeder.state.to_dict()
-    feeder.top_up(consumed=2, version=1)  # published after the checkpoint, then the learner died
+    feeder.top_up(taken=0, version=0)
+    checkpointed = feeder.cursor()
+    back = sorted(feeder.in_flight)[:2]
+    for gid in back:
+        feeder.returned(gid)
+    feeder.top_up(taken=0, version=1)  # published after the checkpoint, then the learner died
     restarted = _feeder(transport, names, data)
     restarted.load_state(checkpointed)
     assert restarted.state == feeder.state
     assert restarted._next_record() is feeder._next_record()
+    # the two that came back after the checkpoint were not durable: they are expected again
+    assert restarted.in_flight == feeder.in_flight | set(back) and len(restarted.in_flight) == 6
+
+
+def test_resume_expects_what_the_checkpoint_did_not_consume(transport, names, data):
+    feeder = _feeder(transport, names, data)
+    feeder.top_up(taken=0, version=0)
+    first = sorted(feeder.in_flight)[0]
+    feeder.returned(first)
+    checkpointed, consumed = feeder.cursor(), {first}
+    feeder.settle()  # the checkpoint holds `first`
+    feeder.top_up(taken=0, version=1)
+    restarted = _feeder(transport, names, data)
+    restarted.load_state(checkpointed, consumed=consumed)
+    assert restarted.in_flight == feeder.in_flight and first not in restarted.in_flight
+    assert restarted.tracking and not restarted.expects(first)
+
+
+def test_a_cursor_without_in_flight_ids_accepts_every_group(transport, names, data):
+    restarted = _feeder(transport, names, data)
+    restarted.load_state({"epoch": 0, "index": 3, "published": 3})
+    assert not restarted.tracking and restarted.expects("anything@1-0")
 
 
 def test_bad_image_bytes_are_refused(transport, names, data):
@@ -115,7 +151,7 @@ def test_bad_image_bytes_are_refused(transport, names, data):
         transport, names, records, lambda ref: _png((1, 2, 3)), groups_per_step=1, max_staleness=0
     )
     with pytest.raises(ValueError, match="hash to"):
-        feeder.top_up(consumed=0, version=0)
+        feeder.top_up(taken=0, version=0)
     with pytest.raises(ValueError, match="at least one"):
         PromptFeeder(transport, names, [], lambda ref: b"", groups_per_step=1, max_staleness=0)
 

@@ -9,11 +9,11 @@ an evaluation round must report accuracy per data source.
 import random
 import threading
 import time
-import uuid
 
 import broker
 from broker import codec
 from broker.channel import Publisher, Subscriber
+from broker.names import group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import LearnerConfig
 from learner.trainer import Learner
@@ -44,11 +44,11 @@ class StandIn(threading.Thread):
                     time.sleep(0.02)
                 v = self.version()
                 self.admitted.append((record.min_version, v))
-                pub.publish(self._scored(record, v))
+                pub.publish(self._scored(record, v, group_id(record.prompt_id, delivery.id)))
                 sub.ack([delivery])
         self.transport.close()
 
-    def _scored(self, record, version):
+    def _scored(self, record, version, gid):
         prompt = render_prompt_ids(self.processor, record.problem, len(record.images))
         n = 1 if record.split != "train" else 4
         samples, scores = [], []
@@ -67,7 +67,7 @@ class StandIn(threading.Thread):
             acc = float(i % 2) if record.split == "train" else 1.0
             scores.append(Score(reward=acc, accuracy=acc, format=1.0))
         group = RolloutGroup(
-            group_id=uuid.uuid4().hex,
+            group_id=gid,
             prompt_id=record.prompt_id,
             data_source=record.data_source,
             prompt_token_ids=prompt,

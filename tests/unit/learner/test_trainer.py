@@ -184,7 +184,10 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
     assert ckpt["step"] == 2 and len(ckpt["consumed"]) == 4 and set(ckpt["consumed"]) < set(sent)
     assert not (tmp_path / "checkpoints" / "step-00000003").exists()  # step 3 died with the process
 
-    sent += [publish([0.0, 1.0], seed=10 + i).group.group_id for i in range(2)]
+    announced = codec.decode(broker.connect(redis_server.url).get_value(names.learner_version))
+    assert announced.version == 3  # version 3 was published, then lost with the process
+    # one group sampled by the lost version 3, one by the restored weights (announced as version 4)
+    sent += [publish([0.0, 1.0], seed=10 + i, version=3 + i).group.group_id for i in range(2)]
     cfg = _cfg(
         tiny_model_dir,
         redis_server,
@@ -197,8 +200,12 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
     )
     learner = Learner(cfg, sender=NullSender())
     assert learner.state.step == 2 and learner.inbox.consumed == set(ckpt["consumed"])
+    assert learner.state.version == 4 and learner.state.extra["lost_versions"] == [[3, 3]]
     learner.train()  # step 3 again (re-delivered groups) and step 4 (new ones)
     assert learner.state.step == 4
+    last = _lines(tmp_path)[-1]  # step 4 at version 5: the lost version's samples are stale, not fresh
+    assert last["stale_samples"] == 2.0 and last["samples"] == 2.0
+    assert all(x["staleness_max"] >= 0 for x in _lines(tmp_path) if "staleness_max" in x)
     assert learner.inbox.consumed == set(sent)
     assert learner.inbox.skipped["duplicate"] == 0  # nothing trained twice
     assert learner.transport.pending(names.scored, Names.LEARNER) == 0
