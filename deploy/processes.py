@@ -2,7 +2,18 @@
 
 `ProcessGroup` starts each role as its own OS process (own session, so Ctrl-C reaches only the
 launcher, which then stops the children in reverse start order: SIGINT, then SIGTERM, then SIGKILL),
-sends each child's output to `<run_dir>/logs/<name>.log`, and reports a child that died early.
+sends each child's output to `<run_dir>/logs/<name>.log`, and watches them (`check()`, called
+by the launcher about once a second):
+  * a child started with `restarts=N` that exits non-zero (crash, kill -9, OOM) is started again
+    with the same command line, at most N times: at once the first time, then after 1, 2, 4 ...
+    seconds (capped at 30 s); each restart is counted (`Child.restarts`), marked in its log and
+    reported to `on_restart` (the launcher logs it in events.jsonl and the live progress).
+    Exit code 0 is a finished child and is never restarted;
+  * a critical child that exits, or a restartable one that ran out of restarts, raises
+    `ChildDied` with the tail of its log.
+The roles make restarts safe: each resumes from its durable state (the learner from its last
+checkpoint, the others from the broker) and re-reads the entries it held, under the same
+consumer name.
 """
 
 from __future__ import annotations
@@ -12,8 +23,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+RESTART_BACKOFF_CAP_S = 30.0
+"""Longest wait before a restart (the n-th restart waits min(2 ** (n - 2), cap) s; the first none)."""
 
 
 class ChildDied(RuntimeError):
@@ -26,6 +41,20 @@ class Child:
     popen: subprocess.Popen
     log_path: Path
     critical: bool = True
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    """Restarts allowed after a non-zero exit (0: none)."""
+    restarts: int = 0
+    """Restarts done so far."""
+    restart_at: float | None = None
+    """When the pending restart is due (time.monotonic()), None when none is pending."""
+
+    @property
+    def gave_up(self) -> bool:
+        """True when this child exited non-zero and may not be restarted again."""
+        code = self.popen.poll()
+        return code not in (None, 0) and self.max_restarts > 0 and self.restarts >= self.max_restarts
 
 
 @dataclass
@@ -35,35 +64,74 @@ class ProcessGroup:
     run_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
+    on_restart: Callable[[Child, int], None] | None = None
+    """Called with (child, the exit code it had) right after a child was started again."""
 
-    def start(self, name: str, argv: list[str], *, critical: bool = True, env: dict | None = None) -> Child:
-        """Start `argv` (a python -m ... command line or any program) as a supervised child."""
-        log_dir = self.run_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"{name}.log"
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        critical: bool = True,
+        env: dict | None = None,
+        restarts: int = 0,
+    ) -> Child:
+        """Start `argv` (a python -m ... command line or any program) as a supervised child;
+        `restarts`: how many times to start it again after a non-zero exit."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-            )
-        child = Child(name, popen, log_path, critical)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        child = Child(
+            name, self._spawn(argv, full_env, log_path), log_path, critical, list(argv), full_env, restarts
+        )
         self.children.append(child)
         return child
 
     def python(self, name: str, module: str, args: list[str], **kw) -> Child:
         return self.start(name, [sys.executable, "-m", module, *args], **kw)
 
+    @staticmethod
+    def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
     def check(self) -> None:
-        """Raise ChildDied (with the log's tail) if a critical child has exited."""
+        """Restart restartable children that died (when their back-off is over); raise ChildDied
+        (with the log's tail) for a critical child that exited or a child out of restarts."""
         for child in self.children:
             code = child.popen.poll()
-            if code is not None and child.critical:
-                raise ChildDied(
-                    f"{child.name} exited with code {code}; last log lines:\n{tail(child.log_path)}"
-                )
+            if code is None:
+                continue
+            if code != 0 and child.restarts < child.max_restarts:
+                self._restart(child, code)
+            elif child.critical or child.gave_up:
+                how = f"exited with code {code}"
+                if child.gave_up:
+                    how += f" after {child.restarts} restarts (the limit)"
+                raise ChildDied(f"{child.name} {how}; last log lines:\n{tail(child.log_path)}")
+
+    def _restart(self, child: Child, code: int) -> None:
+        now = time.monotonic()
+        if child.restart_at is None:
+            wait_s = 0.0 if child.restarts == 0 else min(2.0 ** (child.restarts - 1), RESTART_BACKOFF_CAP_S)
+            child.restart_at = now + wait_s
+        if now < child.restart_at:
+            return
+        child.restart_at = None
+        child.restarts += 1
+        with open(child.log_path, "ab") as log:
+            note = f"\n--- supervisor: exit code {code}, restart {child.restarts}/{child.max_restarts}\n"
+            log.write(note.encode())
+        child.popen = self._spawn(child.argv, child.env, child.log_path)
+        if self.on_restart is not None:
+            self.on_restart(child, code)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every child, newest first: SIGINT, then SIGTERM, then SIGKILL."""
+        for child in self.children:
+            child.max_restarts = child.restarts  # stopping: nothing is started again
         for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             alive = [c for c in reversed(self.children) if c.popen.poll() is None]
             for child in alive:

@@ -102,6 +102,8 @@ class RunStatus:
     evals: list[tuple[float, int, float]] = field(default_factory=list)
     generator_tokens: Rate = field(default_factory=Rate)
     skipped: dict[str, float] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Process name -> times the launcher restarted it after a crash."""
 
     def warm(self, lines: list[dict]) -> None:
         for line in lines:
@@ -160,6 +162,8 @@ class RunStatus:
             rows.append(
                 ("skipped groups", ", ".join(f"{k} {v:.0f}" for k, v in sorted(self.skipped.items())))
             )
+        if self.restarts:
+            rows.append(("restarts", ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items()))))
         return rows
 
     def line(self) -> str:

@@ -111,9 +111,13 @@ def nonfinite_problem(scored: ScoredGroup) -> str | None:
     return None
 
 
-def staleness(version: int, sample: TrainSample) -> int:
-    """How many versions behind the learner the sample's policy was when it started."""
-    return version - sample.version_start
+def staleness(version: int, sample: TrainSample, lost: Sequence[Sequence[int]] = ()) -> int:
+    """How many updates behind the learner's `version` the sample's policy was when it started.
+    Versions lost to a crash between the two are not updates of the current weights' lineage, and
+    neither is the version after a lost range (the restored weights, renumbered: learner/trainer.py)."""
+    start = sample.version_start
+    skipped = sum(max(0, min(last + 1, version) - max(first, start + 1) + 1) for first, last in lost)
+    return version - start - skipped
 
 
 def in_lost(version: int, lost: Sequence[Sequence[int]]) -> bool:
@@ -137,7 +141,7 @@ def filter_stale(
     kept = [
         s
         for s in samples
-        if 0 <= staleness(version, s) <= max_staleness and not in_lost(s.version_start, lost)
+        if 0 <= staleness(version, s, lost) <= max_staleness and not in_lost(s.version_start, lost)
     ]
     return kept, len(samples) - len(kept)
 

@@ -96,6 +96,15 @@ class LearnerMetrics:
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
+    def log_trained(self, step: int, group_ids: list[str]) -> None:
+        """Append the group ids one step trained on to trained.jsonl (next to metrics.jsonl): an
+        audit trail of which groups went into which step (after a restart from a checkpoint the
+        steps past it appear again, with what they trained this time)."""
+        if self.enabled and self.path is not None:
+            line = {"time": time.time(), "step": step, "groups": group_ids}
+            with open(self.path.with_name("trained.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
 
 def _jsonable(value):
     return float(value) if isinstance(value, (int, float)) else value

@@ -198,10 +198,10 @@ class Learner:
             [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
         )
         samples = all_samples = to_samples(groups, advantages)
-        ages = [staleness(self.version_now, s) for s in samples]
+        lost = self.state.extra.get("lost_versions", [])
+        ages = [staleness(self.version_now, s, lost) for s in samples]
         for age in ages:
             self.metrics.staleness.observe(age)
-        lost = self.state.extra.get("lost_versions", [])
         samples, n_stale = filter_stale(samples, self.version_now, cfg.algo.max_staleness, lost)
         values: dict[str, float] = defaultdict(float)
         if cfg.algo.mask_truncated:
@@ -214,6 +214,7 @@ class Learner:
             self._optimize(samples, values)
         self._record_consumed(groups)
         self.state.step += 1
+        self.metrics.log_trained(self.state.step, [g.group.group_id for g in groups])
         values.update(self._rollout_stats(groups, samples, n_stale))
         values["train_s"] = time.perf_counter() - t0
         values["sync_s"] = self._maybe_sync()

@@ -136,14 +136,16 @@ def test_validate_group_names_the_problem(tiny_processor, store):
 
 
 def test_samples_of_lost_versions_count_as_stale():
-    from learner.batching import TrainSample, filter_stale
+    from learner.batching import TrainSample, filter_stale, staleness
 
     def at(version):
         return TrainSample("g", [1], [2], [-0.1], 0.0, version_start=version)
 
-    samples = [at(v) for v in (2, 3, 4, 5, 7)]
-    kept, dropped = filter_stale(samples, version=6, max_staleness=2, lost=[[3, 4]])
-    assert [s.version_start for s in kept] == [5] and dropped == 4  # 2: too old, 3-4: lost, 7: never reached
+    samples = [at(v) for v in (1, 2, 3, 4, 5, 7)]
+    # restored at version 2, versions 3-4 lost: 5 is the restored weights, 6 one update later
+    kept, dropped = filter_stale(samples, version=6, max_staleness=1, lost=[[3, 4]])
+    assert [s.version_start for s in kept] == [2, 5] and dropped == 4  # 1: too old, 3-4: lost, 7: unknown
+    assert [staleness(6, s, [[3, 4]]) for s in kept] == [1, 1]  # 2 and 5 are the same weights
 
 
 def test_nonfinite_rewards_and_logprobs_are_named():

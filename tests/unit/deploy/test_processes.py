@@ -1,0 +1,64 @@
+"""Supervision: crashed children are restarted (bounded, counted, backed off), finished ones are not;
+--resume argument handling."""
+
+import sys
+import time
+
+import pytest
+
+from deploy.processes import ChildDied, ProcessGroup
+from deploy.resume import resumed_config, split_resume
+
+
+def _wait_exit(child, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while child.popen.poll() is None:
+        assert time.monotonic() < deadline, "child did not exit"
+        time.sleep(0.02)
+
+
+def test_a_crashing_child_is_restarted_a_bounded_number_of_times(tmp_path):
+    restarted = []
+    group = ProcessGroup(tmp_path, on_restart=lambda child, code: restarted.append((child.restarts, code)))
+    crash = [sys.executable, "-c", "print('alive'); raise SystemExit(3)"]
+    child = group.start("crashy", crash, restarts=2)
+    _wait_exit(child)
+    group.check()  # the first restart is immediate
+    assert restarted == [(1, 3)] and child.restarts == 1
+    _wait_exit(child)
+    started = time.monotonic()
+    while len(restarted) < 2:  # the second waits 1 s
+        group.check()
+        time.sleep(0.05)
+    assert time.monotonic() - started >= 0.9 and restarted[-1] == (2, 3)
+    _wait_exit(child)
+    with pytest.raises(ChildDied, match="after 2 restarts"):
+        group.check()
+    log = child.log_path.read_text()
+    assert log.count("alive") == 3 and "restart 2/2" in log
+    group.stop()
+
+
+def test_a_child_that_finishes_is_not_restarted_and_a_stopped_group_restarts_nothing(tmp_path):
+    group = ProcessGroup(tmp_path)
+    done = group.start("done", [sys.executable, "-c", "pass"], critical=False, restarts=3)
+    sleeper = group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], restarts=3)
+    _wait_exit(done)
+    group.check()
+    assert done.restarts == 0 and done.popen.returncode == 0
+    group.stop(grace_s=2)
+    assert sleeper.popen.poll() is not None
+    with pytest.raises(ChildDied):  # killed while stopping: no restart left, it is reported
+        group.check()
+    assert sleeper.restarts == 0
+
+
+def test_resume_arguments(tmp_path):
+    assert split_resume(["--resume", str(tmp_path), "--max-minutes", "5"]) == (
+        tmp_path,
+        ["--max-minutes", "5"],
+    )
+    assert split_resume([f"--resume={tmp_path}"]) == (tmp_path, [])
+    assert split_resume(["--max-minutes", "5"]) == (None, ["--max-minutes", "5"])
+    with pytest.raises(SystemExit, match="not a run directory"):
+        resumed_config(tmp_path, [])
