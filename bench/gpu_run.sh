@@ -2,10 +2,11 @@
 # The device calls of the GPU benches (issue 9), one function per call; run from the repository root on
 # the lent H200 with $OUT set (what is written there comes back). Exact commands behind bench/results/GPU.md.
 #
-#   bash bench/gpu_run.sh learner        # carry [".whl"] (the msgspec cp312 wheel; the image lacks it)
-#   bash bench/gpu_run.sh learner-sync   # carry [".whl"]: the first session's learner + weight-sync call
-#   bash bench/gpu_run.sh stage-learner 1 7b   # carry [".gpu/p1", ".whl"]  } the stage calls with the second
-#   bash bench/gpu_run.sh stage-learner 2 3b   # carry [".gpu/p2", ".whl"]  } learner round riding along
+#   bash bench/gpu_run.sh learner-step 7b [VARIANT...]  # carry [".whl"] (tyro, rich and their pure-Python
+#                                        # dependencies; msgspec and pyzmq come with vLLM in /tmp/site): the
+#                                        # learner's own train step vs the padded baseline, 30% of the GPU held
+#                                        # back for a co-located generator (bench/learner_step.py); 3b likewise
+#   bash bench/gpu_run.sh weight-sync    # carry [".whl"]: weight sync 7B (CUDA IPC vs gloo)
 #   bash bench/gpu_run.sh stage 1        # carry [".gpu/p1"]   } back to back: /tmp survives only while the
 #   bash bench/gpu_run.sh stage 2        # carry [".gpu/p2"]   } machine stays warm (30 s after a call)
 #   bash bench/gpu_run.sh vllm           # carry [".gpu/p3"]: install vLLM; batch-preparation bench on the host's
@@ -30,7 +31,7 @@ stage() {  # copy vLLM bundle part $1 to /tmp/stage (kept while the machine stay
 }
 
 wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site0 .whl/*.whl && export PYTHONPATH=/tmp/site0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site0 .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD:/tmp/site0
 }
 
 run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, never longer than SECONDS
@@ -52,22 +53,14 @@ continuous() {  # the generator loop, one generate call per batch vs continuous 
 }
 
 case "${1:-}" in
-  learner)  # carry [".whl"]: learner step 7B + 3B, every lever side by side, one profiled step per variant
+  learner-step)  # carry [".whl"]: bench.learner_step on model $2 (7b | 3b) with variants $3... (default: its own)
     wheels
-    run learner 540 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1 --profile \
-      --variants padded packed-selective packed-selective+dedup packed-selective+dedup+vsel fsdp-selective+dedup+vsel \
-      "packed-selective+dedup+vsel@32768*32" packed-selective+dedup+vsel+compile
+    model=$2; shift 2
+    run "learner_step_$model" 530 python3 -m bench.learner_step --model "$model" --reserve-frac 0.3 \
+      --out "$OUT/learner_step_$model.json" ${1:+--variants "$@"}
     ;;
-  stage-learner)  # carry [".gpu/p$2", ".whl"]: bundle part $2 into /tmp/stage, then the second learner round on $3
-    stage "$2"; ls /tmp/stage; wheels
-    run "learner_$3" 420 python3 -m bench.gpu_learner --out "$OUT/gpu_learner_$3.json" --models "$3" --steps 2 \
-      --baseline-steps 1 --profile --variants padded packed-selective+dedup packed-selective+dedup+fuse \
-      packed-full+dedup+cblocks "packed-selective+dedup@32768*32" "packed-selective+dedup+fuse@32768*32" \
-      fsdp-selective+dedup+fuse
-    ;;
-  learner-sync)  # carry [".whl"]: learner step 7B + 3B, then weight sync 7B (CUDA IPC vs gloo)
+  weight-sync)  # carry [".whl"]: weight sync 7B (CUDA IPC vs gloo)
     wheels
-    run learner 300 python3 -m bench.gpu_learner --out "$OUT/gpu_learner.json" --steps 2 --baseline-steps 1
     run weight_sync 200 python3 -m bench.gpu_weight_sync --out "$OUT/gpu_weight_sync.json" --syncs 10 --gloo-syncs 1
     ;;
   stage)  # carry [".gpu/p$2"]: one vLLM bundle part into /tmp/stage
@@ -115,6 +108,6 @@ case "${1:-}" in
   continuous)  # right after "vllm" (vLLM in /tmp/site, the random 3B checkpoint in /tmp/parallax-ckpt/3b)
     continuous 420
     ;;
-  *) echo "usage: bash bench/gpu_run.sh learner | learner-sync | stage-learner N M | stage 1|2 | vllm |"\
+  *) echo "usage: bash bench/gpu_run.sh learner-step 7b|3b [VARIANT...] | weight-sync | stage 1|2 | vllm |"\
        "vllm-continuous | vllm-tests [K] | vllm-smoke | vllm-extra | continuous"; exit 2 ;;
 esac

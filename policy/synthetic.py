@@ -95,3 +95,31 @@ def padded_batch(samples, config, device) -> dict:
         "response_mask": resp_mask.to(device),
         "tokens": sum(lens),
     }
+
+
+def use_sdpa(model) -> None:
+    """Back to transformers' own SDPA attention in both towers (PackedPolicy switches them to varlen)."""
+    for cfg in (
+        model.config.text_config,
+        model.model.language_model.config,
+        model.config.vision_config,
+        model.model.visual.config,
+        model.config,
+    ):
+        cfg._attn_implementation = "sdpa"
+
+
+def padded_logprobs(model, batch: dict) -> torch.Tensor:
+    """Response-token logprobs of a `padded_batch` in sample order (flattened), fp32: transformers' forward
+    with the attention mask, full-vocabulary logits and an fp32 log-softmax (the usual baseline)."""
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"],
+        use_cache=False,
+    )
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    token = logp.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return token[batch["response_mask"][:, 1:]]

@@ -40,7 +40,7 @@ def test_host_pipeline_matches_device_and_fp32_reference():
     for h, d, r in zip(host, device, ref):
         torch.testing.assert_close(host_opt.state[h]["master"], r.detach().cpu(), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(device_opt.state[d]["master"], r.detach(), rtol=1e-5, atol=1e-7)
-        # the bf16 parameters are the master weights rounded (within one bf16 step of the reference's rounding)
+        # the bf16 parameters are the master weights rounded (one bf16 step from the reference's rounding)
         assert torch.equal(h.detach().cpu(), host_opt.state[h]["master"].to(torch.bfloat16))
         torch.testing.assert_close(h.detach().float(), r.detach().float(), rtol=1 / 128, atol=0)
         torch.testing.assert_close(h.detach(), d.detach(), rtol=1 / 128, atol=0)

@@ -9,12 +9,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_packed_matches_padded_bf16():
-    from bench.gpu_learner import padded_logprobs, use_sdpa
     from policy.builder import build_model
     from policy.forward import PackedPolicy, attention_backend
     from policy.packing import pack
     from policy.presets import model_config
-    from policy.synthetic import padded_batch, synthetic_samples
+    from policy.synthetic import padded_batch, padded_logprobs, synthetic_samples, use_sdpa
 
     config = model_config("tiny-fullvocab")
     model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=0).eval()
