@@ -1,12 +1,14 @@
 """The CPU demo with each policy loss, side by side: held-out accuracy over minutes and steps.
 
-    python -m bench.losses_demo [--policies ppo-clip gspo cispo sapo] [--max-minutes 7]
+    python -m bench.losses_demo [--policies ppo-clip gspo cispo sapo] [--max-steps 80] [--max-minutes 12]
 
 Runs the all-in-one launcher (`python -m deploy`, the demo's settings) once per policy loss, one
 after the other on this machine, with the same seeds and the same extra flags for all of them
 (`--extra`, default: two PPO mini-batches per batch with a recomputed π_prox and no off-policy
 correction, so that π_θ moves off π_prox and the surrogates differ; with one mini-batch and a
-detached π_prox every surrogate has the same gradient). Reads each run's summary.json and
+detached π_prox every surrogate has the same gradient). Each run stops after `--max-steps` learner
+steps (steps are what the shared cores' load does not stretch) or `--max-minutes`, whichever comes
+first. Reads each run's summary.json and
 learner/metrics.jsonl and writes bench/results/losses_demo.json: the exact commands, every
 held-out evaluation (minutes since launch, step, greedy accuracy on 64 unseen images), minutes
 and steps to the target accuracy with their ratio to the first policy's, the mean clipped
@@ -42,8 +44,10 @@ class BenchConfig:
 
     policies: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
     """Policy losses to run, in order (the first is the reference of the ratios)."""
-    max_minutes: float = 7.0
-    """Length of each run (wall clock from its launch)."""
+    max_steps: int = 80
+    """Stop each run after this many learner steps."""
+    max_minutes: float = 12.0
+    """... or after this many minutes from its launch, whichever comes first."""
     target: float = 0.8
     """Held-out accuracy whose first crossing is reported."""
     extra: tuple[str, ...] = DEFAULT_EXTRA
@@ -58,7 +62,8 @@ def command(cfg: BenchConfig, policy: str) -> list[str]:
     """The launcher command of one run."""
     run_dir = f"{cfg.runs_dir}/{policy}"
     return [
-        "python", "-m", "deploy", "--max-minutes", str(cfg.max_minutes), "--run-dir", run_dir,
+        "python", "-m", "deploy", "--max-minutes", str(cfg.max_minutes),
+        "--learner.max-steps", str(cfg.max_steps), "--run-dir", run_dir,
         *cfg.extra, "--learner.loss.policy", policy,
     ]  # fmt: skip
 
