@@ -1,4 +1,4 @@
-"""Build randomly initialised Qwen2.5-VL models of a preset (policy/presets.py), locally.
+"""Build randomly initialised Qwen2.5-VL or Qwen3-VL models of a preset (policy/presets.py), locally.
 
 `build_checkpoint(preset, seed, cache_dir)` writes config.json, generation_config.json,
 model.safetensors, the tokenizer files, processor_config.json and chat_template into one
@@ -59,7 +59,7 @@ def build_checkpoint(
     target = (
         Path(out)
         if out is not None
-        else Path(cache_dir or default_cache_dir()) / f"qwen2_5_vl-{preset}-s{seed}-{key}"
+        else Path(cache_dir or default_cache_dir()) / f"{get_preset(preset).family}-{preset}-s{seed}-{key}"
     )
     stamp = target / "parallax_build.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
@@ -90,13 +90,14 @@ def build_checkpoint(
 
 
 def build_model(preset: str, device: str = "cpu", dtype=None, seed: int = 0, config=None):
-    """A randomly initialised `Qwen2_5_VLForConditionalGeneration` of `preset`, built on `device`.
+    """A randomly initialised `Qwen2_5_VLForConditionalGeneration` or `Qwen3VLForConditionalGeneration`
+    (the preset's family) of `preset`, built on `device`.
 
-    `dtype` defaults to the preset's; `config` (a `Qwen2_5_VLConfig`) defaults to
-    `model_config(preset)`, which needs a preset with Qwen's vocabulary.
+    `dtype` defaults to the preset's; `config` defaults to `model_config(preset)`, which needs a
+    preset with Qwen's vocabulary.
     """
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     from policy import compat
 
@@ -109,7 +110,12 @@ def build_model(preset: str, device: str = "cpu", dtype=None, seed: int = 0, con
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="sdpa")
+                model_class = (
+                    Qwen3VLForConditionalGeneration
+                    if get_preset(preset).family == "qwen3_vl"
+                    else Qwen2_5_VLForConditionalGeneration
+                )
+                model = model_class._from_config(config, attn_implementation="sdpa")
         finally:
             torch.set_default_dtype(previous)
     return model.to(dtype)
@@ -147,13 +153,19 @@ def _write_checkpoint(path: Path, name: str, seed: int, device: str) -> None:
 
 def _make_processor(tokenizer, preset: Preset):
     """The PIL image processor where torchvision is absent (this CPU stack); with torchvision installed
-    (a GPU box) transformers insists on a video processor, so the torchvision pair is built instead."""
+    (a GPU box) transformers insists on a video processor, so the torchvision pair is built instead.
+    Qwen3-VL: patch size 16 (32x32 pixels per image token) and mean = std = 0.5, as its checkpoints."""
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl import Qwen3VLProcessor
 
     pixels = dict(min_pixels=preset.min_pixels, max_pixels=preset.max_pixels)
+    processor_class = Qwen2_5_VLProcessor
+    if preset.family == "qwen3_vl":
+        pixels.update(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        processor_class = Qwen3VLProcessor
     try:
-        return Qwen2_5_VLProcessor(
+        return processor_class(
             image_processor=Qwen2VLImageProcessorPil(**pixels),
             tokenizer=tokenizer,
             chat_template=tokenizer.chat_template,
@@ -161,11 +173,13 @@ def _make_processor(tokenizer, preset: Preset):
     except TypeError:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        return Qwen2_5_VLProcessor(
+        video = Qwen3VLVideoProcessor() if preset.family == "qwen3_vl" else Qwen2VLVideoProcessor()
+        return processor_class(
             image_processor=Qwen2VLImageProcessor(**pixels),
             tokenizer=tokenizer,
-            video_processor=Qwen2VLVideoProcessor(),
+            video_processor=video,
             chat_template=tokenizer.chat_template,
         )
 

@@ -7,7 +7,7 @@ all three in one place, and only when torchvision is missing:
 1. `transformers.models.qwen2_vl.image_processing_qwen2_vl` imports torchvision at the top,
    yet vLLM's Qwen2-VL model file imports `smart_resize` from it. We register a stand-in
    module that re-exports the PIL implementation (same resizing arithmetic).
-2. `Qwen2_5_VLProcessor` (and `Qwen2VLProcessor`) insist on a video processor, which needs
+2. `Qwen2_5_VLProcessor` (and `Qwen2VLProcessor`, `Qwen3VLProcessor`) insist on a video processor, which needs
    torchvision: construction, saving and loading fail. We limit their sub-processors to
    image processor + tokenizer.
 3. vLLM reads `processor.video_processor.valid_kwargs`: we attach a small stand-in object
@@ -140,8 +140,14 @@ def _limit_processor_to_images() -> None:
     """
     from transformers.models.qwen2_5_vl import processing_qwen2_5_vl
     from transformers.models.qwen2_vl import processing_qwen2_vl
+    from transformers.models.qwen3_vl import processing_qwen3_vl
 
-    for cls in (processing_qwen2_5_vl.Qwen2_5_VLProcessor, processing_qwen2_vl.Qwen2VLProcessor):
+    classes = (
+        processing_qwen2_5_vl.Qwen2_5_VLProcessor,
+        processing_qwen2_vl.Qwen2VLProcessor,
+        processing_qwen3_vl.Qwen3VLProcessor,
+    )
+    for cls in classes:
         if cls.__dict__.get("_parallax_compat", False):
             continue
         original_init = cls.__init__

@@ -1,6 +1,7 @@
-"""Packed forward of a Qwen2.5-VL model: per-token logprobs (and entropy) of response tokens.
+"""Packed forward of a Qwen2.5-VL or Qwen3-VL model: per-token logprobs (and entropy) of response tokens.
 
-`PackedPolicy(hf_model)` wraps a transformers `Qwen2_5_VLForConditionalGeneration`; its
+`PackedPolicy(hf_model)` wraps a transformers `Qwen2_5_VLForConditionalGeneration` or
+`Qwen3VLForConditionalGeneration` (the family is whatever the checkpoint is); its
 forward takes a `policy.packing.PackedBatch` and returns, for every response token of every
 sample (in pack order), the log-probability of that token and the entropy of the predictive
 distribution, both fp32, at the given temperature. Wrap it (not the bare HF model) as the
@@ -10,6 +11,10 @@ Attention sees sequence boundaries through cu_seqlens (transformers' FlashAttent
 a registered attention function "parallax_varlen" runs flash-attn's varlen kernel when it is
 installed (CUDA, fp16/bf16), else torch's `varlen_attn` on CUDA, else SDPA per sequence (the
 CPU path). Without cu_seqlens (generate, padded batches) it is plain SDPA.
+
+Qwen3-VL's DeepStack: the vision tower also returns features of some early blocks, which the
+decoder adds at the image tokens after its first layers; the packed forward passes them (and the
+image-token mask of the row) to the decoder exactly as transformers' own forward does.
 
 The vocabulary projection runs over response positions only, in chunks of `chunk_size` rows,
 each chunk under activation checkpointing when gradients are on: full-vocabulary fp32 logits
@@ -184,7 +189,7 @@ def set_vision_attention(model: nn.Module, name: str) -> None:
 
 
 class PackedPolicy(nn.Module):
-    """A Qwen2.5-VL model that scores packed batches: forward(batch) -> (logprobs, entropy) per response token."""
+    """A Qwen2.5-VL or Qwen3-VL model scoring packed batches: forward(batch) -> (logprobs, entropy)."""
 
     def __init__(
         self,
@@ -239,37 +244,52 @@ class PackedPolicy(nn.Module):
         inner = self.model.model
         input_ids = batch.input_ids.to(self.model.device)
         embeds = inner.get_input_embeddings()(input_ids)
+        extra = {}
         if batch.pixel_values is not None:
-            embeds = self._insert_images(embeds, input_ids, batch)
+            embeds, deepstack = self._insert_images(embeds, input_ids, batch)
+            if deepstack:
+                extra = dict(
+                    visual_pos_masks=input_ids == self.image_token_id, deepstack_visual_embeds=deepstack
+                )
         elif run_vision_always:
             embeds = embeds + 0.0 * self._dummy_vision(embeds)
-        layer_types = set(inner.language_model.config.layer_types)
+        layer_types = getattr(inner.language_model.config, "layer_types", None)
         out = inner.language_model(
             inputs_embeds=embeds,
             position_ids=batch.position_ids.to(embeds.device),
-            attention_mask={t: None for t in layer_types},
+            # Qwen2.5-VL takes prepared masks per layer type; Qwen3-VL builds none without padding
+            attention_mask={t: None for t in set(layer_types)} if layer_types else None,
             use_cache=False,
             cu_seq_lens_q=batch.cu_seqlens.to(embeds.device),
             cu_seq_lens_k=batch.cu_seqlens.to(embeds.device),
             max_length_q=batch.max_seqlen,
             max_length_k=batch.max_seqlen,
+            **extra,
         )
         return out.last_hidden_state
 
     def _insert_images(
         self, embeds: torch.Tensor, input_ids: torch.Tensor, batch: PackedBatch
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Embeddings with the image features scattered in, and the DeepStack features per decoder
+        layer (Qwen3-VL; [] for Qwen2.5-VL), each (image tokens of the row, hidden) in row order."""
         inner = self.model.model
         pixels = batch.pixel_values.to(embeds.device, inner.visual.dtype)
         features = inner.get_image_features(pixels, batch.image_grid_thw.to(embeds.device), return_dict=True)
-        per_image = list(features.pooler_output)
-        if batch.image_index is not None:  # distinct images encoded once, reused for every occurrence
-            per_image = [per_image[i] for i in batch.image_index.tolist()]
-        image_embeds = torch.cat(per_image, dim=0).to(embeds.dtype)
+        index = batch.image_index.tolist() if batch.image_index is not None else None
+
+        def in_row_order(per_image) -> torch.Tensor:
+            per_image = list(per_image)
+            if index is not None:  # distinct images encoded once, reused for every occurrence
+                per_image = [per_image[i] for i in index]
+            return torch.cat(per_image, dim=0).to(embeds.dtype)
+
+        image_embeds = in_row_order(features.pooler_output)
         mask = input_ids == self.image_token_id
         if int(mask.sum()) != image_embeds.shape[0]:
             raise ValueError(f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} image features")
-        return embeds.masked_scatter(mask.unsqueeze(-1), image_embeds)
+        deepstack = [in_row_order(layer) for layer in getattr(features, "deepstack_features", None) or []]
+        return embeds.masked_scatter(mask.unsqueeze(-1), image_embeds), deepstack
 
     def _dummy_vision(self, embeds: torch.Tensor) -> torch.Tensor:
         visual = self.model.model.visual
@@ -279,7 +299,10 @@ class PackedPolicy(nn.Module):
         pixels = torch.zeros(merge * merge, dim, device=embeds.device, dtype=visual.dtype)
         grid = torch.tensor([[1, merge, merge]], device=embeds.device)
         out = self.model.model.get_image_features(pixels, grid, return_dict=True)
-        return torch.cat(out.pooler_output).sum().to(embeds.dtype)
+        total = torch.cat(out.pooler_output).sum()
+        for layer in getattr(out, "deepstack_features", None) or []:  # Qwen3-VL: its mergers take part too
+            total = total + torch.cat(layer).sum()
+        return total.to(embeds.dtype)
 
 
 def chunked_logprobs(

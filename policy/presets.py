@@ -1,5 +1,9 @@
 """Model shapes the builder knows, by name: toy presets and the published Qwen2.5-VL-3B/-7B.
 
+Two model families, a preset's `family`: qwen2_5_vl and qwen3_vl (dense Qwen3-VL: patch size 16,
+interleaved M-RoPE, q/k RMSNorm, DeepStack: features of early vision blocks added to the first
+decoder layers). Everything downstream tells them apart by the checkpoint's config.json.
+
 One copy of every shape used by the tests, the demo and the benches. `model_config(name)` turns
 a preset into a transformers `Qwen2_5_VLConfig`; policy/builder.py builds random weights from it
 (`build_model` in memory, `build_checkpoint` as a directory transformers and vLLM load).
@@ -12,6 +16,7 @@ Presets:
 - small (~5 M parameters, local 2k tokenizer): the CPU learning demo.
 - tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
   real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
+- qwen3-vl-tiny, qwen3-vl-small: tiny and small as Qwen3-VL (tests; the demo with `--preset`).
 - qwen2.5-vl-3b, qwen2.5-vl-7b: the published Qwen2.5-VL-{3B,7B}-Instruct config.json values
   (https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/config.json and
   https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/config.json), text and vision;
@@ -34,9 +39,13 @@ QWEN_TOKEN_IDS = dict(
 """Qwen2.5-VL's special token ids (published config.json; pad = <|endoftext|> as in its tokenizer)."""
 
 
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""Model families (config.json model_type)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """Shapes of one Qwen2.5-VL model."""
+    """Shapes of one Qwen2.5-VL or Qwen3-VL model."""
 
     hidden: int
     """Text model hidden size."""
@@ -72,6 +81,12 @@ class Preset:
     """Image processor lower bound on resized pixels."""
     max_pixels: int = 224 * 224
     """Image processor upper bound on resized pixels (224x224 -> 64 image tokens)."""
+    family: str = "qwen2_5_vl"
+    """Model family (FAMILIES)."""
+    deepstack: tuple[int, ...] = ()
+    """qwen3_vl: vision blocks whose features are added after decoder layers 0, 1, ... (DeepStack)."""
+    vision_positions: int = 256
+    """qwen3_vl: learned vision position embeddings (a square grid, interpolated to each image)."""
 
 
 _QWEN_VISION = dict(
@@ -123,6 +138,32 @@ PRESETS: dict[str, Preset] = {
         dtype="bfloat16",
         max_pixels=448 * 448,
     ),
+    "qwen3-vl-tiny": Preset(  # 3 decoder layers: DeepStack's additions after layers 0 and 1 reach the logits
+        hidden=128,
+        layers=3,
+        heads=4,
+        kv_heads=2,
+        ffn=256,
+        vision_depth=3,
+        vision_hidden=64,
+        vision_heads=2,
+        vision_ffn=128,
+        family="qwen3_vl",
+        deepstack=(0, 1),
+    ),
+    "qwen3-vl-small": Preset(
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=2,
+        ffn=768,
+        vision_depth=4,
+        vision_hidden=128,
+        vision_heads=4,
+        vision_ffn=256,
+        family="qwen3_vl",
+        deepstack=(1, 2),
+    ),
     "qwen2.5-vl-3b": Preset(
         hidden=2048,
         layers=36,
@@ -168,10 +209,18 @@ def mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
+def interleaved_mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's split for interleaved M-RoPE (frequency i goes to T, H, W by i % 3 up to the H and W
+    counts, the rest to T); sums to head_dim/2 (128 -> [24, 20, 20], Qwen3-VL's)."""
+    half = head_dim // 2
+    hw = half * 5 // 16
+    return [half - 2 * hw, hw, hw]
+
+
 def model_config(
     name: str, vocab_size: int | None = None, token_ids: dict[str, int] | None = None, dtype: str = "bfloat16"
 ):
-    """The `Qwen2_5_VLConfig` of preset `name` (sdpa attention).
+    """The `Qwen2_5_VLConfig` or `Qwen3VLConfig` (by the preset's family) of preset `name` (sdpa attention).
 
     `vocab_size` and `token_ids` default to the preset's vocabulary and Qwen's ids; a preset with a
     local tokenizer (vocab = 0) needs both, from that tokenizer (policy/builder.py passes them).
@@ -183,6 +232,10 @@ def model_config(
     if not vocab_size:
         raise ValueError(f"preset {name!r} has a local tokenizer: pass vocab_size and token_ids from it")
     ids = dict(QWEN_TOKEN_IDS if token_ids is None else token_ids)
+    if preset.family == "qwen3_vl":
+        return _qwen3_vl_config(preset, vocab_size, ids, dtype)
+    if preset.family != "qwen2_5_vl":
+        raise ValueError(f"preset {name!r}: unknown family {preset.family!r}; choose from {FAMILIES}")
     text = dict(
         vocab_size=vocab_size,
         hidden_size=preset.hidden,
@@ -221,6 +274,67 @@ def model_config(
         tokens_per_second=2,
     )
     return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["image_token_id"],
+        video_token_id=ids["video_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
+        tie_word_embeddings=preset.tie_word_embeddings,
+        dtype=dtype,
+        attn_implementation="sdpa",
+    )
+
+
+def _qwen3_vl_config(preset: Preset, vocab_size: int, ids: dict[str, int], dtype: str):
+    """`Qwen3VLConfig` (dense): explicit head_dim, q/k RMSNorm, interleaved M-RoPE, DeepStack, patch 16."""
+    from transformers import Qwen3VLConfig
+
+    head_dim = preset.hidden // preset.heads
+    if len(preset.deepstack) > preset.layers or any(
+        not 0 <= i < preset.vision_depth for i in preset.deepstack
+    ):
+        raise ValueError(
+            f"DeepStack blocks {preset.deepstack} do not fit {preset.vision_depth} vision blocks"
+        )
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.ffn,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=preset.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5e6,
+            "mrope_section": interleaved_mrope_section(head_dim),
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+        dtype=dtype,
+    )
+    vision = dict(
+        depth=preset.vision_depth,
+        hidden_size=preset.vision_hidden,
+        num_heads=preset.vision_heads,
+        intermediate_size=preset.vision_ffn,
+        out_hidden_size=preset.hidden,
+        hidden_act="gelu_pytorch_tanh",
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=preset.vision_positions,
+        deepstack_visual_indexes=list(preset.deepstack),
+    )
+    return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["image_token_id"],

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from policy.builder import build_checkpoint, build_key
-from policy.presets import PRESETS, mrope_section
+from policy.presets import PRESETS, interleaved_mrope_section, mrope_section
 from policy.tokenizer import SPECIAL_TOKENS
 
 
@@ -110,3 +110,27 @@ def test_cli_build_into_out_dir(tmp_path, tiny_model_dir):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith(str(out))
     assert _sha(out / "model.safetensors") == _sha(tiny_model_dir / "model.safetensors")
+
+
+def test_qwen3_vl_checkpoint_is_chosen_from_its_config(family_model_dir, family_processor, family_model):
+    config = json.loads((family_model_dir / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    if config["model_type"] == "qwen2_5_vl":
+        assert type(family_model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+        assert family_processor.image_processor.patch_size == vision["patch_size"] == 14
+        return
+    assert config["model_type"] == "qwen3_vl"
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert type(family_model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(family_processor).__name__ == "Qwen3VLProcessor"
+    assert family_processor.image_processor.patch_size == vision["patch_size"] == 16
+    assert family_processor.image_processor.merge_size == vision["spatial_merge_size"] == 2
+    rope = text["rope_parameters"]
+    assert rope["mrope_interleaved"] is True and sum(rope["mrope_section"]) == text["head_dim"] // 2
+    assert vision["deepstack_visual_indexes"] == [0, 1] and text["num_hidden_layers"] == 3
+    assert hasattr(family_model.model.language_model.layers[0].self_attn, "q_norm")
+
+
+@pytest.mark.parametrize("head_dim,expected", [(128, [24, 20, 20]), (32, [6, 5, 5]), (64, [12, 10, 10])])
+def test_interleaved_mrope_section_matches_qwen3_vl(head_dim, expected):
+    assert interleaved_mrope_section(head_dim) == expected

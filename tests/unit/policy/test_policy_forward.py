@@ -1,4 +1,4 @@
-"""Packed forward numerics: equal to the padded transformers forward (fp32 CPU, <= 1e-5), and its parts."""
+"""Packed forward numerics, per model family: equal to the padded transformers forward (fp32 CPU, <= 1e-5)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ from tests.fixtures.models import make_samples, padded_logprobs, sharpen
 
 
 @pytest.fixture(scope="module")
-def sharp_model(tiny_model):
-    """A copy of the tiny model whose logits depend strongly on positions and context."""
-    return sharpen(copy.deepcopy(tiny_model)).eval()
+def sharp_model(family_model):
+    """A copy of the family's tiny model whose logits depend strongly on positions and context."""
+    return sharpen(copy.deepcopy(family_model)).eval()
 
 
 @pytest.fixture(scope="module")
-def ids(tiny_processor):
-    tok = tiny_processor.tokenizer
+def ids(family_processor):
+    tok = family_processor.tokenizer
     return tok.pad_token_id, tok.convert_tokens_to_ids("<|image_pad|>")
 
 
 @pytest.mark.parametrize("counts,temperature", [((0, 1, 2, 2, 1, 0), 1.0), ((1, 1), 0.7), ((0, 0), 1.3)])
-def test_packed_logprobs_equal_padded_forward(tiny_processor, sharp_model, ids, counts, temperature):
+def test_packed_logprobs_equal_padded_forward(family_processor, sharp_model, ids, counts, temperature):
     pad_token, image_token = ids
-    samples = make_samples(tiny_processor, counts, seed=7)
+    samples = make_samples(family_processor, counts, seed=7)
     with torch.no_grad():
         ours, entropy = packed_logprobs(
             sharp_model, pack(samples, image_token), temperature=temperature, chunk_size=16
@@ -39,9 +39,9 @@ def test_packed_logprobs_equal_padded_forward(tiny_processor, sharp_model, ids, 
     assert torch.all(entropy > 0)
 
 
-def test_wrong_positions_would_be_detected(tiny_processor, sharp_model, ids):
+def test_wrong_positions_would_be_detected(family_processor, sharp_model, ids):
     pad_token, image_token = ids
-    samples = make_samples(tiny_processor, (1, 2), seed=3)
+    samples = make_samples(family_processor, (1, 2), seed=3)
     batch = pack(samples, image_token)
     batch.position_ids = torch.arange(batch.num_tokens).view(1, 1, -1).expand(3, 1, -1).contiguous()
     with torch.no_grad():
@@ -81,27 +81,31 @@ def test_banned_tokens_get_no_mass_like_a_sampler_that_bans_them():
     assert (lp - unmasked).min() > 0  # the mass of the banned tokens moved onto the others
 
 
-def test_gradients_flow_through_checkpointed_chunks_and_vision(tiny_processor, tiny_model, ids):
+def test_gradients_flow_through_checkpointed_chunks_and_vision(family_processor, family_model, ids):
     _, image_token = ids
-    model = copy.deepcopy(tiny_model).train()
+    model = copy.deepcopy(family_model).train()
     policy = PackedPolicy(model, chunk_size=8)
-    batch = pack(make_samples(tiny_processor, (1, 0, 2), seed=1), image_token)
+    batch = pack(make_samples(family_processor, (1, 0, 2), seed=1), image_token)
     logprobs, entropy = policy(batch)
     (logprobs.sum() + 0.01 * entropy.sum()).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
     assert model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
     assert model.model.language_model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    for merger in getattr(model.model.visual, "deepstack_merger_list", []):  # Qwen3-VL's DeepStack
+        assert merger.linear_fc2.weight.grad.abs().sum() > 0
 
 
-def test_text_only_pack_can_still_run_the_vision_tower(tiny_processor, tiny_model, ids):
+def test_text_only_pack_can_still_run_the_vision_tower(family_processor, family_model, ids):
     _, image_token = ids
-    model = copy.deepcopy(tiny_model).train()
-    batch = pack(make_samples(tiny_processor, (0, 0), seed=2), image_token)
+    model = copy.deepcopy(family_model).train()
+    batch = pack(make_samples(family_processor, (0, 0), seed=2), image_token)
     plain, _ = PackedPolicy(model)(batch)
     logprobs, _ = PackedPolicy(model)(batch, run_vision_always=True)
     assert torch.allclose(plain, logprobs)
     logprobs.sum().backward()
     assert model.model.visual.patch_embed.proj.weight.grad is not None  # took part, with zero gradient
+    for merger in getattr(model.model.visual, "deepstack_merger_list", []):
+        assert merger.linear_fc2.weight.grad is not None
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -157,9 +161,11 @@ def _group_samples(processor, image_token):
     return out
 
 
-def test_shared_images_are_encoded_once_with_the_same_values_and_gradients(tiny_processor, sharp_model, ids):
+def test_shared_images_are_encoded_once_with_the_same_values_and_gradients(
+    family_processor, sharp_model, ids
+):
     _, image_token = ids
-    samples = _group_samples(tiny_processor, image_token)
+    samples = _group_samples(family_processor, image_token)
     dedup, plain = pack(samples, image_token), pack(samples, image_token, dedup_images=False)
     assert plain.image_index is None and plain.image_grid_thw.shape[0] == 8
     assert dedup.image_grid_thw.shape[0] == 3 and dedup.image_index.tolist() == [0, 1, 0, 1, 0, 1, 2, 2]
@@ -182,9 +188,23 @@ def test_shared_images_are_encoded_once_with_the_same_values_and_gradients(tiny_
     assert (values[0] - ref).abs().max().item() <= 1e-5
 
 
-def test_one_key_with_two_grids_is_an_error(tiny_processor, ids):
+def test_one_key_with_two_grids_is_an_error(family_processor, ids):
     _, image_token = ids
-    a, b = make_samples(tiny_processor, (1, 1), seed=2)
+    a, b = make_samples(family_processor, (1, 1), seed=2)
     b.image_keys = list(a.image_keys)
     with pytest.raises(ValueError, match="grids"):
         pack([a, b], image_token)
+
+
+def test_qwen3_deepstack_features_are_needed_to_match(family_processor, sharp_model, ids):
+    """Without DeepStack the packed forward differs from transformers (so the test above checks it)."""
+    if not getattr(sharp_model.config.vision_config, "deepstack_visual_indexes", None):
+        pytest.skip("Qwen2.5-VL has no DeepStack")
+    pad_token, image_token = ids
+    samples = make_samples(family_processor, (1, 2), seed=5)
+    ref = padded_logprobs(sharp_model, samples, pad_token, image_token)
+    model = copy.deepcopy(sharp_model)
+    model.model.visual.deepstack_visual_indexes = []
+    with torch.no_grad():
+        without, _ = packed_logprobs(model, pack(samples, image_token))
+    assert (without - ref).abs().max().item() > 1e-3

@@ -16,10 +16,9 @@ def image_token_id(tiny_processor):
 
 
 @pytest.mark.parametrize("counts", [(0,), (1,), (2,), (0, 1, 2, 2, 1, 0)])
-def test_positions_equal_get_rope_index_for_every_sequence(
-    tiny_processor, tiny_model, image_token_id, counts
-):
-    samples = make_samples(tiny_processor, counts, seed=len(counts))
+def test_positions_equal_get_rope_index_for_every_sequence(family_processor, family_model, counts):
+    image_token_id = family_model.config.image_token_id
+    samples = make_samples(family_processor, counts, seed=len(counts))
     batch = pack(samples, image_token_id)
     bounds = batch.cu_seqlens.tolist()
     grids = iter(batch.image_grid_thw.tolist() if batch.image_grid_thw is not None else [])
@@ -32,7 +31,7 @@ def test_positions_equal_get_rope_index_for_every_sequence(
             assert ours.tolist() == [list(range(seq.shape[1]))] * 3
             continue
         grid = torch.tensor([next(grids) for _ in s.image_grid_thw])
-        ref, _ = tiny_model.model.get_rope_index(seq, mm_token_type_ids=mm, image_grid_thw=grid)
+        ref, _ = family_model.model.get_rope_index(seq, mm_token_type_ids=mm, image_grid_thw=grid)
         assert torch.equal(ours, ref[:, 0])
 
 
