@@ -211,11 +211,12 @@ class Launcher:
             str(t.image_size),
             "--max-count",
             str(t.max_count),
+            "--size-jitter",
+            str(t.size_jitter),
             "--seed",
             str(t.seed),
         ]
-        if t.shuffle_images:
-            args.append("--shuffle-images")
+        args += ["--shuffle-images"] * t.shuffle_images + ["--equal-area"] * t.equal_area
         self._wait(self._start(self.infra, "task", "tasks", args, critical=False))
         return out, out
 

@@ -54,6 +54,10 @@ class TaskOptions:
     """Image side in pixels (112 -> 16 image tokens)."""
     max_count: int = 4
     """count: the largest number of shapes (chance = 1 / max_count)."""
+    size_jitter: float = 0.25
+    """count: relative spread of the shapes' radii."""
+    equal_area: bool = False
+    """count: every kind of shape covers the same area (the count is readable from the covered area)."""
     shuffle_images: bool = False
     """Control run: every question gets an unrelated image, so accuracy must stay at chance."""
     seed: int = 0

@@ -4,7 +4,7 @@
   weights, tokenizer, image processor), and how many parameters does it have (read from the
   safetensors headers: nothing is loaded)?
 - `visible_gpus()`: the GPUs this process may use, indexed as CUDA_VISIBLE_DEVICES numbers them
-  (`nvidia-smi`, so torch is not imported here).
+  (`nvidia-smi`, else torch in a child process: the launcher never initialises CUDA itself).
 - `require_vllm()`: vLLM must be importable by the children on a GPU run.
 - `explain_failure(log_text)`: the fix for a generator or learner that died in a known way
   (vLLM out of memory, vLLM not installed, no CUDA device, ...), or "".
@@ -22,6 +22,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,20 +125,24 @@ def visible_gpus(env: dict[str, str] | None = None) -> list[GpuInfo]:
     """The GPUs this launcher may use, indexed 0.. in CUDA_VISIBLE_DEVICES order ([] when none)."""
     env = os.environ if env is None else env
     smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
+    query = [smi, "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"]
+    if smi is None:  # ask torch in a child (this process must not initialise CUDA)
+        query = [sys.executable, "-c", _TORCH_QUERY]
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = subprocess.run(query, capture_output=True, text=True, timeout=120, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     gpus = parse_nvidia_smi(out)
-    return restrict_visible(gpus, env.get("CUDA_VISIBLE_DEVICES"))
+    return gpus if smi is None else restrict_visible(gpus, env.get("CUDA_VISIBLE_DEVICES"))
+
+
+_TORCH_QUERY = (
+    "import torch\n"
+    "for i in range(torch.cuda.device_count()):\n"
+    "    p = torch.cuda.get_device_properties(i)\n"
+    "    print(f'{i}, {p.total_memory // 2**20}, {p.name}')\n"
+)
+"""Where nvidia-smi is missing: the same lines from torch (already restricted by CUDA_VISIBLE_DEVICES)."""
 
 
 def parse_nvidia_smi(text: str) -> list[GpuInfo]:

@@ -125,9 +125,9 @@ class Engine:
             enable_prefix_caching=True,
         )
         kv_gb = self.config.kv_cache_gb or (1.0 if self.on_cpu else 0.0)
-        if kv_gb:
+        if kv_gb:  # a fixed KV cache: vLLM skips its memory profiling (other processes may share the GPU)
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
-        else:
+        if not self.on_cpu:  # vLLM's start-up check of the GPU's free memory uses it even then
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         t0 = time.perf_counter()
         with self._no_compile():

@@ -14,6 +14,10 @@ a preset into a transformers `Qwen2_5_VLConfig`; policy/builder.py builds random
 Presets:
 - tiny  (~1 M parameters, local 2k tokenizer): unit tests; builds in seconds.
 - small (~5 M parameters, local 2k tokenizer): the CPU learning demo.
+- learn-230m (~0.23 B parameters, local 2k tokenizer): the GPU learning run (deploy/configs/gpu_learn.toml):
+  Qwen2.5-0.5B's text widths (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864) at half its depth (12
+  layers), and a Qwen2.5-VL vision tower at 1/2 width and 1/4 depth (8 blocks of 640, MLP 2.67x, windowed
+  attention with full attention in blocks 3 and 7, as the published tower has in every 8th block).
 - tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
   real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
 - qwen3-vl-tiny, qwen3-vl-small: tiny and small as Qwen3-VL (tests; the demo with `--preset`).
@@ -120,6 +124,18 @@ PRESETS: dict[str, Preset] = {
         vision_hidden=128,
         vision_heads=4,
         vision_ffn=256,
+    ),
+    "learn-230m": Preset(
+        hidden=896,
+        layers=12,
+        heads=14,
+        kv_heads=2,
+        ffn=4864,
+        vision_depth=8,
+        vision_hidden=640,
+        vision_heads=10,
+        vision_ffn=1710,
+        fullatt_block_indexes=(3, 7),
     ),
     "tiny-fullvocab": Preset(
         hidden=128,

@@ -6,9 +6,12 @@ Question types (`task`):
 - "bigger": two shapes, left and right; "Which shape is bigger, left or right?" -> left/right.
 - "mixed":  one of the three per example.
 
-Difficulty knobs: `n_colours` (palette size), `max_count`, `size_margin` (how much bigger the
-bigger shape is), `colour_jitter`, `image_size` (112 px -> 16 image tokens). Every example is
-a pure function of (seed, split, index), so splits are reproducible and disjoint streams.
+Difficulty knobs: `n_colours` (palette size), `max_count`, `size_jitter` and `equal_area` (how
+much the shapes of a "count" scene vary in size: with equal areas and little jitter the count can
+be read off the covered area, which a randomly initialised model learns fastest), `size_margin`
+(how much bigger the bigger shape is), `colour_jitter`, `image_size` (112 px -> 16 image tokens).
+Every example is a pure function of (seed, split, index), so splits are reproducible and disjoint
+streams.
 `shuffle_images` is the control: each question gets the image of an independent scene of the
 same type, so the answer cannot be read from the image and accuracy must stay at chance.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import re
 from collections.abc import Iterator
@@ -73,6 +77,10 @@ class SyntheticConfig:
     """Palette size (2..10); chance on "colour" is 1/n_colours."""
     max_count: int = 4
     """Largest count in "count" questions (1..9)."""
+    size_jitter: float = 0.25
+    """"count": each shape's radius is 0.6 x (cell half-width) x uniform(1 - size_jitter, 1 + size_jitter)."""
+    equal_area: bool = False
+    """"count": scale squares and triangles to a circle's area of the same radius."""
     size_margin: float = 0.5
     """"bigger": the bigger shape's size is at least (1 + size_margin) x the smaller one's."""
     colour_jitter: int = 20
@@ -227,12 +235,25 @@ def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Ima
     image, draw = _canvas(rng, config)
     s, k = config.image_size, rng.randint(1, config.max_count)
     cells = rng.sample([(i, j) for i in range(3) for j in range(3)], k)  # one shape per 3x3 cell: no overlap
+    if not 0 <= config.size_jitter < 0.5:
+        raise ValueError("size_jitter must be in [0, 0.5)")
     for i, j in cells:
-        r = s / 6 * rng.uniform(0.45, 0.75)
-        cx = (i + 0.5) * s / 3 + rng.uniform(-1, 1) * (s / 6 - r)
-        cy = (j + 0.5) * s / 3 + rng.uniform(-1, 1) * (s / 6 - r)
-        _draw(draw, rng.choice(KINDS), cx, cy, r, _colour(rng, config)[1])
+        r = s / 6 * 0.6 * rng.uniform(1 - config.size_jitter, 1 + config.size_jitter)
+        kind = rng.choice(KINDS)
+        if config.equal_area:
+            r *= _EQUAL_AREA[kind]
+        cx = (i + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
+        cy = (j + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
+        _draw(draw, kind, cx, cy, r, _colour(rng, config)[1])
     return image, str(k)
+
+
+_EQUAL_AREA = {
+    "circle": 1.0,
+    "square": (math.pi / 1.8**2) ** 0.5,
+    "triangle": (math.pi / (0.95 * 1.8)) ** 0.5,
+}
+"""Radius factors that give each kind (as `_draw` draws it) the area of a circle of the same radius."""
 
 
 def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:

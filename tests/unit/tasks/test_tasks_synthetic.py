@@ -118,3 +118,26 @@ def test_verify(response, truth, expected):
 def test_last_boxed_handles_nested_braces():
     assert last_boxed("\\boxed{\\frac{1}{2}} x") == "\\frac{1}{2}"
     assert last_boxed("nothing") is None
+
+
+def test_equal_area_count_scenes_make_the_count_readable_from_the_covered_area():
+    """With equal areas and 5% size jitter (deploy/configs/gpu_learn.toml) the covered fraction of the
+    image separates every count from the next; with the default spread it does not."""
+    import numpy as np
+
+    from tasks.synthetic import SyntheticConfig, make_example
+
+    def ranges(**knobs):
+        config = SyntheticConfig(task="count", max_count=6, image_size=224, **knobs)
+        covered: dict[int, list[float]] = {}
+        for i in range(240):
+            ex = make_example(config, "train", i)
+            pixels = np.asarray(ex.image).astype(int)
+            mask = np.abs(pixels - pixels[0, 0]).sum(axis=2) > 30
+            covered.setdefault(int(ex.answer), []).append(mask.mean())
+        return [(min(v), max(v)) for _, v in sorted(covered.items())]
+
+    easy = ranges(size_jitter=0.05, equal_area=True)
+    assert len(easy) == 6 and all(hi < lo for (_, hi), (lo, _) in zip(easy, easy[1:]))
+    hard = ranges()
+    assert any(hi >= lo for (_, hi), (lo, _) in zip(hard, hard[1:]))

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU learning run through the launcher (deploy/configs/gpu_learn.toml), runs side by side on ONE GPU, each a
+# full `python -m deploy` (its own broker, reward service, vLLM generator and learner sharing the GPU by CUDA IPC).
+# Run from the repository root on the lent H200 with vLLM installed in /tmp/site and $OUT set; every call carries
+# [".whl"] (tyro, rich, matplotlib and their dependencies for CPython 3.12: the image lacks them; fill it with
+# `bash deploy/gpu_learn.sh wheels` here). Each call stays under 9 minutes (MINUTES per run, default 7).
+#
+#   bash deploy/gpu_learn.sh learn         # the learning run (correction decoupled) + its control (shuffled images)
+#   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
+#   bash deploy/gpu_learn.sh cpu           # the "learn" pair on CPU with the tiny override (for testing here)
+#   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
+#
+# Writes $OUT/runs/<name>/ (each launcher run directory: summary.json, curve.png, learner/metrics.jsonl, logs/),
+# $OUT/<call>.png (held-out accuracy and reward over wall-clock minutes, all runs of the call) and $OUT/<call>.json
+# (per run: accuracy at each evaluation, minutes to 80%, mismatch KL between vLLM and the learner over the run).
+# EXTRA="--learner.optim.lr 5e-5" adds flags to every run of the call.
+set -uo pipefail
+MODE=${1:-learn}
+OUT=${OUT:-/tmp/out}
+MINUTES=${MINUTES:-7}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT/runs"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+PY=python3
+CONFIG=deploy/configs/gpu_learn.toml
+TINY=()
+
+wheels_here() {  # CPython 3.12 manylinux wheels of what the launcher needs beyond the image and the vLLM bundle
+  mkdir -p .whl
+  local plat="" p
+  for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64; do plat="$plat --platform $p"; done
+  for p in tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 \
+      pygments==2.21.0 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
+      pyparsing==3.3.3 python-dateutil==2.9.0.post0 six==1.17.0 tomli_w==1.2.0; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .whl "$p"
+  done
+  ls .whl
+}
+
+setup_gpu() {
+  [ -d /tmp/site/vllm ] || { echo "vLLM is not installed in /tmp/site (bench/gpu_run.sh: stage 1, stage 2, then install)"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deploy .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+  # Build the preset once (cached by content hash under ~/.cache/parallax), so the runs do not build it side by side.
+  timeout 300 $PY -m policy build --preset learn-230m > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 4; }
+}
+
+setup_cpu() {  # the same runs on CPU, tiny: mechanics only
+  export PYTHONPATH=$PWD
+  PY=${PY_CPU:-.venv/bin/python}
+  MINUTES=${MINUTES_CPU:-4}
+  TINY=(--learner.gpus "" --generator.gpus "" --preset tiny --threads 1 --task.train 64 --task.test 8
+        --task.image-size 112 --warm-start.steps 3 --warm-start.batch 4 --warm-start.thought look
+        --learner.algo.groups-per-step 2 --learner.eval.every 2 --generator.sampling.n 4
+        --generator.sampling.max-tokens 24 --generator.engine.dtype float32 --generator.engine.kv-cache-gb 0.25
+        --reward.workers 1)
+}
+
+launch() {  # launch NAME INDEX FLAGS...: one launcher run in the background, its ports offset by 10 x INDEX
+  local name=$1 i=$2; shift 2
+  local ports=(--reward.metrics-port $((9101 + 10 * i)) --generator.metrics-port $((9201 + 10 * i))
+               --learner.metrics-port $((9301 + 10 * i)))
+  echo "=== $name: python -m deploy --config $CONFIG $* ${TINY[*]} $EXTRA" | tee "$OUT/$name.log"
+  # shellcheck disable=SC2086
+  timeout -s INT -k 60 $((MINUTES * 60 + 120)) $PY -m deploy --config "$CONFIG" --run-dir "$OUT/runs/$name" \
+    --progress plain --max-minutes "$MINUTES" "${ports[@]}" "$@" "${TINY[@]}" $EXTRA >> "$OUT/$name.log" 2>&1 &
+}
+
+report() {  # report CALL NAME...: one plot and one JSON over the call's runs
+  local call=$1; shift
+  local dirs=() n
+  for n in "$@"; do dirs+=("$OUT/runs/$n"); done
+  $PY -m deploy.plot "${dirs[@]}" --labels "$@" --out "$OUT/$call.png" --summary "$OUT/$call.json" \
+    --title "learn-230m counting 1-6 shapes on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
+  $PY - "$OUT/$call.json" <<'PY'
+import json, sys
+for label, s in json.load(open(sys.argv[1])).items():
+    every = max(1, len(s["evals"]) // 12)
+    evals = " ".join(f"{e['minutes']}:{e['accuracy']:.2f}" for e in s["evals"][::every])
+    print(f"{label:>10}: {s['outcome']}, {s['steps']} steps, best {s['best_eval_accuracy']}, "
+          f"80% at {s['minutes_to_target']} min, mismatch KL mean {s['mismatch_kl']['mean']}; evals {evals}")
+PY
+}
+
+case "$MODE" in
+  wheels) wheels_here; exit 0 ;;
+  cpu) setup_cpu; MODE=learn ;;
+  learn|corrections) setup_gpu ;;
+  *) echo "usage: $0 learn|corrections|cpu|wheels"; exit 2 ;;
+esac
+if [ "$MODE" = learn ]; then
+  launch learn 0
+  launch control 1 --task.shuffle-images
+  wait
+  report learn learn control
+else
+  i=0
+  for c in none decoupled tis icepop; do launch "$c" $i --learner.loss.correction "$c"; i=$((i + 1)); done
+  wait
+  report corrections none decoupled tis icepop
+fi
+for d in "$OUT"/runs/*/; do  # what does not come back: weights, images, caches
+  rm -rf "$d"learner/checkpoints "$d"learner/hf "$d"warmstart/model "$d"data/images "$d"data/*/images "$d"generator/vllm-cache
+done
+du -sh "$OUT"
