@@ -133,11 +133,13 @@ class Launcher:
             model_dir = self._warm_start(model_dir, task_dir, gpus)
             configs, paths = configs_for(model_dir)
         self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
+        shared = gpus.kind == "shared"
         generator = self._start(
-            self.roles, "generator", "generator", ["--config", str(paths["generator"])], restart=True
+            self.roles, "generator", "generator", ["--config", str(paths["generator"])], restart=not shared
         )
-        if gpus.kind == "shared":  # vLLM checks the GPU's free memory at start: let it go first
+        if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
             self._wait_ready(generator, configs["generator"].metrics_port)
+            generator.max_restarts = cfg.max_restarts
         learner = self._start(
             self.roles,
             "learner",
@@ -159,6 +161,7 @@ class Launcher:
             tp=cfg.generator.tp,
             n_params=n_params,
             kl=cfg.learner.loss.kl_coef > 0,
+            master_weights=cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
         )
         if gpus.kind != "cpu":

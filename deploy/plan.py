@@ -287,12 +287,21 @@ class GpuPlan:
         )
 
 
-def learner_memory_gib(n_params: int, ranks: int, kl: bool) -> float:
-    """A lower bound on the learner's memory per GPU: sharded fp32 weights, gradients and AdamW
-    moments (16 bytes a parameter), the sharded fp32 reference model when the KL term is on (4), and
-    one gathered bf16 copy of the weights for the forward (2, unsharded); activations come on top."""
-    sharded = (16 + (4 if kl else 0)) * n_params / max(ranks, 1)
-    return (sharded + 2 * n_params) / 2**30 + CONTEXT_GIB
+def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str = "params") -> float:
+    """A lower bound on the learner's GPU memory per rank, by where the fp32 master weights live
+    (learner.config.OptimConfig.master_weights): "params"/"device": weights, gradients and AdamW moments,
+    16 bytes a parameter (sharded over the ranks with "params"), plus one gathered bf16 copy for the forward;
+    "host" (and "auto" on one rank): bf16 weights and gradients only, 4 bytes. The bf16 reference model of
+    the KL term adds 2 (sharded). Activations come on top."""
+    ranks = max(ranks, 1)
+    if master_weights == "host" or (master_weights == "auto" and ranks == 1):
+        states = 4 * n_params
+    elif master_weights == "device":
+        states = 16 * n_params
+    else:
+        states = 16 * n_params / ranks + (2 * n_params if ranks > 1 else 0)
+    ref = 2 * n_params / ranks if kl else 0
+    return (states + ref) / 2**30 + CONTEXT_GIB
 
 
 def plan_gpus(
@@ -304,6 +313,7 @@ def plan_gpus(
     n_params: int = 0,
     kl: bool = False,
     gpu_memory_utilization: float = 0.85,
+    master_weights: str = "params",
 ) -> GpuPlan:
     """THE layout decision: learner and generator GPUs (CUDA_VISIBLE_DEVICES-style indices among
     `visible`) -> a GpuPlan, or a LayoutError that says what to change.
@@ -344,14 +354,15 @@ def plan_gpus(
         )
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
-    need = learner_memory_gib(n_params, len(learner), kl) if n_params else 0.0
+    need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
     room = gib - vllm if kind == "shared" else gib
     if need > room:
         fix = (
-            "lower --generator.engine.gpu-memory-utilization, use a split layout "
-            "(--learner.gpus 0-5 --generator.gpus 6-7) or a smaller model"
+            "lower --generator.engine.gpu-memory-utilization, keep the master weights in host memory "
+            "(--learner.optim.master-weights host), use a split layout (--learner.gpus 0-5 "
+            "--generator.gpus 6-7) or a smaller model"
             if kind == "shared"
             else "give the learner more GPUs (--learner.gpus) or use a smaller model"
         )

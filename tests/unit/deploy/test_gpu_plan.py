@@ -88,8 +88,12 @@ def test_one_side_only_or_garbage_is_refused():
 def test_a_7b_learner_does_not_fit_next_to_vllm_on_one_gpu():
     with pytest.raises(LayoutError, match=r"learner needs at least .* GiB .* lower --generator.engine"):
         plan_gpus("0", "0", h200s(1), n_params=8_300_000_000, kl=True, gpu_memory_utilization=0.5)
-    # sharded over six GPUs it fits
+    # sharded over six GPUs it fits, and so do host master weights next to vLLM
     assert plan_gpus("0-5", "6-7", h200s(8), n_params=8_300_000_000, kl=True).kind == "split"
+    host = plan_gpus(
+        "0", "0", h200s(1), n_params=8_300_000_000, kl=True, gpu_memory_utilization=0.5, master_weights="host"
+    )
+    assert host.kind == "shared" and host.learner_gib < 0.5 * 139.8
 
 
 def test_vllm_share_must_hold_the_weights():
