@@ -32,6 +32,7 @@ from learner.config import (
     ParallelConfig,
 )
 from reward_service.config import RewardConfig
+from weights.config import WeightSyncConfig
 
 
 @dataclass
@@ -112,7 +113,7 @@ def demo_generator() -> GeneratorConfig:
         batch_prompts=16,
         gate_poll_s=0.1,
         claim_idle_s=900.0,
-        weight_sync_timeout_s=120.0,
+        weight_sync=WeightSyncConfig(timeout_s=120.0),
         engine=EngineConfig(dtype="float32", max_model_len=256, kv_cache_gb=0.25, max_num_seqs=256),
         sampling=SamplingConfig(
             n=8, temperature=1.0, top_p=1.0, max_tokens=20, eval_n=1, eval_temperature=0.0, eval_top_p=1.0
@@ -213,25 +214,19 @@ def role_configs(
 
 
 def weight_transport_of(learner: LearnerConfig) -> str:
-    """The learner's weight transport name (a `[weight_sync]` section or the older flat field)."""
-    section = getattr(learner, "weight_sync", None)
-    if dataclasses.is_dataclass(section):
-        return section.transport
-    return learner.weight_transport
+    """The learner's weight transport name (its `[weight_sync]` section)."""
+    return learner.weight_sync.transport
 
 
 def with_weight_transport(learner: LearnerConfig, transport: str) -> LearnerConfig:
     """`learner` with the plan's transport (a user-set transport the layout cannot use is an error)."""
-    chosen = weight_transport_of(learner)
-    if chosen == SHARED_TRANSPORT and transport != SHARED_TRANSPORT:
+    if weight_transport_of(learner) == SHARED_TRANSPORT and transport != SHARED_TRANSPORT:
         raise LayoutError(
             f"weight transport {SHARED_TRANSPORT} needs the learner and the generator on one shared GPU "
             "(--learner.gpus 0 --generator.gpus 0); this layout broadcasts: drop the transport setting"
         )
-    section = getattr(learner, "weight_sync", None)
-    if dataclasses.is_dataclass(section):
-        return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=transport))
-    return dataclasses.replace(learner, weight_transport=transport)
+    section = dataclasses.replace(learner.weight_sync, transport=transport)
+    return dataclasses.replace(learner, weight_sync=section)
 
 
 # ---------------------------------------------------------------------- GPU layout

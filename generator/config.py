@@ -12,6 +12,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from weights.config import WeightSyncConfig
+
 BROKER_ENV = "PARALLAX_BROKER_URL"
 WEIGHT_UPDATES = ("drain", "inflight")
 
@@ -124,11 +126,6 @@ class GeneratorConfig:
     min_version is the primary gate). 0 = synchronous."""
     gate_poll_s: float = 0.5
     """How often a blocked gate re-reads the versions."""
-    weight_sync_address: str = ""
-    """Learner weight-sync rendezvous: "host:port" (bucketed broadcast) or "cuda-ipc://host:port" (CUDA IPC);
-    "" = follow what the learner publishes on the broker (either kind); "none" = no weight sync."""
-    weight_sync_timeout_s: float = 60.0
-    """Bound on joining and on every bucket of a weight transfer."""
     metrics_port: int = 0
     """Prometheus port of engine 0; engine i of a multi-GPU launch serves metrics_port + i (0 = no server)."""
     initial_version: int = 0
@@ -153,6 +150,9 @@ class GeneratorConfig:
     """The vLLM engine."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Receiving the learner's weights (`[weight_sync]`; weights/config.py): by default the generator
+    follows the learner's announcement on the broker; `--weight-sync.no-enabled` serves the model as is."""
 
     def validate(self) -> None:
         """Raise ValueError on inconsistent settings (before any engine is built)."""
@@ -162,5 +162,6 @@ class GeneratorConfig:
             raise ValueError(
                 "weight_update = inflight needs continuous = true (the batch loop applies between calls)"
             )
+        self.weight_sync.validate()
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

@@ -21,9 +21,10 @@ Process layout (`EngineConfig.in_process`): on CUDA vLLM's engine core runs in i
 in-process core on an H200); on CPU, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a fast start,
 no extra process on small machines). tp > 1 is always multi-process.
 
-Weights: `apply_weights(update, version)` takes named tensors or a receiver's version (weights.py
-`as_update`: a CUDA-IPC version travels to vLLM's worker as its ~100 KB reference and is read there
-from the learner's buffer; other updates as tensors, or safetensors bytes across processes). It
+Weights: `apply_weights(update, version)` takes a receiver's `weights.interface.ReceivedVersion` (or
+plain (name, tensor) pairs): a cuda-ipc version travels to vLLM's worker as its ~100 KB reference and
+is read there from the learner's buffer; others go as tensors, or safetensors bytes across processes
+(weights/vllm_apply.py). It
 waits for the running batch, loads through `WeightLoader` (validated, all or nothing), resets
 vLLM's prefix and encoder caches (stale image embeddings otherwise), then sets `version`. On
 failure the last good version keeps being served. With `running=True` (continuous batching's in-flight
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from generator.config import EngineConfig, SamplingConfig
 from generator.inputs import Completion, PromptChecker, Request, Result
-from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack, as_update
+from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +257,8 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def apply_weights(self, update, version: int, *, running: bool = False) -> float:
-        """Load a new policy version in place; returns seconds spent. `update`: (name, tensor) pairs, a
-        weights.WeightUpdate, or a receiver's version (weights.as_update). Raises WeightLoadError on
+        """Load a new policy version in place; returns seconds spent. `update`: a receiver's ReceivedVersion
+        or (name, tensor) pairs. Raises WeightLoadError on
         failure (the previous version stays served). Safe to call from another thread: waits for the
         running batch. `running` (continuous batching, between two `step`s): requests added with
         `add_request` stay in the engine; vLLM preempts them and recomputes their KV cache (prompt and
@@ -265,7 +266,7 @@ class Engine:
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self._loader.apply(self._llm, as_update(update), in_worker_ipc=self.tp == 1)
+                self._loader.apply(self._llm, as_version(update, version), in_worker_ipc=self.tp == 1)
             except WeightsRolledBack:
                 self.weight_failures += 1
                 if not self._loader.keep_rollback_copy:  # restored from disk only
@@ -284,6 +285,12 @@ class Engine:
             seconds = time.perf_counter() - t0
         log.info("serving policy version %d (weights loaded in %.3f s)", version, seconds)
         return seconds
+
+    def run_in_worker(self, fn, *args) -> list:
+        """`fn(worker, *args)` inside every vLLM worker (collective_rpc), e.g. to read the served weights
+        (tests, benches); `fn` must be a module-level function."""
+        with self._lock:
+            return self._llm.collective_rpc(fn, args=args)
 
     def _reset_caches(self, running: bool = False) -> None:
         """Drop everything computed with the old weights: cached prefixes and image embeddings (and, for an

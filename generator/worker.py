@@ -6,7 +6,7 @@
 
 One step:
   1. apply the newest verified weights the receiver holds (between generate calls only, so a batch
-     never mixes versions; the receiver's lock on a CUDA-IPC buffer is held from take() until
+     never mixes versions; a cuda-ipc receiver holds the learner's buffer from poll() until
      mark_served()), then announce the served version (`names.generator_version(id)`);
   2. take up to `batch_prompts` PromptRecords from `names.prompts` as a member of the consumer group
      `Names.GENERATORS`: several generators shard the stream, each prompt goes to one of them;
@@ -46,7 +46,7 @@ from generator.gate import StalenessGate, VersionReader
 from generator.inputs import Result
 from generator.metrics import GeneratorMetrics
 from generator.prepare import make_pool, prepare_batch
-from generator.weights import WeightLoadError, as_update
+from weights.vllm_apply import WeightLoadError
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +114,21 @@ class GeneratorWorker:
         )
 
     def _start_receiver(self):
-        """The receiver of the kind the learner publishes (generator/weight_sync.py), or None without sync."""
-        from generator.weight_receiver import broker_resolver
-        from generator.weight_sync import start_receiver
+        """The started weight receiver (weights/), or None when weight sync is off."""
+        import weights
+        from weights.follow import broker_resolver
 
-        address = self.config.weight_sync_address
-        device = "cpu" if getattr(self.engine, "on_cpu", True) else "cuda"
-        return start_receiver(
+        cfg = self.config.weight_sync
+        if not cfg.enabled:
+            return None
+        receiver = weights.receiver(
+            cfg,
             self.generator_id,
-            address,
-            broker_resolver(self.transport, self.names),
-            device=device,
+            resolve=broker_resolver(self.transport, self.names),
             version=self.engine.version,
-            timeout_s=self.config.weight_sync_timeout_s,
+            device="cpu" if getattr(self.engine, "on_cpu", True) else "cuda",
         )
+        return receiver.start()
 
     # ------------------------------------------------------------------ loop
     def stop(self) -> None:
@@ -282,11 +283,11 @@ class GeneratorWorker:
         requests are in flight in the engine and stay there (continuous loop, weight_update = inflight)."""
         if self.receiver is None:
             return False
-        received = self.receiver.take()
+        received = self.receiver.poll()
         if received is None:
             return False
-        try:  # a CUDA-IPC version goes to the engine as its reference (read inside vLLM's worker)
-            seconds = self.engine.apply_weights(as_update(received), received.version, running=running)
+        try:  # a cuda-ipc version goes to the engine as its reference (read inside vLLM's worker)
+            seconds = self.engine.apply_weights(received, received.version, running=running)
         except WeightLoadError as exc:
             log.error(
                 "version %d not applied, still serving %d: %s", received.version, self.engine.version, exc

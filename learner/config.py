@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-WEIGHT_TRANSPORTS = ("broadcast", "cuda-ipc")
+from weights.config import WeightSyncConfig
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 CORRECTIONS = ("none", "decoupled", "tis", "icepop", "geo_mask")
 POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
@@ -251,17 +252,6 @@ class LearnerConfig:
     """Stop when no scored group arrived for this long (0 = wait forever)."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = guess from the GPU name (unknown on CPU)."""
-    weight_sync: bool = True
-    """Broadcast weights to the generators (learner/weight_sender.py); False trains offline."""
-    weight_transport: str = "broadcast"
-    """How weights reach the generators: "broadcast" (bucketed NCCL on GPU, gloo on CPU; any number of
-    generators on other GPUs or hosts) or "cuda-ipc" (one shared buffer that generators on this host read
-    in place: 0.09 s for 7B into vLLM on one H200; needs a one-rank learner on CUDA, e.g. learner and
-    generator sharing one GPU). Generators follow whichever the learner publishes."""
-    weight_sync_host: str = "127.0.0.1"
-    """Address the generators reach the weight-sync rendezvous at (published on the broker)."""
-    sync_timeout_s: float = 60.0
-    """Weight sync: bound on every rendezvous and bucket; a generator that misses it is dropped."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages, batch composition, staleness."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -278,6 +268,8 @@ class LearnerConfig:
     """Prompt feeding."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Periodic evaluation."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport cuda-ipc`; weights/config.py)."""
 
     def validate(self) -> None:
         """Raise ValueError on inconsistent settings."""
@@ -309,10 +301,7 @@ class LearnerConfig:
             raise ValueError("algo.mini_batches > 1 needs algo.proximal = recompute (or behaviour)")
         if self.loss.correction != "none" and self.algo.proximal == "behaviour":
             raise ValueError(f"loss.correction={self.loss.correction} needs a learner-side π_prox")
-        if self.weight_transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(
-                f"weight_transport must be one of {WEIGHT_TRANSPORTS}, not {self.weight_transport!r}"
-            )
+        self.weight_sync.validate()
         if self.optim.master_weights not in MASTER_WEIGHTS:
             raise ValueError(
                 f"optim.master_weights must be one of {MASTER_WEIGHTS}, not {self.optim.master_weights!r}"

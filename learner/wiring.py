@@ -112,40 +112,24 @@ def _either(first, second):
 
 
 def build_sender(learner):
-    """The weight sender of `learner` (started on rank 0), or a NullSender when sync is off."""
-    cfg = learner.cfg
-    if not cfg.weight_sync:
+    """The weight sender of `learner` (started on rank 0, announced on the broker), or a NullSender
+    when weight sync is off."""
+    cfg = learner.cfg.weight_sync
+    if not cfg.enabled:
         return NullSender()
-    from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
+    import weights
+    from weights.follow import broker_publisher
 
-    if cfg.weight_transport == "cuda-ipc":
-        return _ipc_sender(learner)
-    if cfg.weight_transport != "broadcast":
-        raise ValueError(f"weight_transport must be 'broadcast' or 'cuda-ipc', not {cfg.weight_transport!r}")
-    backend = "nccl" if learner.info.device.type == "cuda" else "gloo"
-    sender_cfg = SenderConfig(host=cfg.weight_sync_host, backend=backend, timeout_s=cfg.sync_timeout_s)
-    sender = WeightSender(sender_cfg, publish=broker_publisher(learner.transport, learner.names))
-    sender.start()
-    return sender
-
-
-def _ipc_sender(learner):
-    """The CUDA-IPC sender, published as "cuda-ipc://host:port" (generator/weight_sync.py)."""
-    from generator.weight_sync import ipc_address
-    from learner.weight_sender import broker_publisher
-    from policy.weight_ipc import IpcSenderConfig, IpcWeightSender
-
-    if learner.info.device.type != "cuda":
-        raise ValueError("weight_transport = 'cuda-ipc' needs the learner on a CUDA GPU")
-    if learner.info.world_size != 1:
+    if cfg.transport == "cuda-ipc" and learner.info.world_size != 1:
         raise ValueError(
-            f"weight_transport = 'cuda-ipc' needs a one-rank learner (this one has "
-            f"{learner.info.world_size} ranks); use 'broadcast'"
+            f"weight_sync.transport = cuda-ipc needs a one-rank learner (this one has "
+            f"{learner.info.world_size} ranks); use broadcast"
         )
-    publish = broker_publisher(learner.transport, learner.names)
-    sender = IpcWeightSender(
-        IpcSenderConfig(host=learner.cfg.weight_sync_host),
-        publish=lambda address: publish(ipc_address(address)),
+    sender = weights.sender(
+        cfg,
+        publish=broker_publisher(learner.transport, learner.names),
+        rank=learner.info.rank,
+        device=learner.info.device,
     )
     sender.start()
     return sender

@@ -2,5 +2,5 @@
 
 Building: presets.py (the model shapes), builder.py, tokenizer.py; loading: loading.py, compat.py;
 the training forward: packing.py, mrope.py, forward.py, recompute.py, compile.py; synthetic.py makes
-random inputs for benches and tests. (weight_transfer.py and weight_ipc.py are moving to weights/.)
+random inputs for benches and tests.
 """

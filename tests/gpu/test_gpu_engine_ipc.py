@@ -1,6 +1,6 @@
 """CUDA-IPC weights into a vLLM engine whose core runs in its own process (the default on CUDA).
 
-The learner side (IpcWeightSender, this process) shares its buffer; the engine's front end (also this
+The learner side (the cuda-ipc sender, this process) shares its buffer; the engine's front end (also this
 process) passes only the reference; vLLM's worker (the engine-core process) maps the buffer and loads
 from it. Checked: the served weights equal the learner's (fp64 sums per layer, read inside the worker),
 greedy output (tokens and their logprobs) follows the weights, the front end never maps the buffer, the worker maps it once across
@@ -8,6 +8,8 @@ syncs, and the bytes fallback (named tensors from the checkpoint) restores the o
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -20,21 +22,23 @@ pytestmark = [
 
 
 def _opened_in_worker(worker) -> int:
-    from generator import weights
+    from weights import ipc
 
-    return weights.LOCAL_MAPPINGS.opened
+    return ipc.LOCAL_MAPPINGS.opened
 
 
 def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
     from safetensors.torch import load_file
 
+    import weights
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
     from policy.builder import build_checkpoint, build_model
-    from policy.weight_ipc import IpcSenderConfig, IpcWeightReceiver, IpcWeightSender
     from tasks.prompt import render_prompt_ids
     from tests.fixtures.weight_sums import layer_sums, layer_sums_in_worker
+    from weights import ipc
+    from weights.config import WeightSyncConfig
 
     ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
     torch.cuda.empty_cache()
@@ -46,7 +50,7 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
         SamplingConfig(max_tokens=16, eval_temperature=0.0),
         run_dir=tmp_path / "run",
     )
-    sender = None
+    sender = receiver = None
     try:
         assert not engine.in_process
         request = Request(render_prompt_ids(engine.tokenizer, "Count to ten.", 0), [], split="test")
@@ -59,16 +63,20 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
             return a[0] == b[0] and all(abs(x - y) <= 1e-3 for x, y in zip(a[1], b[1]))
 
         def served_sums():
-            return engine._llm.collective_rpc(layer_sums_in_worker)[0]
+            return engine.run_in_worker(layer_sums_in_worker)[0]
 
         def close(a, b):
             return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])) for k in a)
 
         original = greedy()
         model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=1)
-        sender = IpcWeightSender(IpcSenderConfig(dtype="bfloat16"))
-        receiver = IpcWeightReceiver("gpu-engine", sender.start())
-        assert receiver.take() is None  # registers
+        sender = weights.sender(WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16"), device="cuda")
+        a = sender.start()
+        cfg = WeightSyncConfig(transport=a.transport, address=a.address, token=a.token)
+        receiver = weights.receiver(cfg, "gpu-engine", device="cuda").start()
+        deadline = time.monotonic() + 30
+        while "gpu-engine" not in sender.members() and time.monotonic() < deadline:
+            time.sleep(0.01)
         outputs = []
         for version in (1, 2):
             if version == 2:
@@ -76,20 +84,22 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
                     for p in model.parameters():
                         p.mul_(-1.0)
             sender.sync(model, version=version)
-            got = receiver.take()
+            got = receiver.poll()
             assert got is not None and got.version == version
             engine.apply_weights(got, version)
             receiver.mark_served(version)
             assert engine.version == version
-            assert receiver._buffer is None  # the front end never mapped the learner's buffer
+            assert ipc.LOCAL_MAPPINGS.mapped is None  # the front end never mapped the learner's buffer
             assert close(layer_sums(model), served_sums())
             outputs.append(greedy())
         assert not same(outputs[0], original) and not same(outputs[1], outputs[0])
-        assert engine._llm.collective_rpc(_opened_in_worker)[0] == 1  # mapped once, reused by version 2
+        assert engine.run_in_worker(_opened_in_worker)[0] == 1  # mapped once, reused by version 2
         assert sender.members() == {"gpu-engine": 2}
         engine.apply_weights(load_file(str(ckpt / "model.safetensors")).items(), version=0)  # bytes fallback
         assert same(greedy(), original)
     finally:
         engine.close()
+        if receiver is not None:
+            receiver.close()
         if sender is not None:
             sender.close()

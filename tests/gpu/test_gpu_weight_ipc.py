@@ -1,4 +1,4 @@
-"""CUDA-IPC weight sync between two processes on one GPU (policy/weight_ipc.py): exact values arrive."""
+"""cuda-ipc weight sync between two processes on one GPU (weights/ipc_*.py): exact values arrive."""
 
 from __future__ import annotations
 
@@ -17,33 +17,40 @@ def _model(seed: int):
     return build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=seed)
 
 
-def _generator(address: str, port: int) -> None:
+def _generator(announcement: bytes, port: int) -> None:
     from torch.distributed import TCPStore
 
-    from generator.weight_receiver import module_loader
-    from policy.weight_ipc import IpcWeightReceiver
+    import weights
+    from weights.config import WeightSyncConfig
+    from weights.manifest import module_loader
+    from weights.protocol import Announcement, decode
 
     ctl = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=120), wait_for_workers=False)
     model = _model(seed=7)
     load = module_loader(model)
-    receiver = IpcWeightReceiver("gpu-test", address, poll_s=0.001)
+    a = decode(announcement, Announcement)
+    cfg = WeightSyncConfig(transport=a.transport, address=a.address, token=a.token, poll_s=0.001)
+    receiver = weights.receiver(cfg, "gpu-test", device="cuda").start()
     while not receiver.wait_for(2, timeout_s=0.0):
-        got = receiver.take()
+        got = receiver.poll()
         if got is not None:
             load(got.named_tensors(), got.version)
             receiver.mark_served(got.version)
     sums = [float(p.double().sum()) for p in model.parameters()]
     ctl.set("sums", ",".join(repr(s) for s in sums))
+    receiver.close()
 
 
 def test_two_processes_share_the_weights():
     from torch.distributed import TCPStore
 
-    from policy.weight_ipc import IpcSenderConfig, IpcWeightSender
+    import weights
+    from weights.config import WeightSyncConfig
+    from weights.protocol import encode
 
     model = _model(seed=1)
-    sender = IpcWeightSender(IpcSenderConfig(dtype="bfloat16"))
-    address = sender.start()
+    sender = weights.sender(WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16"), device="cuda")
+    address = encode(sender.start())
     ctl = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
     child = mp.get_context("spawn").Process(target=_generator, args=(address, ctl.port))
     child.start()

@@ -15,14 +15,18 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "weights"))
 
 from weights_procs import Net, digest, gpu_generator_main, perturb, read_lines, wait_until  # noqa: E402
 
-from learner.weight_sender import SenderConfig, WeightSender  # noqa: E402
+import weights  # noqa: E402
+from weights.config import WeightSyncConfig  # noqa: E402
+from weights.protocol import encode  # noqa: E402
 
 
-def _run(tmp_path, backend: str, generator_device: str) -> None:
+def _run(tmp_path, learner_device: str, generator_device: str) -> None:
+    """A CUDA model; the learner packs its buckets on `learner_device` (cuda: NCCL, cpu: gloo)."""
     model = Net(seed=0).cuda()
-    sender = WeightSender(SenderConfig(backend=backend, bucket_mb=0.002, timeout_s=30.0))
+    cfg = WeightSyncConfig(bucket_mb=0.002, timeout_s=30.0, send_dtype="keep")
+    sender = weights.sender(cfg, device=learner_device)
     p = mp.get_context("spawn").Process(
-        target=gpu_generator_main, args=(sender.start(), "gen", str(tmp_path), generator_device)
+        target=gpu_generator_main, args=(encode(sender.start()), "gen", str(tmp_path), generator_device)
     )
     p.start()
     try:
@@ -47,10 +51,10 @@ def _run(tmp_path, backend: str, generator_device: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_nccl_learner_serves_a_same_gpu_generator_through_gloo(tmp_path, caplog):
-    _run(tmp_path, "nccl", "cuda:0")
+    _run(tmp_path, "cuda", "cuda:0")
     assert "shares this learner's GPU" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gloo_carries_cuda_buffers_through_host(tmp_path):
-    _run(tmp_path, "gloo", "cuda:0")
+    _run(tmp_path, "cpu", "cuda:0")

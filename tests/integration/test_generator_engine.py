@@ -267,8 +267,8 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
 ):
     from safetensors.torch import load_file
 
-    import generator.weights as weights
-    from generator.weights import WeightLoadError, WeightsRolledBack
+    import weights.vllm_apply as vllm_apply
+    from weights.vllm_apply import WeightLoadError, WeightsRolledBack
 
     ids = prompt_ids(engine)
     before, version = greedy(engine, ids, [red()]), engine.version
@@ -281,7 +281,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
         engine.apply_weights([], version=version + 1)
     assert engine.version == version and greedy(engine, ids, [red()]) == before
 
-    original, calls = weights._load_in_worker, []
+    original, calls = vllm_apply._load_in_worker, []
 
     def fails_half_way(worker, pairs, method):
         calls.append(len(pairs))
@@ -290,7 +290,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
             raise RuntimeError("simulated failure half way through a load")
         return original(worker, pairs, method)
 
-    monkeypatch.setattr(weights, "_load_in_worker", fails_half_way)
+    monkeypatch.setattr(vllm_apply, "_load_in_worker", fails_half_way)
     other = load_file(str(other_model_dir / "model.safetensors"))
     with pytest.raises(WeightsRolledBack):
         engine.apply_weights(other.items(), version=version + 1)

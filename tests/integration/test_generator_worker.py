@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -19,6 +18,8 @@ from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import ImageRef, PromptRecord, RolloutGroup, WeightVersion
+from weights.config import WeightSyncConfig
+from weights.interface import ReceivedVersion
 
 pytestmark = pytest.mark.vllm
 
@@ -79,7 +80,7 @@ def worker_for(engine, transport, names, **overrides):
     settings = dict(
         namespace=names.namespace,
         generator_id="gen-a",
-        weight_sync_address="none",
+        weight_sync=WeightSyncConfig(enabled=False),
         block_s=0.05,
         gate_poll_s=0.02,
         batch_prompts=4,
@@ -159,24 +160,13 @@ def test_generators_shard_the_prompt_stream(engine, transport, names):
     assert sum(w.published for w in workers) == 8
 
 
-@dataclass
-class FakeReceived:
-    tensors: dict
-    version: int
-    seconds: float = 0.01
-    num_bytes: int = 0
-
-    def named_tensors(self):
-        return iter(self.tensors.items())
-
-
 class FakeReceiver:
     """Stands in for the weight receiver: delivers one version after `after` polls."""
 
-    def __init__(self, received: FakeReceived, after: int):
+    def __init__(self, received, after: int):
         self.received, self.after, self.polls, self.served = received, after, 0, None
 
-    def take(self):
+    def poll(self):
         self.polls += 1
         if self.polls == self.after:
             return self.received
@@ -197,7 +187,7 @@ def test_the_gate_holds_a_prompt_until_its_version_is_served(engine, transport, 
     Publisher(transport, names.prompts).publish_many([record(store, 0), record(store, 1, min_version=1)])
     worker = worker_for(engine, transport, names, generator_id="gen-gate", **MODES[mode])
     weights = load_file(str(tiny_model_dir / "model.safetensors"))  # same weights, new version number
-    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=6)
+    worker.receiver = FakeReceiver(ReceivedVersion.from_pairs(weights.items(), version=1), after=6)
     try:
         assert worker.run() == 2
         groups = {g.prompt_id: g for g in rollouts(transport, names)}
@@ -229,8 +219,7 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
         names,
         generator_id="gen-dead",
         idle_exit_s=0,
-        weight_sync_address=f"127.0.0.1:{free_port()}",
-        weight_sync_timeout_s=0.5,
+        weight_sync=WeightSyncConfig(address=f"127.0.0.1:{free_port()}", timeout_s=0.5),
         max_staleness=5,
     )
     threading.Timer(4.0, worker.stop).start()
@@ -249,13 +238,14 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
 def test_weights_synced_from_the_learner_reproduce_its_greedy_output(
     engine, transport, names, tiny_model_dir, tiny_processor
 ):
-    """Learner (WeightSender, gloo) -> generator (WeightReceiver -> engine): a prompt that needs version 1
+    """Learner (broadcast sender, gloo) -> generator (receiver -> engine): a prompt that needs version 1
     waits for it, then the generator's greedy output is the learner model's, token for token."""
     import torch
 
-    from learner.weight_sender import SenderConfig, WeightSender, broker_publisher
+    import weights
     from policy.loading import load_model
     from tasks.prompt import render_prompt_text
+    from weights.follow import broker_publisher
 
     learner_model = load_model(tiny_model_dir)
     with torch.no_grad():  # "training" changed every weight
@@ -272,17 +262,16 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(
         expected = learner_model.generate(
             **enc, max_new_tokens=8, do_sample=False, suppress_tokens=engine.banned_token_ids
         )[0, enc["input_ids"].shape[1] :]
-    sender = WeightSender(SenderConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
+    sender = weights.sender(WeightSyncConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
     sender.start()
     worker = worker_for(
         engine,
         transport,
         names,
         generator_id="gen-sync",
-        weight_sync_address="",
+        weight_sync=WeightSyncConfig(timeout_s=20.0),
         idle_exit_s=0,
         max_groups=1,
-        weight_sync_timeout_s=20.0,
     )
     Publisher(transport, names.prompts).publish(rec)
     thread = threading.Thread(target=worker.run)
@@ -320,7 +309,8 @@ def test_continuous_admission_pauses_for_a_new_version_and_never_mixes_versions(
     transport.set_value(names.learner_version, codec.encode(WeightVersion(version=1, source="learner")))
     worker = worker_for(engine, transport, names, generator_id="gen-cont", **MODES["continuous"])
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
-    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # not there at the first look
+    received = ReceivedVersion.from_pairs(weights.items(), version=1)
+    worker.receiver = FakeReceiver(received, after=2)  # not there at the first look
     try:
         assert worker.run() == 6
         versions = {
@@ -347,7 +337,8 @@ def test_continuous_inflight_update_applies_at_once_and_tags_the_spanned_version
         engine, transport, names, generator_id="gen-inflight", weight_update="inflight", **MODES["continuous"]
     )
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
-    worker.receiver = FakeReceiver(FakeReceived(weights, version=1), after=2)  # arrives after one engine step
+    received = ReceivedVersion.from_pairs(weights.items(), version=1)
+    worker.receiver = FakeReceiver(received, after=2)  # arrives after one engine step
     try:
         assert worker.run() == 6
         spans = {

@@ -84,7 +84,7 @@ def test_compose_command_parses_into_its_role_config(stem, monkeypatch):
     if stem == "reward":
         assert cfg.workers == 4
     if stem == "learner":
-        assert cfg.weight_sync_host == "learner", "generators in other containers must reach the rendezvous"
+        assert cfg.weight_sync.host == "learner", "generators in other containers must reach the rendezvous"
 
 
 def test_a_wrong_key_in_a_toml_is_refused(tmp_path):

@@ -15,6 +15,7 @@ from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
 from tests.unit.learner.groups import make_group, set_token
+from weights.config import WeightSyncConfig
 
 
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
@@ -24,7 +25,7 @@ def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
         namespace=names.namespace,
         run_dir=str(run_dir),
         max_steps=2,
-        weight_sync=False,
+        weight_sync=WeightSyncConfig(enabled=False),
         idle_exit_s=3.0,
     )
     cfg.algo.groups_per_step = 2
@@ -150,7 +151,7 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
         names.namespace,
         "--run-dir",
         str(tmp_path),
-        "--no-weight-sync",
+        "--weight-sync.no-enabled",
         "--max-steps",
         "100",
         "--idle-exit-s",
@@ -216,19 +217,27 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
 
 def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server, names, publish, tmp_path):
     """The learner's real weight sender: a receiver joining through the broker gets every version."""
-    from generator.weight_receiver import ReceiverConfig, WeightReceiver, broker_resolver, module_loader
+    import weights
     from policy.loading import load_model
+    from weights.follow import broker_resolver
+    from weights.manifest import module_loader
 
     cfg = _cfg(
-        tiny_model_dir, redis_server, names, tmp_path, weight_sync=True, max_steps=2, sync_timeout_s=20.0
+        tiny_model_dir,
+        redis_server,
+        names,
+        tmp_path,
+        max_steps=2,
+        weight_sync=weights.WeightSyncConfig(timeout_s=20.0),
     )
     for seed in range(4):
         publish([1.0, 0.0], seed=seed)
-    learner = Learner(cfg)  # builds the WeightSender and publishes its rendezvous on the broker
+    learner = Learner(cfg)  # builds the weight sender and announces its rendezvous on the broker
     replica = load_model(tiny_model_dir)
     transport = broker.connect(redis_server.url)
-    receiver = WeightReceiver(
-        ReceiverConfig(generator_id="gen-test", timeout_s=20.0),
+    receiver = weights.receiver(
+        weights.WeightSyncConfig(timeout_s=20.0),
+        "gen-test",
         apply=module_loader(replica),
         resolve=broker_resolver(transport, names),
     ).start()

@@ -17,6 +17,7 @@ from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
 from tests.unit.learner.groups import make_group
+from weights.config import WeightSyncConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,7 +42,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
         str(tiny_model_dir),
         "--broker",
         redis_server.url,
-        "--no-weight-sync",
+        "--weight-sync.no-enabled",
         "--max-steps",
         "1",
         "--idle-exit-s",
@@ -85,7 +86,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
         namespace="ranks-one",
         run_dir=str(tmp_path / "one"),
         max_steps=1,
-        weight_sync=False,
+        weight_sync=WeightSyncConfig(enabled=False),
         idle_exit_s=5.0,
     )
     cfg.algo.groups_per_step = 3

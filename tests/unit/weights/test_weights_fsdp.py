@@ -6,10 +6,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 
-from weights_procs import digest, fsdp_learner_main, perturb
+from weights_procs import digest, file_resolver, fsdp_learner_main, perturb
 
-from generator.weight_receiver import ReceiverConfig, WeightReceiver, module_loader
+import weights
 from policy.loading import load_model
+from weights.config import WeightSyncConfig
+from weights.manifest import module_loader
 
 
 def _free_port() -> int:
@@ -23,10 +25,11 @@ def test_fsdp_sharded_learner_sends_full_tensors_bit_exact(tiny_model_dir, tmp_p
     expected = load_model(tiny_model_dir)
     perturb(expected, 0.25)
     target = load_model(tiny_model_dir)
-    receiver = WeightReceiver(
-        ReceiverConfig("gen", timeout_s=20.0, retry_s=0.2),
+    receiver = weights.receiver(
+        WeightSyncConfig(timeout_s=20.0, retry_s=0.2),
+        "gen",
         apply=module_loader(target),
-        resolve=lambda: address_file.read_text() if address_file.exists() else None,
+        resolve=file_resolver(address_file),
     ).start()
     ctx = mp.get_context("spawn")
     port = _free_port()

@@ -1,4 +1,4 @@
-"""policy/weight_ipc.py's protocol on CPU: the shared buffer is faked in-process (real CUDA IPC: tests/gpu)."""
+"""The cuda-ipc transport on CPU: the shared buffer is faked in-process (real CUDA IPC: tests/gpu)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import threading
 import pytest
 import torch
 from torch import nn
+from weights_procs import announced_config, wait_until
 
-from policy import weight_ipc
-from policy.weight_ipc import IpcHandle, IpcSenderConfig, IpcWeightReceiver, IpcWeightSender
+import weights
+from weights import ipc
+from weights.config import WeightSyncConfig
+from weights.ipc import IpcHandle, MappingCache
+from weights.ipc_sender import IpcSender
 
 
 class Tiny(nn.Module):
@@ -21,38 +25,46 @@ class Tiny(nn.Module):
 
 @pytest.fixture
 def fake_ipc(monkeypatch):
-    """share() remembers the buffer; open_shared() returns that same tensor (one process, no CUDA)."""
+    """share() remembers the buffer; opening any handle returns that same tensor (one process, no CUDA)."""
     buffers = {}
 
     def share(tensor):
         buffers["b"] = tensor
         return IpcHandle(0, b"h", tensor.numel(), 0, b"r", 0, b"e", False)
 
-    monkeypatch.setattr(weight_ipc, "share", share)
-    monkeypatch.setattr(weight_ipc, "open_shared", lambda h, n: buffers["b"])
+    monkeypatch.setattr(ipc, "share", share)
+    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
     return buffers
+
+
+def _pair(generator_id: str, send_dtype: str = "keep", apply=None, **kwargs):
+    """A started cuda-ipc sender and a started receiver that has joined it."""
+    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype=send_dtype, **kwargs))
+    sender.start()
+    config = announced_config(sender.announcement, retry_s=0.05)
+    receiver = weights.receiver(config, generator_id, apply=apply).start()
+    wait_until(lambda: generator_id in sender.members(), what=f"{generator_id} to join")
+    return sender, receiver
 
 
 def test_versions_flow_and_values_match(fake_ipc):
     model = Tiny()
-    sender = IpcWeightSender(IpcSenderConfig(dtype=""))
-    address = sender.start()
-    receiver = IpcWeightReceiver("gen-a", address)
-    assert receiver.take() is None  # registered, nothing synced yet
+    sender, receiver = _pair("gen-a")
+    assert receiver.poll() is None  # joined, nothing synced yet
     report = sender.sync(model, version=1)
     assert report.sent_to == ["gen-a"] and report.num_bytes >= sum(p.numel() * 4 for p in model.parameters())
-    got = receiver.take()
-    assert got.version == 1
+    got = receiver.poll()
+    assert got.version == 1 and got.ipc is not None
     tensors = dict(got.named_tensors())
     assert set(tensors) == {"a.weight", "a.bias", "b.weight"}
     torch.testing.assert_close(tensors["a.weight"], model.a.weight.detach())
     receiver.mark_served(1)
     assert sender.members() == {"gen-a": 1}
-    assert receiver.take() is None  # nothing newer
+    assert receiver.poll() is None  # nothing newer
     with torch.no_grad():
         model.b.weight.add_(1.0)
     sender.sync(model, version=2)
-    got = receiver.take()
+    got = receiver.poll()
     torch.testing.assert_close(dict(got.named_tensors())["b.weight"], model.b.weight.detach())
     receiver.mark_served(2)
     receiver.close()
@@ -61,29 +73,29 @@ def test_versions_flow_and_values_match(fake_ipc):
 
 def test_learner_waits_for_a_reader_and_drops_a_stuck_one(fake_ipc):
     model = Tiny()
-    sender = IpcWeightSender(IpcSenderConfig(dtype="", lock_timeout_s=0.3))
-    receiver = IpcWeightReceiver("gen-a", sender.start())
-    receiver.take()
+    sender, receiver = _pair("gen-a", lock_timeout_s=0.3)
     sender.sync(model, version=1)
-    held = receiver.take()
+    held = receiver.poll()
     assert held is not None
     release = threading.Timer(0.1, receiver.mark_served, args=(1,))
     release.start()
     report = sender.sync(model, version=2)  # waits ~0.1 s for the reader, then writes
-    assert report.sent_to == ["gen-a"] and report.lock_wait_seconds >= 0.05
-    held = receiver.take()
+    assert report.sent_to == ["gen-a"] and report.wait_seconds >= 0.05
+    held = receiver.poll()
     report = sender.sync(model, version=3)  # the reader never releases: dropped after the timeout
-    assert report.dropped == ["gen-a"]
-    receiver.mark_served(2)  # finds itself dropped: registers again on the next take ...
-    assert receiver.take().version == 3  # ... and gets the newest version
+    assert report.dropped == ["gen-a"] and sender.members() == {}
+    receiver.mark_served(2)  # finds itself dropped: joins again ...
+    wait_until(lambda: "gen-a" in sender.members(), what="gen-a to rejoin")
+    got = wait_until(receiver.poll, what="the current version after the rejoin")
+    assert got.version == 3  # ... and gets the newest version
     receiver.mark_served(3)
     assert sender.members()["gen-a"] == 3
+    receiver.close()
+    sender.close()
 
 
 def test_failed_apply_is_not_retried_and_callback_mode(fake_ipc):
     model = Tiny()
-    sender = IpcWeightSender(IpcSenderConfig(dtype="bfloat16"))
-    address = sender.start()
     applied = []
 
     def apply(pairs, version):
@@ -91,15 +103,17 @@ def test_failed_apply_is_not_retried_and_callback_mode(fake_ipc):
         assert all(t.dtype == torch.bfloat16 for _, t in pairs)
         applied.append(version)
 
-    receiver = IpcWeightReceiver("gen-b", address, apply=apply, poll_s=0.001).start()
+    sender, receiver = _pair("gen-b", send_dtype="bfloat16", apply=apply)
     sender.sync(model, version=5)
     assert receiver.wait_for(5, timeout_s=5.0) and applied == [5]
     receiver.close()
-    failing = IpcWeightReceiver("gen-c", address)
-    got = failing.take()
+    failing = weights.receiver(announced_config(sender.announcement), "gen-c").start()  # a late joiner
+    wait_until(lambda: "gen-c" in sender.members(), what="gen-c to join")
+    got = failing.poll()
     assert got.version == 5
     failing.mark_served(-1)  # the engine refused it
-    assert failing.take() is None and failing.version == -1
+    assert failing.poll() is None and failing.version == -1
+    failing.close()
     sender.close()
 
 
@@ -107,13 +121,19 @@ def test_a_vanished_learner_is_not_an_error(fake_ipc):
     import gc
 
     model = Tiny()
-    sender = IpcWeightSender(IpcSenderConfig(dtype=""))
-    receiver = IpcWeightReceiver("gen-d", sender.start())
+    sender, receiver = _pair("gen-d")
     sender.sync(model, version=1)
-    got = receiver.take()
+    got = receiver.poll()
     receiver.mark_served(got.version)
     sender.close()  # drops the store: the learner process is gone
     del sender
     gc.collect()
-    assert receiver.take() is None
-    assert receiver.stats.failures == 1 and receiver.version == 1
+    noticed = lambda: receiver.poll() is None and receiver.stats.failures >= 1  # noqa: E731
+    wait_until(noticed, what="the loss to be noticed")
+    assert receiver.version == 1
+    receiver.close()
+
+
+def test_a_cuda_ipc_learner_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        weights.sender(WeightSyncConfig(transport="cuda-ipc"), device="cpu")

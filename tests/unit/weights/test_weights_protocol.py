@@ -8,24 +8,20 @@ import torch
 from safetensors import safe_open
 from weights_procs import Net, digest, perturb
 
-from generator.weight_receiver import module_loader
-from policy.weight_transfer import (
+from weights.manifest import (
     ALIGN,
-    JoinRequest,
-    Manifest,
-    WeightTransferError,
     checkpoint_names,
     checksum,
-    decode,
-    encode,
+    module_loader,
     named_tensors,
     pack_bucket,
     plan_layout,
     trailer,
-    unpack,
     validate_manifest,
     verify,
+    views,
 )
+from weights.protocol import JoinRequest, Manifest, WeightSyncError, decode, encode
 
 
 def _pack(model, bucket_bytes):
@@ -62,7 +58,7 @@ def test_pack_unpack_is_bit_exact_and_skips_non_persistent_and_tied(bucket_bytes
     model = Net(seed=1)
     manifest, buffers = _pack(model, bucket_bytes)
     verify(manifest, buffers, trailer(7, [checksum(b) for b in buffers]))
-    received = dict(unpack(manifest, buffers))
+    received = dict(views(manifest, buffers))
     assert set(received) == {"emb.weight", "proj.weight", "proj.bias", "scale", "steps"}
     state = model.state_dict()
     for name, tensor in received.items():
@@ -74,30 +70,34 @@ def test_verify_rejects_corruption_truncation_and_wrong_version():
     manifest, buffers = _pack(Net(), 256)
     sums = [checksum(b) for b in buffers]
     buffers[1][5] ^= 0x10
-    with pytest.raises(WeightTransferError, match="checksum"):
+    with pytest.raises(WeightSyncError, match="checksum"):
         verify(manifest, buffers, trailer(7, sums))
     buffers[1][5] ^= 0x10
-    with pytest.raises(WeightTransferError, match="version"):
+    with pytest.raises(WeightSyncError, match="version"):
         verify(manifest, buffers, trailer(8, sums))
-    with pytest.raises(WeightTransferError, match="buckets"):
+    with pytest.raises(WeightSyncError, match="buckets"):
         verify(manifest, buffers[:-1], trailer(7, sums[:-1]))
 
 
 def test_decode_rejects_malformed_and_unknown_versions():
-    with pytest.raises(WeightTransferError, match="malformed"):
+    with pytest.raises(WeightSyncError, match="malformed"):
         decode(b"\x93garbage", Manifest)
-    with pytest.raises(WeightTransferError, match="wire version"):
-        decode(encode(JoinRequest(generator_id="g", wire_version=99)), JoinRequest)
-    assert decode(encode(JoinRequest(generator_id="g", version=3)), JoinRequest).version == 3
+    with pytest.raises(WeightSyncError, match="wire version"):
+        decode(
+            encode(JoinRequest(generator_id="g", token="t", transport="broadcast", wire_version=99)),
+            JoinRequest,
+        )
+    request = JoinRequest(generator_id="g", token="t", transport="broadcast", version=3)
+    assert decode(encode(request), JoinRequest).version == 3
 
 
 def test_validate_manifest_rejects_inconsistent_layouts():
     manifest, _ = _pack(Net(), 256)
     bad = msgspec.structs.replace(manifest.tensors[0], nbytes=manifest.tensors[0].nbytes + 4)
-    with pytest.raises(WeightTransferError, match="inconsistent"):
+    with pytest.raises(WeightSyncError, match="inconsistent"):
         validate_manifest(msgspec.structs.replace(manifest, tensors=[bad, *manifest.tensors[1:]]))
     bad = msgspec.structs.replace(manifest.tensors[0], dtype="complex32")
-    with pytest.raises(WeightTransferError, match="dtype"):
+    with pytest.raises(WeightSyncError, match="dtype"):
         validate_manifest(msgspec.structs.replace(manifest, tensors=[bad]))
 
 
@@ -114,14 +114,14 @@ def test_module_loader_is_all_or_nothing():
     source, target = Net(seed=1), Net(seed=2)
     manifest, buffers = _pack(source, 256)
     before = digest(target)
-    bad = [*unpack(manifest, buffers), ("not.a.weight", torch.zeros(1))]
-    with pytest.raises(WeightTransferError, match="not a tensor"):
+    bad = [*views(manifest, buffers), ("not.a.weight", torch.zeros(1))]
+    with pytest.raises(WeightSyncError, match="not a tensor"):
         module_loader(target)(bad, 7)
-    wrong_shape = [("scale", torch.zeros(3, dtype=torch.bfloat16)), *unpack(manifest, buffers)]
-    with pytest.raises(WeightTransferError, match="shape"):
+    wrong_shape = [("scale", torch.zeros(3, dtype=torch.bfloat16)), *views(manifest, buffers)]
+    with pytest.raises(WeightSyncError, match="shape"):
         module_loader(target)(wrong_shape, 7)
     assert digest(target) == before
-    module_loader(target)(unpack(manifest, buffers), 7)
+    module_loader(target)(views(manifest, buffers), 7)
     assert digest(target) == digest(source)
     perturb(source, 0.5)
     assert digest(target) != digest(source)

@@ -15,17 +15,22 @@ import pytest
 from weights_procs import (
     DyingSender,
     Net,
+    announced_config,
     digest,
     dying_learner_main,
+    file_resolver,
     generator_main,
     perturb,
     read_lines,
     wait_until,
 )
 
-from generator.weight_receiver import ReceiverConfig, WeightReceiver, module_loader
-from learner.weight_sender import SenderConfig, WeightSender
+import weights
 from policy.loading import load_model
+from weights.broadcast_sender import BroadcastSender
+from weights.config import WeightSyncConfig
+from weights.manifest import module_loader
+from weights.protocol import encode
 
 CTX = mp.get_context("spawn")
 
@@ -55,7 +60,7 @@ def sender():
     made = []
 
     def make(**kwargs):
-        s = WeightSender(SenderConfig(**{"timeout_s": 10.0, **kwargs}))
+        s = weights.sender(WeightSyncConfig(**{"timeout_s": 10.0, **kwargs}))
         s.start()
         made.append(s)
         return s
@@ -79,7 +84,7 @@ def test_round_trip_of_tiny_model_is_bit_exact_on_two_generators(tiny_model_dir,
     perturb(model, 0.01)
     s = sender(bucket_mb=0.5)
     for gid in ("gen-a", "gen-b"):
-        procs(generator_main, s.address, gid, str(tmp_path), str(tiny_model_dir))
+        procs(generator_main, encode(s.announcement), gid, str(tmp_path), str(tiny_model_dir))
     wait_until(lambda: len(s.members()) == 2, what="both generators to join")
     assert digest(load_model(tiny_model_dir)) != digest(model)
 
@@ -95,7 +100,8 @@ def test_round_trip_of_tiny_model_is_bit_exact_on_two_generators(tiny_model_dir,
 def test_killed_generator_is_dropped_and_does_not_stall_the_next_sync(tmp_path, sender, procs):
     model = Net(seed=0)
     s = sender(bucket_mb=0.002)
-    gens = {gid: procs(generator_main, s.address, gid, str(tmp_path)) for gid in ("gen-a", "gen-b")}
+    announcement = encode(s.announcement)
+    gens = {gid: procs(generator_main, announcement, gid, str(tmp_path)) for gid in ("gen-a", "gen-b")}
     wait_until(lambda: len(s.members()) == 2, what="both generators to join")
     assert sorted(s.sync(model, 1).sent_to) == ["gen-a", "gen-b"]
     _wait_version(tmp_path, "gen-b", 1)
@@ -114,14 +120,14 @@ def test_killed_generator_is_dropped_and_does_not_stall_the_next_sync(tmp_path, 
 def test_late_joiner_receives_the_current_version_without_a_new_sync(tmp_path, sender, procs):
     model = Net(seed=0)
     s = sender(bucket_mb=0.002)
-    procs(generator_main, s.address, "gen-a", str(tmp_path))
+    procs(generator_main, encode(s.announcement), "gen-a", str(tmp_path))
     wait_until(lambda: s.members(), what="gen-a to join")
     s.sync(model, 1)
     perturb(model, 1.0)
     s.sync(model, 2)
     current = digest(model)
 
-    procs(generator_main, s.address, "gen-late", str(tmp_path))
+    procs(generator_main, encode(s.announcement), "gen-late", str(tmp_path))
 
     assert _wait_version(tmp_path, "gen-late", 2) == current
     assert 1 not in _versions(tmp_path, "gen-late")
@@ -134,7 +140,7 @@ def test_without_keep_last_a_joiner_waits_for_the_next_sync(sender):
     model, target = Net(seed=0), Net(seed=5)
     s = sender(bucket_mb=0.002, keep_last=False)
     s.sync(model, 1)
-    receiver = WeightReceiver(ReceiverConfig("gen", address=s.address), apply=module_loader(target)).start()
+    receiver = weights.receiver(announced_config(s.announcement), "gen", apply=module_loader(target)).start()
     try:
         wait_until(lambda: s.members(), what="the receiver to join")
         assert receiver.version == -1
@@ -148,10 +154,11 @@ def test_without_keep_last_a_joiner_waits_for_the_next_sync(sender):
 def test_learner_dying_mid_version_leaves_old_weights_then_rejoin_gets_new(tmp_path, sender, procs):
     address_file = tmp_path / "address"
     target = Net(seed=123)
-    receiver = WeightReceiver(
-        ReceiverConfig("gen", timeout_s=3.0, retry_s=0.2),
+    receiver = weights.receiver(
+        WeightSyncConfig(timeout_s=3.0, retry_s=0.2),
+        "gen",
         apply=module_loader(target),
-        resolve=lambda: address_file.read_text() if address_file.exists() else None,
+        resolve=file_resolver(address_file),
     ).start()
     try:
         learner = procs(dying_learner_main, str(address_file), str(tmp_path), 0.002)
@@ -167,7 +174,7 @@ def test_learner_dying_mid_version_leaves_old_weights_then_rejoin_gets_new(tmp_p
         perturb(model, 2.0)
         s = sender(bucket_mb=0.002)
         s.sync(model, 3)
-        address_file.write_text(s.address)
+        address_file.write_bytes(encode(s.announcement))
         assert receiver.wait_for(3, timeout_s=30)
         assert receiver.stats.history == [1, 3] and digest(target) == digest(model)
     finally:
@@ -178,7 +185,7 @@ class StallingSender(DyingSender):
     """Pauses longer than the timeout after the first bucket of version `die_at`, then carries on."""
 
     def _launch(self, members, buf):
-        works = WeightSender._launch(self, members, buf)
+        works = BroadcastSender._launch(self, members, buf)
         if self._version == self.die_at and not getattr(self, "_stalled", False):
             self._stalled = True
             time.sleep(2.5 * self.config.timeout_s)
@@ -187,7 +194,7 @@ class StallingSender(DyingSender):
 
 def test_stalled_transfer_times_out_keeps_old_weights_and_catches_up():
     model, target = Net(seed=0), Net(seed=5)
-    s = StallingSender(SenderConfig(bucket_mb=0.002, timeout_s=1.0))
+    s = StallingSender(WeightSyncConfig(bucket_mb=0.002, timeout_s=1.0))
     s.die_at = 2
     s.start()
     applied: list[tuple[int, str]] = []
@@ -197,7 +204,7 @@ def test_stalled_transfer_times_out_keeps_old_weights_and_catches_up():
         loader(tensors, version)
         applied.append((version, digest(target)))
 
-    receiver = WeightReceiver(ReceiverConfig("gen", address=s.address, retry_s=0.1), apply=apply).start()
+    receiver = weights.receiver(announced_config(s.announcement, retry_s=0.1), "gen", apply=apply).start()
     try:
         wait_until(lambda: s.members(), what="the receiver to join")
         s.sync(model, 1)

@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from generator.weight_receiver import ReceiverConfig, WeightReceiver, module_loader
-from learner.weight_sender import SenderConfig, WeightSender
-from policy.weight_transfer import checkpoint_names, named_tensors
+import weights
+from weights.broadcast_sender import BroadcastSender
+from weights.config import WeightSyncConfig
+from weights.manifest import checkpoint_names, module_loader, named_tensors
+from weights.protocol import Announcement, decode, encode
 
 
 class Net(nn.Module):
@@ -80,8 +82,22 @@ def _load_model(kind: str):
     return load_model(kind, dtype="float32", device="cpu")
 
 
+def announced_config(announcement: bytes | Announcement, **kwargs) -> WeightSyncConfig:
+    """A generator's config joining the learner of `announcement` (its msgpack bytes, or itself)."""
+    if isinstance(announcement, bytes):
+        announcement = decode(announcement, Announcement)
+    return WeightSyncConfig(
+        transport=announcement.transport, address=announcement.address, token=announcement.token, **kwargs
+    )
+
+
+def file_resolver(path: Path):
+    """A `resolve` callback reading an announcement that a learner wrote to `path`."""
+    return lambda: decode(path.read_bytes(), Announcement) if path.exists() else None
+
+
 def generator_main(
-    address: str, generator_id: str, out_dir: str, model: str = "net", timeout_s: float = 10.0
+    announcement: bytes, generator_id: str, out_dir: str, model: str = "net", timeout_s: float = 10.0
 ) -> None:
     """A generator: receive versions into its own model, append {version, digest} to <out_dir>/<id>.jsonl.
 
@@ -96,15 +112,15 @@ def generator_main(
         with out.open("a") as f:
             f.write(json.dumps({"version": version, "digest": digest(target)}) + "\n")
 
-    config = ReceiverConfig(generator_id, address=address, timeout_s=timeout_s, retry_s=0.2)
-    receiver = WeightReceiver(config, apply=apply)
+    config = announced_config(announcement, timeout_s=timeout_s, retry_s=0.2)
+    receiver = weights.receiver(config, generator_id, apply=apply)
     receiver.start()
     while not (Path(out_dir) / "stop").exists():
         time.sleep(0.05)
     receiver.close()
 
 
-class DyingSender(WeightSender):
+class DyingSender(BroadcastSender):
     """Exits the process right after launching the first bucket of version `die_at`."""
 
     die_at = -1
@@ -125,15 +141,15 @@ class DyingSender(WeightSender):
 def dying_learner_main(address_file: str, out_dir: str, bucket_mb: float) -> None:
     """Learner that syncs version 1 to the first generator that joins, then dies inside version 2.
 
-    Writes its address to `address_file` and the digests of versions 1 and 2 to <out_dir>/learner.json.
+    Writes its announcement to `address_file` and the digests of versions 1 and 2 to <out_dir>/learner.json.
     """
-    sender = DyingSender(SenderConfig(bucket_mb=bucket_mb, timeout_s=10.0))
+    sender = DyingSender(WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=10.0))
     sender.die_at = 2
     model = Net(seed=0)
     model_v2 = copy.deepcopy(model)
     perturb(model_v2, 1.0)
     Path(out_dir, "learner.json").write_text(json.dumps({"1": digest(model), "2": digest(model_v2)}))
-    Path(address_file).write_text(sender.start())
+    Path(address_file).write_bytes(encode(sender.start()))
     wait_until(lambda: sender.members(), what="a generator to join")
     sender.sync(model, 1)
     wait_until(lambda: sender.members().get("gen") == 1, what="version 1 confirmed")
@@ -153,9 +169,9 @@ def fsdp_learner_main(rank: int, init_port: int, model_dir: str, address_file: s
     for layer in model.model.language_model.layers:
         fully_shard(layer)
     fully_shard(model)
-    sender = WeightSender(SenderConfig(bucket_mb=0.5, timeout_s=20.0))
+    sender = weights.sender(WeightSyncConfig(bucket_mb=0.5, timeout_s=20.0), rank=rank)
     if rank == 0:
-        Path(address_file).write_text(sender.start())
+        Path(address_file).write_bytes(encode(sender.start()))
         wait_until(lambda: sender.members(), what="a generator to join")
     dist.barrier()
     report = sender.sync(model, 1)
@@ -167,13 +183,13 @@ def fsdp_learner_main(rank: int, init_port: int, model_dir: str, address_file: s
     dist.destroy_process_group()
 
 
-def gpu_generator_main(address: str, generator_id: str, out_dir: str, device: str) -> None:
-    """A generator receiving onto `device` (mailbox mode); appends {version, digest} per version."""
-    receiver = WeightReceiver(ReceiverConfig(generator_id, address=address, device=device, timeout_s=60.0))
+def gpu_generator_main(announcement: bytes, generator_id: str, out_dir: str, device: str) -> None:
+    """A generator receiving onto `device` (poll mode); appends {version, digest} per version."""
+    receiver = weights.receiver(announced_config(announcement, timeout_s=60.0), generator_id, device=device)
     receiver.start()
     out = Path(out_dir) / f"{generator_id}.jsonl"
     while not (Path(out_dir) / "stop").exists():
-        received = receiver.take()
+        received = receiver.poll()
         if received is None:
             time.sleep(0.01)
             continue
@@ -192,4 +208,5 @@ def gpu_generator_main(address: str, generator_id: str, out_dir: str, device: st
                 )
                 + "\n"
             )
+        receiver.mark_served(received.version)
     receiver.close()

