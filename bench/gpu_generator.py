@@ -319,10 +319,14 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
     from broker.schemas import PromptRecord, RolloutGroup
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
+    from weights.config import WeightSyncConfig
 
     names = Names(f"bench-{tag}-{time.time_ns()}")
     cfg = GeneratorConfig(
-        namespace=names.namespace, generator_id=f"gen-{tag}", weight_sync_address="none", **settings
+        namespace=names.namespace,
+        generator_id=f"gen-{tag}",
+        weight_sync=WeightSyncConfig(enabled=False),
+        **settings,
     )
     worker = GeneratorWorker(cfg, engine=engine, transport=transport)
     store = ImageStore(transport, names)

@@ -7,7 +7,7 @@ Processes: a ZeroMQ broker; the reward service (reward_service.worker, one worke
 (learner.trainer.Learner with its prompt feeder on the synthetic shapes task, FSDP2 over one rank =
 bf16 compute with fp32 master weights, full activation checkpointing); the generator (this process:
 generator.worker.GeneratorWorker on the given vLLM engine). Weights go learner -> generator through
-CUDA IPC (policy/weight_ipc.py) on the GPU, or the bucketed gloo path with --sync bucketed (the
+the cuda-ipc transport (weights/ipc_*.py) on the GPU, or broadcast over gloo with --sync broadcast (the
 only choice on CPU); with the engine core in its own process (the default on CUDA), an IPC version
 reaches vLLM's worker as its reference and is loaded there from the learner's buffer. Random weights score 0 everywhere, so dynamic sampling is off (zero-advantage
 groups still train: the run measures the mechanics, not learning). Reported per learner step from its
@@ -33,7 +33,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--role", default="main", choices=["main", "learner"])
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--sync", default="", help="ipc | bucketed (default: ipc on CUDA, bucketed on CPU)")
+    p.add_argument(
+        "--sync", default="", help="cuda-ipc | broadcast (default: cuda-ipc on CUDA, broadcast on CPU)"
+    )
     p.add_argument("--broker", default="")
     p.add_argument("--namespace", default="smoke")
     p.add_argument("--model", default="")
@@ -102,7 +104,7 @@ def run_smoke(
     from generator.config import SamplingConfig
     from tasks.synthetic import SyntheticConfig, write_task
 
-    sync = sync or ("bucketed" if engine.on_cpu else "ipc")
+    sync = sync or ("broadcast" if engine.on_cpu else "cuda-ipc")
     if tiny:
         groups, n, max_tokens = 2, 2, 8
     names = Names(f"smoke{int(time.time())}")
@@ -248,7 +250,6 @@ def make_worker(engine, transport, names, sync: str, groups: int, mode: str = "b
     cfg = GeneratorConfig(
         namespace=names.namespace,
         generator_id="gen-smoke",
-        weight_sync_address="",
         batch_prompts=groups,
         block_s=0.05,
         gate_poll_s=0.02,
@@ -273,13 +274,12 @@ def learner_role(args) -> int:
         run_dir=args.run_dir,
         max_steps=args.steps,
         idle_exit_s=120.0,
-        weight_sync=True,
     )
     cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = args.groups, 1, False
     cfg.feeder.train_data = args.task
     cfg.checkpoint.every, cfg.checkpoint.resume, cfg.eval.every = 0, False, 0
     cfg.batching.max_tokens_per_microbatch = 16384
-    cfg.weight_transport = "cuda-ipc" if args.sync == "ipc" else "broadcast"
+    cfg.weight_sync.transport = args.sync
     learner = Learner(cfg)
     learner.train()
     print(f"learner done: step {learner.state.step}, version {learner.state.version}", flush=True)

@@ -5,7 +5,7 @@
 A synthetic decoder-shaped model (per layer: q/k/v/o with biases, gate/up/down, two norms;
 embeddings, final norm) is sent from this process (the learner) to one receiver process over
 a loopback 2-rank gloo group, all paths side by side in the same run, interleaved:
-  bucketed       learner/weight_sender.py -> generator/weight_receiver.py: manifest, packed
+  bucketed       the `broadcast` transport (weights/broadcast_*.py): manifest, packed
                  buckets, checksum trailer; the receiver verifies before the version counts.
                  With keep_last (the default) the learner packs every bucket into a kept copy
                  (for late joiners); without it, one-tensor buckets go out unpacked (no copy).
@@ -37,9 +37,12 @@ import torch
 import tyro
 from torch import nn
 
-from generator.weight_receiver import ReceiverConfig, WeightReceiver
-from learner.weight_sender import SenderConfig, WeightSender
-from policy.weight_transfer import dtype_from_name, named_tensors, pair_group
+import weights
+from weights.config import WeightSyncConfig
+from weights.interface import WeightSender
+from weights.manifest import named_tensors
+from weights.protocol import Announcement, decode, dtype_from_name, encode
+from weights.rendezvous import pair_group
 
 NAIVE_SESSION = 1_000_000
 """Session number of the naive path's group (far from the sender's join tickets)."""
@@ -112,12 +115,15 @@ def _store(address: str, is_master: bool):
     return TCPStore(host, int(port), None, is_master, datetime.timedelta(seconds=300), wait_for_workers=False)
 
 
-def bucketed_receiver(address: str, device: str) -> None:
-    """Child process: receive versions into the mailbox and drop them (the engine's part is not measured)."""
-    config = ReceiverConfig("bench", address=address, device=device, timeout_s=300.0)
-    receiver = WeightReceiver(config).start()
+def bucketed_receiver(announcement: bytes, device: str) -> None:
+    """Child process: receive versions and drop them (the engine's part is not measured)."""
+    a = decode(announcement, Announcement)
+    config = WeightSyncConfig(address=a.address, token=a.token, timeout_s=300.0)
+    receiver = weights.receiver(config, "bench", device=device).start()
     while True:
-        receiver.take()
+        received = receiver.poll()
+        if received is not None:
+            receiver.mark_served(received.version)
         time.sleep(0.001)
 
 
@@ -202,8 +208,10 @@ def run(config: BenchConfig) -> dict:
     naive = any(path.startswith("per-param") for path, _ in keys)
     print(f"model: {len(tensors)} tensors, {num_bytes / 2**20:.0f} MiB; backend {config.backend}", flush=True)
 
-    sender = WeightSender(SenderConfig(backend=config.backend, timeout_s=300.0))
-    children = [ctx.Process(target=bucketed_receiver, args=(sender.start(), remote), daemon=True)]
+    device = "cuda" if config.backend == "nccl" else "cpu"
+    sender = weights.sender(WeightSyncConfig(timeout_s=300.0, send_dtype="keep"), device=device)
+    announcement = encode(sender.start())
+    children = [ctx.Process(target=bucketed_receiver, args=(announcement, remote), daemon=True)]
     if naive:
         naive_store = _store("127.0.0.1:0", is_master=True)
         specs = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]

@@ -64,7 +64,8 @@ def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition"):
+def wait_until(predicate, timeout_s: float = 120.0, what: str = "condition"):
+    """The predicate's first truthy value; spawned processes start slowly on a loaded machine."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
