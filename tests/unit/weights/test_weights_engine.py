@@ -53,7 +53,7 @@ def _other(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monkeypatch):
-    from tests.unit.weights.test_weights_updates import IpcWeights, shared
+    from tests.unit.weights.test_weights_updates import ipc_version, shared
     from weights import ipc
     from weights.ipc import MappingCache
     from weights.vllm_apply import WeightLoadError
@@ -78,12 +78,12 @@ def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monk
         assert expected != original
         engine.apply_weights(base.items(), version=0)
         assert _greedy(engine) == original
-        engine.apply_weights(IpcWeights(layout), version=2)
+        engine.apply_weights(ipc_version(layout), version=2)
         assert engine.version == 2 and _greedy(engine) == expected
         assert opened == [b"h1"]
         _, stale = shared(other, layout_id=9, handle=b"gone")
         with pytest.raises(WeightLoadError, match="cannot map"):
-            engine.apply_weights(IpcWeights(stale), version=3)
+            engine.apply_weights(ipc_version(stale), version=3)
         assert engine.version == 2 and _greedy(engine) == expected
     finally:
         engine.close()

@@ -17,7 +17,7 @@ from weights.protocol import Manifest, TensorSpec
 from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version
 
 
-def IpcWeights(layout: IpcLayout, version: int = 1) -> ReceivedVersion:  # noqa: N802
+def ipc_version(layout: IpcLayout, version: int = 1) -> ReceivedVersion:
     """A cuda-ipc version as a receiver hands it over, mapping through this process's cache."""
     return ReceivedVersion(layout.manifest, lambda: [ipc.mapping(layout)], ipc=layout, version=version)
 
@@ -102,7 +102,7 @@ def test_one_received_type_for_tensors_and_ipc_references(opener):
     buffers, _ = opener
     buffer, layout = shared({"a.weight": torch.ones(2, 3)})
     buffers[b"h1"] = buffer
-    received = IpcWeights(layout, version=3)
+    received = ipc_version(layout, version=3)
     assert received.ipc is layout and received.num_bytes == buffer.numel()
     assert torch.equal(dict(received.named_tensors())["a.weight"], torch.ones(2, 3))  # mapped here on use
 
@@ -134,7 +134,7 @@ def test_an_ipc_update_loads_from_the_mapped_buffer_with_only_the_reference_sent
     new = {"a.weight": torch.full((2, 3), 5.0), "c.weight": torch.full((3,), 7.0)}
     buffer, layout = shared(new)
     buffers[b"h1"] = buffer
-    assert loader.apply(llm, IpcWeights(layout)) == 2
+    assert loader.apply(llm, ipc_version(layout)) == 2
     assert torch.equal(model.params["a.weight"], new["a.weight"]) and torch.equal(
         model.params["c.weight"], new["c.weight"]
     )
@@ -143,7 +143,7 @@ def test_an_ipc_update_loads_from_the_mapped_buffer_with_only_the_reference_sent
     pack_bucket(
         buffer, layout.manifest.tensors, [torch.full((2, 3), 6.0), torch.full((3,), 8.0)]
     )  # next version
-    loader.apply(llm, IpcWeights(layout))
+    loader.apply(llm, ipc_version(layout))
     assert torch.equal(model.params["a.weight"], torch.full((2, 3), 6.0))
     assert len(opened) == 1  # mapped once across syncs
 
@@ -161,7 +161,7 @@ def test_an_ipc_manifest_is_validated_before_the_worker_sees_it(checkpoint, open
     for tensors, match in cases:
         _, layout = shared({"c.weight": torch.full((3,), 9.0), **tensors})
         with pytest.raises(WeightLoadError, match=match):
-            loader.apply(llm, IpcWeights(layout))
+            loader.apply(llm, ipc_version(layout))
     _, layout = shared({"c.weight": torch.full((3,), 9.0)})
     spec = layout.manifest.tensors[0]
     bad = msgspec.structs.replace(
@@ -172,10 +172,10 @@ def test_an_ipc_manifest_is_validated_before_the_worker_sees_it(checkpoint, open
         ),
     )
     with pytest.raises(WeightLoadError, match="manifest"):
-        loader.apply(llm, IpcWeights(bad))
+        loader.apply(llm, ipc_version(bad))
     empty = msgspec.structs.replace(layout, manifest=msgspec.structs.replace(layout.manifest, tensors=[]))
     with pytest.raises(WeightLoadError, match="empty"):
-        loader.apply(llm, IpcWeights(empty))
+        loader.apply(llm, ipc_version(empty))
     assert llm.sent == [] and model.loads == 0  # nothing reached the worker
 
 
@@ -186,7 +186,7 @@ def test_an_unmappable_buffer_is_refused_without_a_rollback(checkpoint, opener):
     loader = WeightLoader(path, method="reload", in_process=False, keep_rollback_copy=True)
     _, layout = shared({"c.weight": torch.full((3,), 9.0)}, handle=b"stale")  # the opener does not know it
     with pytest.raises(WeightLoadError, match="cannot map") as info:
-        loader.apply(llm, IpcWeights(layout))
+        loader.apply(llm, ipc_version(layout))
     assert not isinstance(info.value, WeightsRolledBack)
     assert model.loads == 0 and len(llm.sent) == 1
 
@@ -199,7 +199,7 @@ def test_an_ipc_load_failing_half_way_is_rolled_back_to_the_last_good_weights(ch
     loader = WeightLoader(path, method="reload", in_process=False, keep_rollback_copy=True)
     buffer, layout = shared({"a.weight": torch.full((2, 3), 5.0)})  # version 1: a partial update over IPC
     buffers[b"h1"] = buffer
-    loader.apply(llm, IpcWeights(layout))
+    loader.apply(llm, ipc_version(layout))
     pack_bucket(buffer, layout.manifest.tensors, [torch.full((2, 3), -1.0)])  # the learner moves on
     good = {k: v.clone() for k, v in model.params.items()}
     assert torch.equal(good["a.weight"], torch.full((2, 3), 5.0))  # the rollback copy was taken at load time
@@ -211,7 +211,7 @@ def test_an_ipc_load_failing_half_way_is_rolled_back_to_the_last_good_weights(ch
     buffers[b"h2"] = buffer2
     model.fail_after = 2
     with pytest.raises(WeightsRolledBack, match="boom"):
-        loader.apply(llm, IpcWeights(layout2))
+        loader.apply(llm, ipc_version(layout2))
     for name, value in good.items():  # b and c had been overwritten; the rollback restored them, kept v1's a
         assert torch.equal(model.params[name], value), name
 
