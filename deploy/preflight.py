@@ -1,6 +1,6 @@
 """Checks the launcher makes before it starts anything, and how it explains a failed start.
 
-- `inspect_model(path)`: is it a Hugging Face Qwen2.5-VL checkpoint (config.json, safetensors
+- `inspect_model(path)`: is it a Hugging Face Qwen2.5-VL (or Qwen3-VL) checkpoint (config.json, safetensors
   weights, tokenizer, image processor), and how many parameters does it have (read from the
   safetensors headers: nothing is loaded)?
 - `visible_gpus()`: the GPUs this process may use, indexed as CUDA_VISIBLE_DEVICES numbers them
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.plan import GpuInfo
+from policy.presets import FAMILIES
 
-QWEN2_5_VL = "qwen2_5_vl"
 BUILD_HINT = "python -m policy build --preset small --out DIR"
 
 
@@ -48,7 +48,7 @@ class ModelInfo:
 
 
 def inspect_model(path: str | Path) -> ModelInfo:
-    """A Qwen2.5-VL checkpoint's parameter count; PreflightError (with the fix) for anything else."""
+    """A Qwen2.5-VL / Qwen3-VL checkpoint's parameter count; PreflightError (naming the fix) otherwise."""
     path = Path(path).expanduser()
     fix = (
         f"pass --model a Hugging Face Qwen2.5-VL directory (e.g. `huggingface-cli download "
@@ -67,11 +67,11 @@ def inspect_model(path: str | Path) -> ModelInfo:
         raise PreflightError(f"{config} is not readable JSON ({exc}): {fix}") from None
     model_type = data.get("model_type")
     architectures = data.get("architectures") or []
-    if model_type != QWEN2_5_VL:
+    if model_type not in FAMILIES:
         raise PreflightError(
             f"--model {path} is a {model_type or 'untyped'} checkpoint "
-            f"({', '.join(architectures) or 'no architectures'}), not Qwen2.5-VL "
-            f"(config.json model_type {QWEN2_5_VL!r}): {fix}"
+            f"({', '.join(architectures) or 'no architectures'}), not Qwen2.5-VL or Qwen3-VL "
+            f"(config.json model_type {' or '.join(FAMILIES)}): {fix}"
         )
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
