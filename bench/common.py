@@ -55,6 +55,33 @@ def param_counts(model) -> dict[str, int]:
     }
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout`) unwinds like an exception, so engines and child processes get closed."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def images(count: int, side: int, seed: int = 0) -> list[tuple[bytes, object]]:
+    """`count` distinct side x side images of a few random circles: (PNG bytes, PIL image) each."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        image = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+        draw = ImageDraw.Draw(image)
+        for _ in range(rng.randint(1, 5)):
+            x, y, r = rng.randrange(side), rng.randrange(side), rng.randint(side // 16, side // 4)
+            draw.ellipse((x - r, y - r, x + r, y + r), fill=tuple(rng.randrange(256) for _ in range(3)))
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        out.append((buf.getvalue(), image))
+    return out
+
+
 def check_device(device: str) -> str:
     """`device` if it can run here; a clear error for cuda without a GPU or an unknown name."""
     if device not in ("cpu", "cuda"):
@@ -118,7 +145,7 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any] | dic
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
+    t = Table()
     for i, name in enumerate(columns):
         t.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
@@ -126,7 +153,7 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any] | dic
         t.add_row(*(_cell(v) for v in values))
     buffer = io.StringIO()
     Console(file=buffer, width=200, force_terminal=False, color_system=None).print(t)
-    return buffer.getvalue().rstrip()
+    return title + "\n" + buffer.getvalue().rstrip()
 
 
 def machine() -> dict:

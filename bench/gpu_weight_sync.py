@@ -57,7 +57,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from bench.gpu_generator import exit_on_sigterm
+    from bench.common import exit_on_sigterm
 
     exit_on_sigterm()  # the parent's finally stops the generator, which closes its vLLM engine
     if args.tiny:

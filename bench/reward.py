@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import re
 import resource
@@ -38,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from bench.common import table, write_result
 
 GROUP = 8
 FILLER = (
@@ -419,19 +420,20 @@ def _wait_http(url: str, proc, urllib_request, timeout_s: float = 180.0) -> None
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (
-        f"{'path':<12} {'workload':<13} {'samples':>7} {'samples/s':>10} {'per cpu-s':>10} "
-        f"{'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'timeouts':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        per_cpu = f"{r['samples_per_cpu_s']:.0f}" if r.get("samples_per_cpu_s") else "-"
-        stops = r.get("timeouts", r.get("killed", ""))
-        lines.append(
-            f"{r['path']:<12} {r['workload']:<13} {r['samples']:>7} {r['samples_per_s']:>10.1f} "
-            f"{per_cpu:>10} {r['p50_ms']:>8.2f} {r['p99_ms']:>9.2f} {r['max_ms']:>9.1f} {stops!s:>8}"
-        )
-    return "\n".join(lines)
+    columns = [
+        "path",
+        "workload",
+        "samples",
+        "samples/s",
+        "per cpu-s",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "timeouts",
+    ]
+    keys = ["path", "workload", "samples", "samples_per_s", "samples_per_cpu_s", "p50_ms", "p99_ms", "max_ms"]
+    body = [[r.get(k) for k in keys] + [r.get("timeouts", r.get("killed"))] for r in rows]
+    return table("reward scoring, side by side on the same items", columns, body)
 
 
 def run(config: BenchConfig) -> dict:
@@ -452,8 +454,6 @@ def run(config: BenchConfig) -> dict:
     agree = sum(a == b for a, b in zip(ref_results, our_results)) / len(ref_results)
     accuracy = sum(a for a, _ in our_results) / len(our_results)
     return {
-        "bench": "reward",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "config": {k: str(v) for k, v in vars(config).items()},
         "rows": rows,
         "ratios": {
@@ -486,9 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         f"accuracy of the typical mix: {result['typical_accuracy']:.2f}"
     )
     print("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in result["ratios"].items()))
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    config.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {config.out}")
+    write_result(result, config.out)
     return 0
 
 

@@ -133,7 +133,7 @@ class LaunchConfig:
     run_dir: str = ""
     """Run directory; "" = runs/<timestamp>."""
     preset: str = "small"
-    """Model preset built locally by policy.builder (tiny | small)."""
+    """Model preset built locally by policy.builder (policy/presets.py: tiny, small, tiny-fullvocab, ...)."""
     model: str = ""
     """Train this Hugging Face checkpoint instead of building `preset` ("" = build)."""
     model_seed: int = 0

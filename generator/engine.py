@@ -191,6 +191,22 @@ class Engine:
         return params
 
     # ------------------------------------------------------------------ generation
+    @property
+    def llm(self):
+        """The underlying `vllm.LLM`, for baselines that bypass Parallax's loop (bench/generator.py's
+        bare vLLM column); reads inside vLLM's workers go through `run_in_worker`."""
+        return self._llm
+
+    def override_sampling(self, **fields) -> None:
+        """Set vLLM SamplingParams fields for both splits, e.g. `ignore_eos=True` (every response runs to
+        max_tokens) or `stop_token_ids=[...]` (benchmarks make random-weight lengths long-tailed)."""
+        for params in (self._train_params, self._eval_params):
+            for name, value in fields.items():
+                if not hasattr(params, name):
+                    raise AttributeError(f"vLLM SamplingParams has no field {name!r}")
+                setattr(params, name, value)
+            params.update_from_tokenizer(self.tokenizer)
+
     def sampling_params(self, split: str):
         """vLLM SamplingParams for a prompt of this split (training or evaluation)."""
         return self._train_params if split == "train" else self._eval_params
@@ -271,7 +287,7 @@ class Engine:
                 self.weight_failures += 1
                 if not self._loader.keep_rollback_copy:  # restored from disk only
                     self.version = self.initial_version
-                self._reset_caches(running)
+                self.reset_caches(running)
                 raise
             except WeightLoadError:  # refused before anything was written
                 self.weight_failures += 1
@@ -279,7 +295,7 @@ class Engine:
             except Exception as exc:  # a failure in the RPC layer itself
                 self.weight_failures += 1
                 raise WeightLoadError(f"{type(exc).__name__}: {exc}") from exc
-            self._reset_caches(running)
+            self.reset_caches(running)
             self.version = version
             self.weight_loads += 1
             seconds = time.perf_counter() - t0
@@ -292,7 +308,7 @@ class Engine:
         with self._lock:
             return self._llm.collective_rpc(fn, args=args)
 
-    def _reset_caches(self, running: bool = False) -> None:
+    def reset_caches(self, running: bool = False) -> None:
         """Drop everything computed with the old weights: cached prefixes and image embeddings (and, for an
         update with requests running, their KV cache: vLLM preempts them, to be recomputed)."""
         if not self._llm.reset_prefix_cache(reset_running_requests=running):
