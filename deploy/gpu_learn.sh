@@ -39,7 +39,7 @@ wheels_here() {  # CPython 3.12 manylinux wheels of what the launcher needs beyo
 }
 
 setup_gpu() {
-  [ -d /tmp/site/vllm ] || { echo "vLLM is not installed in /tmp/site (bench/gpu_run.sh: stage 1, stage 2, then install)"; exit 3; }
+  [ -d /tmp/site/vllm ] || { echo "vLLM is not installed in /tmp/site (install the bundle: bash .gpu/p3/install-on-device.sh .gpu/p3 after staging parts 1 and 2)"; exit 3; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-deploy .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy
   nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
