@@ -79,12 +79,13 @@ def install_vllm() -> bool:
     if not active:
         return False
     from vllm import ModelRegistry
-    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl, qwen3_vl
 
     ModelRegistry.register_model(
         "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.Qwen2_5_VLForConditionalGeneration
     )
     ModelRegistry.register_model("Qwen2VLForConditionalGeneration", qwen2_vl.Qwen2VLForConditionalGeneration)
+    ModelRegistry.register_model("Qwen3VLForConditionalGeneration", qwen3_vl.Qwen3VLForConditionalGeneration)
     return True
 
 

