@@ -38,10 +38,6 @@ class Names:
         """ScoredGroups from reward workers to the learner."""
         return f"{self.namespace}:scored"
 
-    @property
-    def control(self) -> str:
-        return f"{self.namespace}:control"
-
     @staticmethod
     def dead(stream: str) -> str:
         """Dead-letter stream of `stream`."""

@@ -8,7 +8,7 @@ Images never travel inside these messages: they are stored once, content-address
 blob store (`broker.images`), and messages carry `ImageRef`s.
 
 Flow:  PromptRecord --(generator)--> RolloutGroup --(reward_service)--> ScoredGroup --(learner)
-       learner --> WeightVersion (announcement), anyone --> Control.
+       learner --> WeightVersion (announcement).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ class PromptRecord(msgspec.Struct, tag="prompt", kw_only=True):
 class Rollout(msgspec.Struct, kw_only=True):
     """One sampled response of a group.
 
-    Token ids and logprobs travel packed, as little-endian int32 / float32 bytes: decoding the
-    8 x 1,024 msgpack numbers of a typical group took ~200-300 us, the packed group decodes in
-    ~10 us. Build with `Rollout.of(token_ids=..., logprobs=..., ...)` from lists or arrays;
-    read with `num_tokens`, `token_ids()` and `logprobs()` (read-only numpy views).
+    Token ids and logprobs travel packed, as little-endian int32 / float32 bytes (decoding them as msgpack
+    number lists cost far more: bench/results/broker.json). Build with `Rollout.of(token_ids=...,
+    logprobs=..., ...)` from lists or arrays; read with `num_tokens`, `token_ids()` and `logprobs()`
+    (read-only numpy views).
     """
 
     response_token_ids_i32: bytes
@@ -166,14 +166,5 @@ class WeightVersion(msgspec.Struct, tag="weight_version", kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
-class Control(msgspec.Struct, tag="control", kw_only=True):
-    """Out-of-band command: "stop", "pause", "resume", "evaluate", "hello" (generator joins)."""
-
-    command: str
-    sender: str = ""
-    args: dict[str, str] = {}
-    schema_version: int = SCHEMA_VERSION
-
-
-Message = PromptRecord | RolloutGroup | ScoredGroup | WeightVersion | Control
+Message = PromptRecord | RolloutGroup | ScoredGroup | WeightVersion
 """Every top-level message type; the codec decodes this union."""

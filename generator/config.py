@@ -46,12 +46,12 @@ class EngineConfig:
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (fast start; on CPU also disables dynamo, see engine.py)."""
     in_process: bool | None = None
-    """Where vLLM's engine core runs. None (default): in its own process on CUDA (vLLM's default mode,
-    which overlaps scheduling and output processing with the GPU: 1.5-2x the tokens/s of the in-process
-    core on an H200; CUDA-IPC weights are read inside it from the learner's buffer), in this process on
-    CPU (fast start, no extra process). True: in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; tensors
-    are handed over without serialisation). False: its own process (named-tensor updates then travel as
-    safetensors bytes). Always its own process when tp > 1."""
+    """Where vLLM's engine core runs. None (default): in its own process on CUDA (vLLM's default mode, which
+    overlaps scheduling and output processing with the GPU: faster than the in-process core,
+    bench/results/generator_h200*.json; CUDA-IPC weights are read inside it from the learner's buffer), in
+    this process on CPU (fast start, no extra process). True: in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0; tensors are handed over without serialisation). False: its own
+    process (named-tensor updates then travel as safetensors bytes). Always its own process when tp > 1."""
     seed: int = 0
     """vLLM sampling seed (per engine; the worker adds the engine index)."""
     weight_load: str = "auto"
@@ -143,7 +143,7 @@ class GeneratorConfig:
     log_level: str = "INFO"
     """Python logging level."""
     max_groups: int = 0
-    """Stop after publishing this many groups (0 = run until a "stop" control message)."""
+    """Stop after publishing this many groups (0 = until stopped, or idle_exit_s)."""
     idle_exit_s: float = 0.0
     """Exit after this many seconds without prompts (0 = never; for burst runs and tests)."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -16,10 +16,10 @@ ids (image_token_id, video_token_id) to -inf; without the mask the difference is
 Every prompt first passes `PromptChecker` (inputs.py): a prompt that would overflow the context
 after image expansion (or is malformed) is rejected with a reason and never reaches vLLM.
 
-Process layout (`EngineConfig.in_process`): on CUDA vLLM's engine core runs in its own process
-(vLLM's default: scheduling and output processing overlap the GPU; 1.5-2x the throughput of the
-in-process core on an H200); on CPU, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a fast start,
-no extra process on small machines). tp > 1 is always multi-process.
+Process layout (`EngineConfig.in_process`): on CUDA vLLM's engine core runs in its own process (vLLM's
+default: scheduling and output processing overlap the GPU, so it outruns the in-process core: `python -m
+bench.generator --engine-core inprocess`); on CPU, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a fast
+start, no extra process on small machines). tp > 1 is always multi-process.
 
 Weights: `apply_weights(update, version)` takes a receiver's `weights.interface.ReceivedVersion` (or
 plain (name, tensor) pairs): a cuda-ipc version travels to vLLM's worker as its ~100 KB reference and

@@ -5,12 +5,12 @@
 
 The batch loop (worker.py) prepares a batch, runs `LLM.generate` on it and publishes when the
 slowest sequence ends: the GPU idles while a batch is prepared and runs at low occupancy through the
-long tail of each batch. Here prompts go into vLLM's engine (`LLMEngine.add_request`) as soon as
-they are prepared, `batch_prompts` at a time, up to `max_inflight_prompts` in flight, and each
-group is published (and its prompt acked) the step it finishes. Freed slots are refilled only once
-`batch_prompts` of them are free: a prompt admitted alone costs a step that mixes its vision encoding
-and prefill with everyone's decode, which runs outside vLLM's decode CUDA graphs (on the H200, refilling
-each slot at once made a long-tailed run 0.77x the batch loop). With the engine core in its own
+long tail of each batch. Here prompts go into vLLM's engine (`LLMEngine.add_request`) as soon as they are
+prepared, `batch_prompts` at a time, up to `max_inflight_prompts` in flight, and each group is published
+(and its prompt acked) the step it finishes. Freed slots are refilled only once `batch_prompts` of them are
+free: a prompt admitted alone costs a step that mixes its vision encoding and prefill with everyone's
+decode, which runs outside vLLM's decode CUDA graphs (refilling each slot at once made a long-tailed run
+slower than the batch loop: bench/results/generator_tail_h200_refill1.json). With the engine core in its own
 process (the default on CUDA) the GPU keeps generating while this loop prepares and publishes.
 
 Versions (`GeneratorConfig.weight_update`):

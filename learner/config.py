@@ -143,8 +143,8 @@ class ParallelConfig:
     """Recompute each decoder block's activations in the backward pass."""
     checkpoint_mode: str = "full"
     """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
-    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; 34.5% vs 30.9% LM-MFU for 7B on
-    the H200) or "selective:<k>" (selective on the first k decoder blocks); see policy/recompute.py."""
+    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/) or
+    "selective:<k>" (selective on the first k decoder blocks); see policy/recompute.py."""
     vision_checkpoint_mode: str = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
     compile: str = ""

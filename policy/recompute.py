@@ -6,8 +6,8 @@ transformers' `gradient_checkpointing_enable` recomputes every block whole ("ful
 forward's matrix products run twice, about a third more model FLOPs per step. "selective"
 checkpointing (torchtitan's op-level SAC) keeps the outputs of the matrix products and of the
 attention kernel and recomputes only the cheap elementwise ops (norms, rotary, SiLU, residuals)
-in the backward pass; it costs memory (for a 7B decoder block about 110 KB per token, against
-7 KB for full checkpointing) and saves nearly all recompute FLOPs.
+in the backward pass; it costs memory (about 15x full checkpointing's saved activations per token
+for a 7B decoder block) and saves nearly all recompute FLOPs.
 
     apply_recompute(model, text="selective", vision="full")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from broker.schemas import (
-    Control,
     ImageRef,
     PromptRecord,
     Rollout,
@@ -54,5 +53,4 @@ def every_message() -> list:
         group,
         ScoredGroup(group=group, scores=[Score(reward=1.0, accuracy=1.0, format=1.0)] * 2, scorer_id="r-0"),
         WeightVersion(version=7, step=7, source="learner", num_bytes=1 << 20, seconds=0.5, timestamp=1.0),
-        Control(command="stop", sender="learner", args={"why": "done"}),
     ]

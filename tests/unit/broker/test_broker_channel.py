@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry
 
 import broker
 from broker.channel import Publisher, Subscriber, rejected_counter
-from broker.schemas import Control, RolloutGroup, ScoredGroup
+from broker.schemas import RolloutGroup, ScoredGroup, WeightVersion
 from tests.unit.broker.messages import every_message, rollout_group
 
 
@@ -19,19 +19,19 @@ def transport(broker_url):
 
 
 def test_every_kind_travels_typed(transport, names):
-    sub = Subscriber(transport, names.control, "g", "c")  # expects any message by default
-    Publisher(transport, names.control).publish_many(every_message())
+    sub = Subscriber(transport, names.prompts, "g", "c")  # expects any message by default
+    Publisher(transport, names.prompts).publish_many(every_message())
     got = sub.poll(count=10, block_s=0.5)
     assert [m for _, m in got] == every_message()
     sub.ack([d for d, _ in got])
-    assert transport.pending(names.control, "g") == 0
+    assert transport.pending(names.prompts, "g") == 0
 
 
 def test_expect_accepts_a_union(transport, names):
     sub = Subscriber(transport, names.scored, "g", "c", expect=RolloutGroup | ScoredGroup)
     pub = Publisher(transport, names.scored)
     scored = every_message()[2]
-    for msg in (rollout_group("a"), Control(command="pause"), scored):
+    for msg in (rollout_group("a"), WeightVersion(version=1, step=1), scored):
         pub.publish(msg)
     got = [m for _, m in sub.poll(count=10, block_s=0.5)]
     assert got == [rollout_group("a"), scored]

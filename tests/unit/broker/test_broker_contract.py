@@ -15,7 +15,7 @@ import pytest
 
 import broker
 from broker.channel import Publisher, Subscriber
-from broker.schemas import Control, RolloutGroup
+from broker.schemas import RolloutGroup, WeightVersion
 from broker.transport import BackpressureTimeout
 from tests.unit.broker.messages import rollout_group
 
@@ -253,7 +253,7 @@ def test_poisoned_entries_are_dead_lettered_and_counted_while_good_ones_arrive(c
     pub.publish(rollout_group("good-1"))
     t.publish(names.rollouts, b"\x00\xffgarbage")
     t.publish(names.rollouts, _future_version_payload())
-    pub.publish(Control(command="stop"))  # valid message, wrong stream
+    pub.publish(WeightVersion(version=1, step=1))  # valid message, wrong stream
     pub.publish(rollout_group("good-2"))
 
     got = sub.poll(count=10, block_s=0.5)
