@@ -1,4 +1,4 @@
-"""torch.compile for the learner's model: fused elementwise ops (norms, SiLU x up, logprob chunks) or whole blocks.
+"""torch.compile for the learner's model: fused elementwise ops (norms, SiLU x up, logprobs) or whole blocks.
 
     compile_elementwise(model)   # RMSNorms and SiLU(gate) * up fused; matmuls and attention stay eager
     compile_blocks(model)        # every decoder block compiled whole
@@ -51,7 +51,7 @@ def compile_blocks(model: nn.Module, text: bool = True, vision: bool = False, dy
 
 
 def compile_elementwise(model: nn.Module, dynamic: bool = True) -> int:
-    """Compile every RMSNorm and fuse SiLU(gate) * up in every SiLU MLP (text and vision); returns how many."""
+    """Compile every RMSNorm, fuse SiLU(gate) * up in every SiLU MLP (text and vision); returns how many."""
     count = 0
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):

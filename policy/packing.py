@@ -40,7 +40,7 @@ class PackSample:
     image_grid_thw: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     """Patch grid (t, h, w) per image, in order of appearance."""
     pixel_values: torch.Tensor | None = None
-    """(sum of t*h*w over images, C*T*P*P) patches as the image processor returns them; None without images."""
+    """(sum of t*h*w over images, C*T*P*P) patches as the image processor returns them; None: no images."""
     image_keys: list[str] | None = None
     """A content key (the sha256) per image: images with equal keys in one pack are encoded once."""
 
@@ -97,7 +97,7 @@ class PackedBatch:
 def pack(
     samples: Sequence[PackSample], image_token_id: int, merge: int = 2, dedup_images: bool = True
 ) -> PackedBatch:
-    """Pack samples into one row (order preserved); with `dedup_images`, images with equal keys are stored once."""
+    """Pack samples into one row (order kept); with `dedup_images`, images with equal keys are stored once."""
     if not samples:
         raise ValueError("cannot pack zero samples")
     ids, positions, targets, lens = [], [], [], [0]

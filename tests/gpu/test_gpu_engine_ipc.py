@@ -3,8 +3,9 @@
 The learner side (the cuda-ipc sender, this process) shares its buffer; the engine's front end (also this
 process) passes only the reference; vLLM's worker (the engine-core process) maps the buffer and loads
 from it. Checked: the served weights equal the learner's (fp64 sums per layer, read inside the worker),
-greedy output (tokens and their logprobs) follows the weights, the front end never maps the buffer, the worker maps it once across
-syncs, and the bytes fallback (named tensors from the checkpoint) restores the original output.
+greedy output (tokens and their logprobs) follows the weights, the front end never maps the buffer,
+the worker maps it once across syncs, and the bytes fallback (named tensors from the checkpoint)
+restores the original output.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def test_without_compat_the_vllm_import_fails_and_with_it_succeeds():
             "-c",
             "from policy import compat; compat.install(); "
             + code
-            + "\nfrom transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize; print('ok')",
+            + "\nfrom transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize"
+            + "\nprint('ok')",
         ],
         capture_output=True,
         text=True,
@@ -78,7 +79,7 @@ def test_install_is_idempotent():
 
 
 def test_the_shim_is_registered_as_a_vllm_plugin_so_spawned_workers_get_it():
-    """`./run setup` installs the project (editable), which registers the entry point vLLM runs in each process."""
+    """`./run setup` installs the project (editable), registering the entry point vLLM runs per process."""
     from importlib.metadata import entry_points
 
     import policy.compat
