@@ -27,7 +27,7 @@ import torch
 
 from weights.config import WeightSyncConfig
 from weights.interface import SyncReport, WeightSender
-from weights.manifest import WireTensors, checksum, full, pack_bucket, plan_layout, trailer
+from weights.manifest import WireTensors, checksum, pack_bucket, plan_layout, trailer
 from weights.membership import Member, Membership, Publish
 from weights.protocol import JoinAccept, JoinRequest, Keys, Manifest, encode
 from weights.rendezvous import abort, device_uuid, pair_group, wait_work
@@ -92,21 +92,15 @@ class BroadcastSender(WeightSender):
         applied it. Collective over the training ranks when the model is FSDP2-sharded."""
         t0 = time.perf_counter()
         if self._wire is None or self._wire.model is not model:
-            self._wire = WireTensors(model, self.config.send_dtype)
+            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout)
         tensors = self._wire.tensors()
         layout = plan_layout(self._wire.entries, self.config.bucket_bytes)
         if self._rank != 0:
             for b in range(len(layout.bucket_nbytes)):
                 for i in layout.bucket_members(b):
-                    full(tensors[i])
+                    self._wire.gather(tensors, i)
             return SyncReport(version, step, 0, time.perf_counter() - t0)
-        manifest = Manifest(
-            version=version,
-            step=step,
-            tensors=layout.tensors,
-            bucket_nbytes=layout.bucket_nbytes,
-            checksums=self.config.checksums,
-        )
+        manifest = self._wire.manifest(layout, version, step, self.config.checksums)
         keep = self.config.keep_last
         with self._membership.lock:
             self._kept = None
@@ -115,7 +109,10 @@ class BroadcastSender(WeightSender):
 
             def produce(b: int) -> tuple[torch.Tensor, int]:
                 idx = layout.bucket_members(b)
-                specs, whole = [manifest.tensors[i] for i in idx], [full(tensors[i]) for i in idx]
+                specs, whole = (
+                    [manifest.tensors[i] for i in idx],
+                    [self._wire.gather(tensors, i) for i in idx],
+                )
                 nbytes = manifest.bucket_nbytes[b]
                 buf = None if keep else _unpacked(whole, specs, nbytes, self._device)
                 if buf is None:

@@ -30,6 +30,7 @@ import torch
 from weights.config import WeightSyncConfig
 from weights.manifest import views
 from weights.protocol import Announcement, Manifest
+from weights.vllm_layout import checkpoint_views
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,10 @@ class ReceivedVersion:
         return sum(t.numel() * t.element_size() for _, t in self._pairs)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, view) of every tensor, whatever the wire layout."""
         if self._pairs is not None:
             return iter(self._pairs)
-        return views(self.manifest, self.buffers)
+        return checkpoint_views(self.manifest, views(self.manifest, self.buffers))
 
 
 @dataclass

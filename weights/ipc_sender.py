@@ -28,7 +28,8 @@ from weights.config import WeightSyncConfig
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, full, one_buffer, tensor_view
 from weights.membership import Member, Membership, Publish
-from weights.protocol import JoinAccept, JoinRequest, Keys, Manifest, WeightSyncError, encode
+from weights.protocol import JoinAccept, JoinRequest, Keys, WeightSyncError, encode
+from weights.vllm_layout import row_slices
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ class IpcSender(WeightSender):
         """Pack the weights into the shared buffer as `version`; returns when generators can read it."""
         t0 = time.perf_counter()
         if self._wire is None or self._wire.model is not model:
-            self._wire = WireTensors(model, self.config.send_dtype)
-            self._allocate(self._wire, model)
+            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout)
+            self._allocate(self._wire)
         tensors = self._wire.tensors()
         with self._membership.lock:
             members = self._membership.live()
@@ -105,14 +106,17 @@ class IpcSender(WeightSender):
             wait_seconds=t1 - t0,
         )
 
-    def _allocate(self, wire: WireTensors, model) -> None:
+    def _allocate(self, wire: WireTensors) -> None:
+        """The buffer, a view per model tensor (rows of a stacked wire tensor in layout vllm), the layout."""
         layout = one_buffer(wire.entries)
         device = next(iter(wire.tensors())).device
         self._buffer = torch.empty(layout.bucket_nbytes[0], dtype=torch.uint8, device=device)
-        self._views = [tensor_view(self._buffer, spec) for spec in layout.tensors]
-        manifest = Manifest(
-            version=-1, tensors=layout.tensors, bucket_nbytes=layout.bucket_nbytes, checksums=False
-        )
+        manifest = wire.manifest(layout, -1, 0, checksums=False)
+        slices = [
+            row_slices(tensor_view(self._buffer, spec), manifest.parts.get(spec.name) or [(spec.name, 0)])
+            for spec in layout.tensors
+        ]
+        self._views = [slices[w][k] for w, k in wire.slots]
         self._layout = ipc.IpcLayout(
             layout_id=secrets.randbits(62),
             nbytes=layout.bucket_nbytes[0],

@@ -178,21 +178,54 @@ def wire_dtype(send_dtype: str, device: torch.device) -> torch.dtype | None:
 
 
 class WireTensors:
-    """A model's tensors as they go on the wire: checkpoint names and wire dtypes (worked out once)."""
+    """A model's tensors as they go on the wire (worked out once per model): wire names, dtypes and
+    shapes (`entries`), in checkpoint layout or vLLM's (weights/vllm_layout.py: `parts` says which
+    checkpoint tensors each wire tensor stacks, `slots` where each model tensor goes)."""
 
-    def __init__(self, model: torch.nn.Module, send_dtype: str):
+    def __init__(self, model: torch.nn.Module, send_dtype: str, layout: str = "checkpoint"):
         self.model = model
+        self.layout = layout
         names = checkpoint_names(model)
         tensors = list(named_tensors(model))
         cast = wire_dtype(send_dtype, tensors[0][1].device if tensors else torch.device("cpu"))
-        self.entries = [
+        entries = [
             (names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
             for n, t in tensors
         ]
+        if layout == "vllm":
+            from weights import vllm_layout
+
+            self.entries, parts, owner = vllm_layout.plan(entries)
+            self.parts = {e[0]: [(p.name, p.rows) for p in ps] for e, ps in zip(self.entries, parts)}
+            place = {p.name: k for ps in parts for k, p in enumerate(ps)}
+            self.slots = [(owner[j], place[entries[j][0]]) for j in range(len(entries))]
+        else:
+            self.entries, self.parts = entries, {}
+            self.slots = [(j, 0) for j in range(len(entries))]
+        self.members = [
+            [j for j, (w, _) in enumerate(self.slots) if w == i] for i in range(len(self.entries))
+        ]
+        """Model tensors of each wire tensor, in stacking order."""
 
     def tensors(self) -> list[torch.Tensor]:
         """The model's current tensors (DTensor shards of an FSDP2 model: `full` gathers each)."""
         return [t for _, t in named_tensors(self.model)]
+
+    def gather(self, tensors: list[torch.Tensor], i: int) -> torch.Tensor:
+        """Wire tensor `i`, whole (its parts gathered and, for a stack, concatenated)."""
+        members = [full(tensors[j]) for j in self.members[i]]
+        return members[0] if len(members) == 1 else torch.cat([m.detach() for m in members])
+
+    def manifest(self, layout: Layout, version: int, step: int, checksums: bool) -> Manifest:
+        return Manifest(
+            version=version,
+            step=step,
+            tensors=layout.tensors,
+            bucket_nbytes=layout.bucket_nbytes,
+            checksums=checksums,
+            layout=self.layout,
+            parts=self.parts,
+        )
 
 
 def module_loader(model: torch.nn.Module):

