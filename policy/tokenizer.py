@@ -187,23 +187,11 @@ def build_tokenizer(vocab_size: int, seed: int):
 
     `vocab_size` counts the BPE vocabulary; the added tokens take the ids right after it.
     """
-    from transformers import Qwen2Tokenizer
-
     vocab, merges = train_bpe(vocab_size - len(SPECIAL_TOKENS), seed)
     base = len(vocab)
     for i, (token, _) in enumerate(SPECIAL_TOKENS):
         vocab[token] = base + i
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        errors="replace",
-        model_max_length=32768,
-    )
-    _add_special_tokens(tokenizer)
-    return tokenizer
+    return _qwen_tokenizer(vocab, merges)
 
 
 def build_full_vocab_tokenizer(vocab_size: int, seed: int = 0, special_base: int = 151643):
@@ -213,8 +201,6 @@ def build_full_vocab_tokenizer(vocab_size: int, seed: int = 0, special_base: int
     The locally trained BPE vocabulary comes first, then filler tokens no merge produces (they decode
     to text), then the 22 added tokens at `special_base`, then filler up to `vocab_size`.
     """
-    from transformers import Qwen2Tokenizer
-
     vocab, merges = train_bpe(2000, seed=seed)
     i = 0
     while len(vocab) < special_base:
@@ -226,6 +212,15 @@ def build_full_vocab_tokenizer(vocab_size: int, seed: int = 0, special_base: int
         vocab[token] = special_base + k
     while len(vocab) < vocab_size:
         vocab[f"x{len(vocab)}"] = len(vocab)
+    return _qwen_tokenizer(vocab, merges)
+
+
+def _qwen_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
+    """The `Qwen2Tokenizer` of a byte-level BPE whose vocabulary holds Qwen's 22 added tokens, registered
+    as added tokens (the special ones as special), with Qwen's chat template."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -235,13 +230,6 @@ def build_full_vocab_tokenizer(vocab_size: int, seed: int = 0, special_base: int
         errors="replace",
         model_max_length=32768,
     )
-    _add_special_tokens(tokenizer)
-    return tokenizer
-
-
-def _add_special_tokens(tokenizer) -> None:
-    """Register Qwen's 22 added tokens (already in the vocabulary) and set the chat template."""
-    from tokenizers import AddedToken
 
     tokenizer.add_tokens(
         [AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS if not s], special_tokens=False
@@ -254,3 +242,4 @@ def _add_special_tokens(tokenizer) -> None:
         }
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
