@@ -37,6 +37,16 @@ DEFAULT_EXTRA = (
     "none",
 )
 
+NO_METRICS_PORTS = (
+    "--learner.metrics-port",
+    "0",
+    "--generator.metrics-port",
+    "0",
+    "--reward.metrics-port",
+    "0",
+)
+"""No Prometheus ports: another demo on the shared machine may hold the demo's fixed ones."""
+
 
 @dataclass
 class BenchConfig:
@@ -64,7 +74,7 @@ def command(cfg: BenchConfig, policy: str) -> list[str]:
     return [
         "python", "-m", "deploy", "--max-minutes", str(cfg.max_minutes),
         "--learner.max-steps", str(cfg.max_steps), "--run-dir", run_dir,
-        *cfg.extra, "--learner.loss.policy", policy,
+        *NO_METRICS_PORTS, *cfg.extra, "--learner.loss.policy", policy,
     ]  # fmt: skip
 
 
