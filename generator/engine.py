@@ -11,7 +11,8 @@ image and video pad tokens are banned (vLLM's bad-words processor: logit -inf, a
 logprobs are taken) because a sampled pad breaks the learner's image-token count. The logprobs are
 therefore normalised over the allowed tokens: the learner matches them exactly by masking the same
 ids (image_token_id, video_token_id) to -inf; without the mask the difference is log(1 - p(pad)),
-~1e-3 per token on a random tiny model and ~0 on a trained one. Prompts other than split "train" use the evaluation parameters.
+~1e-3 per token on a random tiny model and ~0 on a trained one. Prompts other than split "train" use the
+evaluation parameters.
 
 Every prompt first passes `PromptChecker` (inputs.py): a prompt that would overflow the context
 after image expansion (or is malformed) is rejected with a reason and never reaches vLLM.
@@ -144,7 +145,7 @@ class Engine:
         return llm
 
     def _no_compile(self):
-        """torch.compile off while vLLM runs (CPU, eager only); scoped, so other code in the process keeps it."""
+        """torch.compile off while vLLM runs (CPU, eager only); scoped: other code in the process keeps it."""
         if not (self.on_cpu and self.config.enforce_eager):
             return contextlib.nullcontext()
         import torch._dynamo
@@ -167,7 +168,7 @@ class Engine:
         return load_processor(self.model_dir).image_processor
 
     def _params(self, n: int, temperature: float, top_p: float):
-        """SamplingParams that never sample a banned token (vLLM's bad-words processor sets its logit to -inf)."""
+        """SamplingParams that never sample a banned token (vLLM's bad-words processor: logit -inf)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -354,7 +355,7 @@ def _completion(output) -> Completion:
 
 
 def _reset_encoder_cache_in_worker(worker) -> None:
-    """Runs inside vLLM's worker: forget cached image embeddings (fallback for vLLM without the engine API)."""
+    """Runs inside vLLM's worker: forget cached image embeddings (for a vLLM without the engine API)."""
     runner = worker.model_runner
     if hasattr(runner, "reset_encoder_cache"):
         runner.reset_encoder_cache()

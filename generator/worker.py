@@ -136,7 +136,7 @@ class GeneratorWorker:
         self._stop.set()
 
     def run(self) -> int:
-        """Loop until stopped, `max_groups` published or `idle_exit_s` without prompts; returns groups published."""
+        """Loop until stopped, `max_groups` published or `idle_exit_s` idle; returns groups published."""
         self.announce()
         last_work = time.monotonic()
         while not self._stop.is_set():

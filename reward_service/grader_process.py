@@ -1,4 +1,5 @@
-"""One grader child (`python -m reward_service.grader`) seen from the parent: framed pipes, no blocking writes.
+"""One grader child (`python -m reward_service.grader`) seen from the parent: framed pipes, no blocking
+writes.
 
 `send` queues a frame and writes what the pipe takes without blocking; `recv(timeout)` waits for
 the next answer frame and keeps writing the queued bytes meanwhile. So the parent can queue the

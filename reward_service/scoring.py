@@ -1,7 +1,8 @@
 """Scores a rollout group: route each sample to its reward, grade safely, combine the parts.
 
 `GroupScorer.score(group)` returns one `broker.schemas.Score` per sample (`submit` then `finish`
-does the same in two steps, so a worker can queue the next group while the grader works). Grading goes through a
+does the same in two steps, so a worker can queue the next group while the grader works). Grading goes
+through a
 `SafeGrader` (hard timeout, separate process); when it times out or its process dies the sample
 gets accuracy 0, `timed_out=True`, and the format part computed here (a linear-time check), so a
 well-formed answer that merely hangs sympy keeps its format credit. Metrics are recorded per sample.

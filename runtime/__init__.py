@@ -1,1 +1,1 @@
-"""Process runtime shared by every Parallax role: config loading, GPU selection, metrics server, run directory."""
+"""Process runtime shared by every role: config loading, GPU selection, metrics server, run directory."""

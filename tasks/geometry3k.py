@@ -44,7 +44,7 @@ class Geo3kConfig:
     split: str = "train"
     """Split name written into the records and the output file name."""
     model: Path | None = None
-    """Checkpoint whose processor (tokenizer + image processor) measures prompt lengths; default: tiny preset."""
+    """Checkpoint whose processor (tokenizer + image processor) measures prompt lengths; default: tiny."""
     max_prompt_len: int = 2048
     """Longest prompt kept, in tokens after image expansion."""
     instruction: str = INSTRUCTION

@@ -2,7 +2,8 @@
 
 `REWARDS` maps a reward name to the module whose `compute(response, ground_truth)` returns
 `RewardParts` and whose `format_score(response)` returns the format part alone (in linear time: the
-worker calls it in-process when grading timed out); `route(data_source, routes)` picks the reward name for a rollout group's data source
+worker calls it in-process when grading timed out); `route(data_source, routes)` picks the reward name for a
+rollout group's data source
 (unlisted sources get the default, "math"). Add a reward by adding a module and a line here.
 """
 

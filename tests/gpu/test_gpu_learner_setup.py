@@ -1,4 +1,5 @@
-"""On one GPU the learner's model setup (one-rank FSDP2, bf16 mixed precision, selective AC, elementwise compile,
+"""On one GPU the learner's model setup (one-rank FSDP2, bf16 mixed precision, selective AC, elementwise
+compile,
 images once per group) trains: gradients reach the fp32 master shards and match an eager bf16 reference."""
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def test_gpu_image_pins_match_the_h200_stack_and_pyproject():
 
 
 def test_gpu_image_takes_every_other_project_pin_exactly_once():
-    """requirements.txt minus the lines the Dockerfile drops, plus requirements-gpu.txt: no name twice, none lost."""
+    """requirements.txt minus the lines the Dockerfile drops, plus requirements-gpu.txt: no name twice,
+    none lost."""
     dropped = excluded_by_dockerfile()
     lines = [
         l.strip()

@@ -67,12 +67,14 @@ def test_catalog_names_follow_the_conventions(catalog):
 def test_catalog_rejects_a_bad_type_and_a_duplicate(tmp_path):
     bad = tmp_path / "M.md"
     bad.write_text(
-        "## Generator\n| metric | type | labels | meaning |\n|---|---|---|---|\n| `parallax_generator_x` | summary | - | x |\n"
+        "## Generator\n| metric | type | labels | meaning |\n|---|---|---|---|\n"
+        "| `parallax_generator_x` | summary | - | x |\n"
     )
     with pytest.raises(ValueError, match="summary"):
         load_catalog(bad)
     bad.write_text(
-        "## Generator\n| `parallax_generator_x` | gauge | - | x |\n| `parallax_generator_x` | gauge | - | y |\n"
+        "## Generator\n| `parallax_generator_x` | gauge | - | x |\n"
+        "| `parallax_generator_x` | gauge | - | y |\n"
     )
     with pytest.raises(ValueError, match="twice"):
         load_catalog(bad)
@@ -110,7 +112,7 @@ def test_unknown_series_accepts_histogram_parts_and_counters_only_by_their_expor
 
 
 def test_catalog_rejects_negative_bucket_bounds(tmp_path):
-    """prometheus-client drops a histogram's _sum when a bound is negative (and the dashboard's means with it)."""
+    """prometheus-client drops a histogram's _sum when a bound is negative (and the dashboard's means)."""
     bad = tmp_path / "M.md"
     bad.write_text("## Reward\n| `parallax_reward_x` | histogram | - | buckets -1, 0, 1 |\n")
     with pytest.raises(ValueError, match="negative"):

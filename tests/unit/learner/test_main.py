@@ -47,7 +47,8 @@ def test_config_resolves_without_importing_torch(tmp_path):
         "apply_gpus('2-3')\n"
         "assert 'torch' not in sys.modules, 'torch imported before CUDA_VISIBLE_DEVICES was set'\n"
         "import os\n"
-        "print(cfg.model, cfg.loss.correction, cfg.algo.groups_per_step, os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "print(cfg.model, cfg.loss.correction, cfg.algo.groups_per_step,"
+        " os.environ['CUDA_VISIBLE_DEVICES'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
