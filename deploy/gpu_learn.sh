@@ -7,6 +7,7 @@
 #
 #   bash deploy/gpu_learn.sh learn         # the learning run (correction decoupled) + its control (shuffled images)
 #   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
+#   bash deploy/gpu_learn.sh all           # learn + control + none / tis / icepop: five runs side by side, one call
 #   bash deploy/gpu_learn.sh cpu           # the "learn" pair on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
 #
@@ -87,19 +88,26 @@ PY
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
   cpu) setup_cpu; MODE=learn ;;
-  learn|corrections) setup_gpu ;;
-  *) echo "usage: $0 learn|corrections|cpu|wheels"; exit 2 ;;
+  learn|corrections|all) setup_gpu ;;
+  *) echo "usage: $0 learn|corrections|all|cpu|wheels"; exit 2 ;;
 esac
 if [ "$MODE" = learn ]; then
   launch learn 0
   launch control 1 --task.shuffle-images
   wait
   report learn learn control
-else
+elif [ "$MODE" = corrections ]; then
   i=0
   for c in none decoupled tis icepop; do launch "$c" $i --learner.loss.correction "$c"; i=$((i + 1)); done
   wait
   report corrections none decoupled tis icepop
+else  # all: the decoupled learning run doubles as the corrections' decoupled column
+  launch learn 0
+  launch control 1 --task.shuffle-images
+  i=2
+  for c in none tis icepop; do launch "$c" $i --learner.loss.correction "$c"; i=$((i + 1)); done
+  wait
+  report all learn control none tis icepop
 fi
 for d in "$OUT"/runs/*/; do  # what does not come back: weights, images, caches
   rm -rf "$d"learner/checkpoints "$d"learner/hf "$d"warmstart/model "$d"data/images "$d"data/*/images "$d"generator/vllm-cache
