@@ -21,6 +21,8 @@ Presets:
 - tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
   real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
 - qwen3-vl-tiny, qwen3-vl-small: tiny and small as Qwen3-VL (tests; the demo with `--preset`).
+- qwen3-vl-4b, qwen3-vl-8b: Qwen3-VL-{4B,8B}-Instruct's config.json values (text and vision),
+  for the GPU benches; tests/unit/policy/test_policy_presets.py checks them value by value.
 - qwen2.5-vl-3b, qwen2.5-vl-7b: the published Qwen2.5-VL-{3B,7B}-Instruct config.json values
   (https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct/blob/main/config.json and
   https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/config.json), text and vision;
@@ -91,6 +93,8 @@ class Preset:
     """qwen3_vl: vision blocks whose features are added after decoder layers 0, 1, ... (DeepStack)."""
     vision_positions: int = 256
     """qwen3_vl: learned vision position embeddings (a square grid, interpolated to each image)."""
+    head_dim: int = 0
+    """Attention head width; 0 = hidden / heads (Qwen3-VL-4B sets 128 with hidden 2560 and 32 heads)."""
 
 
 _QWEN_VISION = dict(
@@ -179,6 +183,46 @@ PRESETS: dict[str, Preset] = {
         vision_ffn=256,
         family="qwen3_vl",
         deepstack=(1, 2),
+    ),
+    # Qwen3-VL-{4B,8B}-Instruct config.json values (text and vision; vocab 151936 as Qwen3's tokenizer).
+    "qwen3-vl-4b": Preset(
+        hidden=2560,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffn=9728,
+        vocab=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+        vision_depth=24,
+        vision_hidden=1024,
+        vision_heads=16,
+        vision_ffn=4096,
+        family="qwen3_vl",
+        deepstack=(5, 11, 17),
+        vision_positions=2304,
+    ),
+    "qwen3-vl-8b": Preset(
+        hidden=4096,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        ffn=12288,
+        vocab=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+        vision_depth=27,
+        vision_hidden=1152,
+        vision_heads=16,
+        vision_ffn=4304,
+        family="qwen3_vl",
+        deepstack=(8, 16, 24),
+        vision_positions=2304,
     ),
     "qwen2.5-vl-3b": Preset(
         hidden=2048,
@@ -306,7 +350,7 @@ def _qwen3_vl_config(preset: Preset, vocab_size: int, ids: dict[str, int], dtype
     """`Qwen3VLConfig` (dense): explicit head_dim, q/k RMSNorm, interleaved M-RoPE, DeepStack, patch 16."""
     from transformers import Qwen3VLConfig
 
-    head_dim = preset.hidden // preset.heads
+    head_dim = preset.head_dim or preset.hidden // preset.heads
     if len(preset.deepstack) > preset.layers or any(
         not 0 <= i < preset.vision_depth for i in preset.deepstack
     ):

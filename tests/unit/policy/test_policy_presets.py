@@ -87,10 +87,79 @@ def test_published_presets_have_the_published_parameter_count(name, total):
     assert sum(p.numel() for p in model.parameters()) == total
 
 
+_QWEN3_VISION = dict(
+    hidden_act="gelu_pytorch_tanh",
+    in_channels=3,
+    num_heads=16,
+    num_position_embeddings=2304,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+_QWEN3_TEXT = dict(
+    head_dim=128,
+    hidden_act="silu",
+    max_position_embeddings=262144,
+    num_attention_heads=32,
+    num_hidden_layers=36,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-06,
+    vocab_size=151936,
+)
+PUBLISHED_QWEN3 = {
+    "qwen3-vl-4b": dict(
+        text=dict(_QWEN3_TEXT, hidden_size=2560, intermediate_size=9728),
+        vision=dict(
+            _QWEN3_VISION,
+            depth=24,
+            hidden_size=1024,
+            intermediate_size=4096,
+            out_hidden_size=2560,
+            deepstack_visual_indexes=[5, 11, 17],
+        ),
+        tie_word_embeddings=True,
+    ),
+    "qwen3-vl-8b": dict(
+        text=dict(_QWEN3_TEXT, hidden_size=4096, intermediate_size=12288),
+        vision=dict(
+            _QWEN3_VISION,
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            out_hidden_size=4096,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        tie_word_embeddings=False,
+    ),
+}
+"""Qwen3-VL-{4B,8B}-Instruct config.json values (huggingface.co/Qwen/Qwen3-VL-8B-Instruct, -4B-Instruct)."""
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3))
+def test_published_qwen3_vl_presets_match_the_published_config(name):
+    config = model_config(name)
+    want = PUBLISHED_QWEN3[name]
+    assert type(config).__name__ == "Qwen3VLConfig"
+    for key, value in want["text"].items():
+        assert getattr(config.text_config, key) == value, key
+    for key, value in want["vision"].items():
+        assert getattr(config.vision_config, key) == value, key
+    assert config.tie_word_embeddings == want["tie_word_embeddings"]
+    rope = config.text_config.rope_parameters
+    assert rope["mrope_section"] == [24, 20, 20] and rope["mrope_interleaved"] and rope["rope_theta"] == 5e6
+
+
+@pytest.mark.parametrize("name,total", [("qwen3-vl-4b", 4_437_815_808), ("qwen3-vl-8b", 8_767_123_696)])
+def test_published_qwen3_vl_presets_have_the_published_parameter_count(name, total):
+    """The parameter counts of the published safetensors (4.44 B and 8.77 B), built on the meta device."""
+    model = build_model(name, "meta", torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == total
+
+
 def test_every_preset_builds_a_consistent_config():
     for name, preset in PRESETS.items():
         config = model_config(name, vocab_size=preset.vocab or 2048, token_ids=QWEN_TOKEN_IDS)
-        head_dim = preset.hidden // preset.heads
+        head_dim = preset.head_dim or preset.hidden // preset.heads
         assert sum(config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
         assert config.vision_config.out_hidden_size == preset.hidden
         assert preset.heads % preset.kv_heads == 0
