@@ -73,6 +73,9 @@ class SamplingConfig:
     """Training nucleus sampling (keep 1.0: the learner cannot reproduce a truncated distribution)."""
     max_tokens: int = 1024
     """Longest response; prompts longer than max_model_len - max_tokens after image expansion are rejected."""
+    min_tokens: int = 0
+    """Training responses are not ended by the end-of-turn token before this many tokens (vLLM min_tokens);
+    = max_tokens forces every response to max_tokens (fixed-length benchmark workloads). 0 = off."""
     eval_n: int = 1
     """Responses per evaluation prompt (split != "train")."""
     eval_temperature: float = 0.6

@@ -96,7 +96,9 @@ class Engine:
             in_process=self.in_process,
             keep_rollback_copy=engine.keep_rollback_copy,
         )
-        self._train_params = self._params(sampling.n, sampling.temperature, sampling.top_p)
+        self._train_params = self._params(
+            sampling.n, sampling.temperature, sampling.top_p, sampling.min_tokens
+        )
         self._eval_params = self._params(sampling.eval_n, sampling.eval_temperature, sampling.eval_top_p)
 
     # ------------------------------------------------------------------ construction
@@ -167,7 +169,7 @@ class Engine:
 
         return load_processor(self.model_dir).image_processor
 
-    def _params(self, n: int, temperature: float, top_p: float):
+    def _params(self, n: int, temperature: float, top_p: float, min_tokens: int = 0):
         """SamplingParams that never sample a banned token (vLLM's bad-words processor: logit -inf)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -178,6 +180,7 @@ class Engine:
             temperature=temperature,
             top_p=top_p,
             max_tokens=self.sampling.max_tokens,
+            min_tokens=min(max(min_tokens, 0), self.sampling.max_tokens),
             logprobs=0,
             bad_words=words,
             skip_special_tokens=True,

@@ -174,7 +174,8 @@ class CheckpointConfig:
     """Periodic checkpoints and Hugging Face exports (learner/checkpoint.py)."""
 
     every: int = 50
-    """Save every this many optimizer steps (0 = only at the end)."""
+    """Save every this many optimizer steps (0 = only at the end; -1 = never, nor a Hugging Face export at
+    the end: benchmarks, whose consumed groups are then acked after every step)."""
     keep: int = 2
     """Number of most recent checkpoints kept on disk."""
     export_hf_every: int = 0

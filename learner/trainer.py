@@ -181,9 +181,10 @@ class Learner:
 
     def close(self) -> None:
         """Final checkpoint and acks, Hugging Face export, release sockets and the process group."""
-        if self.state.step > self._last_ckpt_step:
-            self._checkpoint()
-        export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+        if self.cfg.checkpoint.every >= 0:
+            if self.state.step > self._last_ckpt_step:
+                self._checkpoint()
+            export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
         self.sender.close()
         self.transport.close()
         if distributed():
@@ -226,6 +227,8 @@ class Learner:
         self._evaluate(values)
         if cfg.checkpoint.every > 0 and self.state.step % cfg.checkpoint.every == 0:
             values["checkpoint_s"] = self._checkpoint()
+        elif cfg.checkpoint.every < 0 and self.inbox is not None:
+            self.inbox.ack_durable()  # nothing is ever saved: nothing to redeliver after a crash either
         if cfg.checkpoint.export_hf_every > 0 and self.state.step % cfg.checkpoint.export_hf_every == 0:
             export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
         self.metrics.tokens.inc(values["tokens"])
@@ -237,10 +240,13 @@ class Learner:
         lengths = [sample_length(s, self._image_tokens) for s in samples]
         chunks = _split(len(samples), cfg.algo.mini_batches)
         plans = [self._plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+        t0 = time.perf_counter()  # the no-grad passes end in host copies of their logprobs: synchronised
         if cfg.algo.proximal == "recompute":
             self._no_grad_pass(plans, self.model, "proximal_logprobs")
+        t1 = time.perf_counter()
         if self.ref is not None:
             self._no_grad_pass(plans, self.ref, "ref_logprobs")
+        values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
         weights = defaultdict(float)
         for mine, n_micro, denom in plans:
             for i in range(n_micro):
@@ -248,7 +254,9 @@ class Learner:
                 self._micro_step(mb, denom, weights)
             norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if math.isfinite(norm):
+                t0 = time.perf_counter()  # host time (torch's AdamW on CUDA returns before its kernels end)
                 self.optimizer.step()
+                values["optimizer_s"] += time.perf_counter() - t0
             else:
                 self.nonfinite_steps += 1
                 log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
