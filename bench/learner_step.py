@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -144,9 +145,9 @@ def learner_config(cfg: BenchConfig, overrides: list[str], model_dir: Path, brok
         f"model={model_dir}",
         f"broker={broker_url}",
         f"run_dir={run_dir}",
-        "namespace=bench-learner-step",
+        f"namespace=bench-{re.sub('[^a-z0-9]+', '-', run_dir.name.lower())}",  # per variant: from version 0
         "metrics_port=0",
-        "weight_sync=false",
+        "weight_sync.enabled=false",
         "checkpoint.every=0",
         "checkpoint.resume=false",
         "eval.every=0",
@@ -181,13 +182,17 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
         "compile": lcfg.parallel.compile,
     }
     try:
-        learner.train_step(make.groups(cfg.warmup_groups, learner.state.step))
+        learner.train_step(make.groups(cfg.warmup_groups, learner.state.version))
         inputs.reset_peak(learner.info.device)
         rows = []
         for _ in range(cfg.steps):
-            groups = make.groups(cfg.groups, learner.state.step)
+            groups = make.groups(cfg.groups, learner.state.version)
             timers.clear()
             values = learner.train_step(groups)
+            if not values.get("tokens"):
+                raise RuntimeError(
+                    f"the step trained no tokens ({values.get('stale_samples', 0):.0f} stale samples)"
+                )
             rows.append({**timers.totals(), "train_s": values["train_s"], "tokens": values["tokens"]})
         out.update(inputs.summarise(rows, learner.n_lm_params, PEAK_TFLOPS))
         out.update(inputs.memory(learner.info.device, learner.optimizer))

@@ -13,9 +13,10 @@ from being rounded away, as they are when AdamW runs on bf16 parameters directly
 the GPU). "host": in host memory (pageable), so the GPU holds only bf16 parameters and gradients
 (4 bytes/parameter); a step streams the parameters in chunks of `chunk` elements through a ring
 of pinned bf16 staging buffers: gradient chunk to host (one CUDA stream), torch's fused AdamW
-on the CPU's fp32 chunk (multi-threaded), the rounded bf16 chunk back to the GPU (a second
-stream), so both copy directions overlap the CPU's work on the neighbouring chunks. On a CPU
-model both locations are the same memory. Only the staging ring is pinned (a few hundred MB):
+on the CPU's fp32 chunk (on `host_threads` threads, default every usable CPU, whatever the
+process's own thread count), the rounded bf16 chunk back to the GPU (a second stream), so both
+copy directions overlap the CPU's work on the neighbouring chunks. On a CPU model both locations
+are the same memory. Only the staging ring is pinned (a few hundred MB):
 torch's pinned allocator rounds every block up to a power of two, which would turn ~100 GB of
 fp32 states for 7B into far more pinned memory than the host has.
 
@@ -26,6 +27,8 @@ training) starts the master copy from the loaded parameters.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -47,6 +50,7 @@ class MasterAdamW(torch.optim.Optimizer):
         location: str = "host",
         chunk: int = 1 << 25,
         staging: int = 4,
+        host_threads: int = 0,
     ):
         if location not in LOCATIONS:
             raise ValueError(f"location must be one of {LOCATIONS}, not {location!r}")
@@ -56,6 +60,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.chunk = int(chunk)
         self._ring = None
         self._ring_size = max(int(staging), 2)
+        self.host_threads = int(host_threads) or len(os.sched_getaffinity(0))
         self._pending: dict = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -111,7 +116,12 @@ class MasterAdamW(torch.optim.Optimizer):
             for p, state in local:
                 self._update_in_place(p, state, group)
             if streamed:
-                self._update_streamed(streamed, group)
+                previous = torch.get_num_threads()
+                torch.set_num_threads(self.host_threads)  # the process may run with fewer (OMP_NUM_THREADS)
+                try:
+                    self._update_streamed(streamed, group)
+                finally:
+                    torch.set_num_threads(previous)
         return loss
 
     def _adamw(self, master, grad, state, group, a: int, b: int) -> None:

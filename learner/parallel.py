@@ -220,7 +220,7 @@ def build_optimizer(
     else:
         from learner.optim import MasterAdamW
 
-        optimizer = MasterAdamW(params, **hyper, location=master_weights)
+        optimizer = MasterAdamW(params, **hyper, location=master_weights, host_threads=cfg.host_threads)
     warmup = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
