@@ -80,6 +80,9 @@ class BenchConfig:
     """cuda: image width and height (448 -> 256 image tokens)."""
     gpu_memory_utilization: float = 0.3
     """cuda: the vLLM engine's share of the GPU; the learner has the rest."""
+    micro_tokens: int = 0
+    """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
+    16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
     launch_config: Path = Path("deploy/configs/qwen2_5_vl_7b_geometry3k.toml")
     """cuda: the launcher config the runs start from."""
     merge: tuple[Path, ...] = ()
@@ -188,6 +191,11 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--generator.engine.gpu-memory-utilization", str(cfg.gpu_memory_utilization)),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
+        *(
+            ("--learner.batching.max-tokens-per-microbatch", str(cfg.micro_tokens))
+            if cfg.micro_tokens
+            else ()
+        ),
     ]
 
 
