@@ -21,6 +21,7 @@ Presets:
 - tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
   real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
 - qwen3-vl-tiny, qwen3-vl-small: tiny and small as Qwen3-VL (tests; the demo with `--preset`).
+- qwen3-vl-tiny-fullvocab: tiny-fullvocab as Qwen3-VL.
 - qwen3-vl-4b, qwen3-vl-8b: Qwen3-VL-{4B,8B}-Instruct's config.json values (text and vision),
   for the GPU benches; tests/unit/policy/test_policy_presets.py checks them value by value.
 - qwen2.5-vl-3b, qwen2.5-vl-7b: the published Qwen2.5-VL-{3B,7B}-Instruct config.json values
@@ -183,6 +184,24 @@ PRESETS: dict[str, Preset] = {
         vision_ffn=256,
         family="qwen3_vl",
         deepstack=(1, 2),
+    ),
+    "qwen3-vl-tiny-fullvocab": Preset(  # tiny-fullvocab as Qwen3-VL: the benches' --device cpu check
+        hidden=128,
+        layers=3,
+        heads=2,
+        kv_heads=1,
+        ffn=256,
+        vision_depth=3,
+        vision_hidden=64,
+        vision_heads=2,
+        vision_ffn=128,
+        vocab=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        dtype="bfloat16",
+        max_pixels=448 * 448,
+        family="qwen3_vl",
+        deepstack=(0, 1),
     ),
     # Qwen3-VL-{4B,8B}-Instruct config.json values (text and vision; vocab 151936 as Qwen3's tokenizer).
     "qwen3-vl-4b": Preset(
