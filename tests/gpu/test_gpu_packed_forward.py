@@ -1,4 +1,5 @@
-"""On CUDA, the packed forward (varlen attention, text and vision) matches the padded SDPA forward in bf16."""
+"""On CUDA, the packed forward (varlen attention, text and vision) matches the padded SDPA forward in bf16,
+for both model families (Qwen2.5-VL, Qwen3-VL)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_packed_matches_padded_bf16():
+@pytest.mark.parametrize("preset", ["tiny-fullvocab", "qwen3-vl-tiny-fullvocab"])
+def test_packed_matches_padded_bf16(preset):
     from policy.builder import build_model
     from policy.forward import PackedPolicy, attention_backend
     from policy.packing import pack
     from policy.presets import model_config
     from policy.synthetic import padded_batch, padded_logprobs, synthetic_samples, use_sdpa
 
-    config = model_config("tiny-fullvocab")
-    model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=0).eval()
+    config = model_config(preset)
+    model = build_model(preset, "cuda", torch.bfloat16, seed=0).eval()
     samples = synthetic_samples(config, n=4, seed=3, text_tokens=24, image_side=224, response=(20, 60))
     with torch.no_grad():
         use_sdpa(model)
