@@ -170,18 +170,19 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
 
     lcfg = learner_config(cfg, overrides, model_dir, broker_url, work / name.replace(":", "_"))
     hold = inputs.reserve(cfg.device, cfg.reserve_frac)  # a co-located generator's share of the GPU
-    learner = Learner(lcfg, transport=transport, sender=NullSender())
-    timers = inputs.attach_timers(learner)
-    make = inputs.GroupMaker(learner.images, learner.processor, cfg, seed=hash(name) % 1000)
-    out = {
-        "overrides": overrides,
-        "master_weights": learner.master_weights,
-        "param_dtype": str(learner.param_dtype).removeprefix("torch."),
-        "max_tokens_per_microbatch": lcfg.batching.max_tokens_per_microbatch,
-        "checkpoint_mode": lcfg.parallel.checkpoint_mode,
-        "compile": lcfg.parallel.compile,
-    }
+    learner = None
     try:
+        learner = Learner(lcfg, transport=transport, sender=NullSender())
+        timers = inputs.attach_timers(learner)
+        make = inputs.GroupMaker(learner.images, learner.processor, cfg, seed=hash(name) % 1000)
+        out = {
+            "overrides": overrides,
+            "master_weights": learner.master_weights,
+            "param_dtype": str(learner.param_dtype).removeprefix("torch."),
+            "max_tokens_per_microbatch": lcfg.batching.max_tokens_per_microbatch,
+            "checkpoint_mode": lcfg.parallel.checkpoint_mode,
+            "compile": lcfg.parallel.compile,
+        }
         learner.train_step(make.groups(cfg.warmup_groups, learner.state.version))
         inputs.reset_peak(learner.info.device)
         rows = []
@@ -197,7 +198,9 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
         out.update(inputs.summarise(rows, learner.n_lm_params, PEAK_TFLOPS))
         out.update(inputs.memory(learner.info.device, learner.optimizer))
     finally:
-        del learner, hold
+        # rebinding (not del) frees them even while a traceback still holds this frame
+        learner = timers = make = hold = None  # noqa: F841
+        inputs.HOLD["bytes"] = 0
         inputs.cleanup()
     return out
 
@@ -222,8 +225,9 @@ def run_variant(cfg, name, model_dir, transport, broker_url, work) -> dict:
 
 
 def format_table(report: dict) -> str:
+    w = max([34, *map(len, report["variants"])])
     head = (
-        f"{'variant':<34} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'optim s':>7} {'no-grad s':>9} "
+        f"{'variant':<{w}} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'optim s':>7} {'no-grad s':>9} "
         f"{'peak GB':>8} {'host GB':>8} {'x padded':>8}"
     )
     reserve = (
@@ -234,10 +238,10 @@ def format_table(report: dict) -> str:
     lines = [f"{report['model']}{reserve}", head, "-" * len(head)]
     for name, r in report["variants"].items():
         if "error" in r:
-            lines.append(f"{name:<34} {r['error']}")
+            lines.append(f"{name:<{w}} {r['error']}")
             continue
         lines.append(
-            f"{name:<34} {r['tokens_per_s']:>8.0f} {100 * r['lm_mfu']:>6.1f}% {r['step_s']:>7.2f} "
+            f"{name:<{w}} {r['tokens_per_s']:>8.0f} {100 * r['lm_mfu']:>6.1f}% {r['step_s']:>7.2f} "
             f"{r.get('optimizer_s', 0):>7.2f} {r.get('no_grad_s', 0):>9.2f} {r.get('peak_gb', 0):>8.1f} "
             f"{r.get('host_state_gb', 0):>8.1f} {r.get('speedup_vs_padded', ''):>8}"
         )
@@ -247,8 +251,10 @@ def format_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(BenchConfig, args=argv, description=__doc__).resolve()
     check_device(cfg.device)
-    for name in cfg.variants:
-        variant_overrides(name)  # bad names fail before anything is built
+    for name in cfg.variants:  # bad names and overrides fail here, before anything is built
+        overrides = variant_overrides(name)
+        if overrides is not None:
+            learner_config(cfg, overrides, Path("model"), "zmq://127.0.0.1:1", Path("check")).validate()
     out = cfg.out or Path(f"bench/results/learner_step_{'cpu' if cfg.device == 'cpu' else cfg.model}.json")
     from broker.zmq_broker import BrokerProcess
 
