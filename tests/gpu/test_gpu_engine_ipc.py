@@ -1,4 +1,5 @@
-"""CUDA-IPC weights into a vLLM engine whose core runs in its own process (the default on CUDA).
+"""CUDA-IPC weights into a vLLM engine whose core runs in its own process (the default on CUDA), in
+checkpoint layout and in vLLM's layout (one fused copy per parameter inside the worker).
 
 The learner side (the cuda-ipc sender, this process) shares its buffer; the engine's front end (also this
 process) passes only the reference; vLLM's worker (the engine-core process) maps the buffer and loads
@@ -28,7 +29,8 @@ def _opened_in_worker(worker) -> int:
     return ipc.LOCAL_MAPPINGS.opened
 
 
-def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
+@pytest.mark.parametrize("layout", ["checkpoint", "vllm"])
+def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
     from safetensors.torch import load_file
 
     import weights
@@ -37,9 +39,9 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
     from generator.inputs import Request
     from policy.builder import build_checkpoint, build_model
     from tasks.prompt import render_prompt_ids
-    from tests.fixtures.weight_sums import layer_sums, layer_sums_in_worker
     from weights import ipc
     from weights.config import WeightSyncConfig
+    from weights.fingerprint import layer_sums, layer_sums_in_worker
 
     ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
     torch.cuda.empty_cache()
@@ -71,7 +73,9 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path):
 
         original = greedy()
         model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=1)
-        sender = weights.sender(WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16"), device="cuda")
+        sender = weights.sender(
+            WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16", layout=layout), device="cuda"
+        )
         a = sender.start()
         cfg = WeightSyncConfig(transport=a.transport, address=a.address, token=a.token)
         receiver = weights.receiver(cfg, "gpu-engine", device="cuda").start()
