@@ -66,6 +66,8 @@ class BenchConfig:
     """Parent of the run directories (one per policy)."""
     out: str = "bench/results/losses_demo.json"
     """Where the results go."""
+    collect_only: bool = False
+    """Do not run anything: read the run directories a previous invocation left under `runs_dir`."""
 
 
 def command(cfg: BenchConfig, policy: str) -> list[str]:
@@ -84,6 +86,7 @@ def read_run(run_dir: Path, target: float) -> dict:
     steps = [json.loads(x) for x in (run_dir / "learner" / "metrics.jsonl").read_text().splitlines() if x]
     trained = [s for s in steps if "clipped_frac" in s]
     hit = next((e for e in summary["evals"] if e["accuracy"] >= target), None)
+    rewards = [s["reward_mean"] for s in steps if "reward_mean" in s]
     return {
         "steps": summary["steps"],
         "minutes": round(summary["minutes"], 2),
@@ -95,6 +98,8 @@ def read_run(run_dir: Path, target: float) -> dict:
         "clipped_frac_mean": round(sum(s["clipped_frac"] for s in trained) / len(trained), 4)
         if trained
         else None,
+        "train_reward_first10": round(sum(rewards[:10]) / len(rewards[:10]), 3) if rewards else None,
+        "train_reward_last10": round(sum(rewards[-10:]) / len(rewards[-10:]), 3) if rewards else None,
         "evals": summary["evals"],
     }
 
@@ -106,16 +111,19 @@ def main(cfg: BenchConfig) -> dict:
         cmd = command(cfg, policy)
         commands[policy] = " ".join(cmd)
         load_before = os.getloadavg()
-        print(f"[losses_demo] {commands[policy]}", flush=True)
-        subprocess.run(
-            [sys.executable, *cmd[1:]],
-            cwd=ROOT,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
+        if not cfg.collect_only:
+            print(f"[losses_demo] {commands[policy]}", flush=True)
+            subprocess.run(
+                [sys.executable, *cmd[1:]],
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
         results[policy] = read_run(ROOT / cfg.runs_dir / policy, cfg.target)
-        results[policy]["load_avg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+        if not cfg.collect_only:
+            load = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+            results[policy]["load_avg_1m_before_after"] = load
     ref = results[cfg.policies[0]]
     for r in results.values():
         for key in ("minutes_to_target", "step_to_target"):
