@@ -32,6 +32,7 @@ from learner.config import (
     ParallelConfig,
 )
 from reward_service.config import RewardConfig
+from tasks.synthetic import images_per_prompt
 from weights.config import WeightSyncConfig
 
 
@@ -40,7 +41,8 @@ class TaskOptions:
     """The synthetic visual task of the demo (tasks/synthetic.py)."""
 
     task: str = "colour"
-    """A synthetic variant (colour | count | bigger | mixed, tasks/synthetic.py) or "geometry3k" (the
+    """A synthetic variant (colour | count | bigger | more | mixed, tasks/synthetic.py; "more" puts two
+    images in every prompt and raises the generator's `engine.max_images` to 2) or "geometry3k" (the
     hiyouga/geometry3k parquet files in `data_dir`, preprocessed by tasks/geometry3k.py as the task stage)."""
     data_dir: str = ""
     """geometry3k: directory holding the parquet files (train*.parquet and test*.parquet, found
@@ -166,7 +168,12 @@ class LaunchConfig:
 
     def chance(self) -> float:
         """Accuracy of guessing on the task (for the plot's chance line)."""
-        chances = {"colour": 1 / self.task.n_colours, "bigger": 0.5, "count": 1 / self.task.max_count}
+        chances = {
+            "colour": 1 / self.task.n_colours,
+            "bigger": 0.5,
+            "more": 0.5,
+            "count": 1 / self.task.max_count,
+        }
         return chances.get(self.task.task, math.nan)
 
 
@@ -205,6 +212,10 @@ def role_configs(
         run_dir=str(run_dir / "generator"),
         generator_id=cfg.generator.generator_id or "gen-0",
         sampling=dataclasses.replace(cfg.generator.sampling, temperature=cfg.learner.algo.temperature),
+        engine=dataclasses.replace(
+            cfg.generator.engine,
+            max_images=max(cfg.generator.engine.max_images, images_per_prompt(cfg.task.task)),
+        ),
     )
     # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
     reward = dataclasses.replace(

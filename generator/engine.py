@@ -223,13 +223,8 @@ class Engine:
         result = Result(prompt_len=length, rejected=reason, temperature=sp.temperature)
         if reason is not None:
             self.rejected[reason] += 1
-            log.warning(
-                "rejected prompt (%s): %d ids, %d images, %d tokens after expansion",
-                reason,
-                len(request.prompt_token_ids),
-                len(request.images),
-                length,
-            )
+            result.detail = self.checker.describe(request, reason, length)
+            log.warning("rejected prompt (%s): %s", reason, result.detail)
             return result, None, sp
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.images:

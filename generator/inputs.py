@@ -13,13 +13,15 @@ down with it:
     bad_image              the image size cannot be processed (e.g. aspect ratio > 200)
 
 The worker adds its own reasons (missing or undecodable image blobs) to the same counter.
+`PromptChecker.describe` says what was wrong in words (an image count mismatch names the prompt id
+and both counts: `tasks.prompt.check_image_pads`); the worker dead-letters the prompt with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tasks.prompt import expanded_length
+from tasks.prompt import ImageCountMismatch, check_image_pads, expanded_length
 
 REASONS = (
     "too_long",
@@ -44,6 +46,8 @@ class Request:
     """Decoded PIL images, in the order of their pads."""
     split: str = "train"
     """"train" samples with the training parameters; anything else with the evaluation ones."""
+    prompt_id: str = ""
+    """The record's prompt id (named in rejection details)."""
 
 
 @dataclass
@@ -72,6 +76,8 @@ class Result:
     """Prompt length after image expansion."""
     rejected: str | None = None
     """A reason from REASONS, or None when the group was generated."""
+    detail: str = ""
+    """What was wrong, in words, when rejected (`PromptChecker.describe`)."""
     seconds: float = 0.0
     """Wall time of the generate call this request was part of."""
 
@@ -105,8 +111,9 @@ class PromptChecker:
             return 0, "empty_prompt"
         if self.video_token_id in ids:
             return len(ids), "video_pad"
-        pads = sum(1 for t in ids if t == self.image_token_id)
-        if pads != len(request.images):
+        try:
+            check_image_pads(request.prompt_id, ids, len(request.images), self.image_token_id)
+        except ImageCountMismatch:
             return len(ids), "image_count_mismatch"
         if len(request.images) > self.max_images:
             return len(ids), "too_many_images"
@@ -118,3 +125,17 @@ class PromptChecker:
         if length > self.max_prompt_len:
             return length, "too_long"
         return length, None
+
+    def describe(self, request: Request, reason: str, length: int) -> str:
+        """The detail of a rejection: the mismatch with the prompt id and both counts, else the sizes."""
+        if reason == "image_count_mismatch":
+            try:
+                check_image_pads(
+                    request.prompt_id, request.prompt_token_ids, len(request.images), self.image_token_id
+                )
+            except ImageCountMismatch as exc:
+                return str(exc)
+        return (
+            f"prompt {request.prompt_id or '?'}: {len(request.prompt_token_ids)} ids, "
+            f"{len(request.images)} images, {length} tokens after expansion"
+        )

@@ -82,4 +82,4 @@ def _prepared(record: PromptRecord, images: list, ids: list[int] | ValueError) -
         return Prepared(reason="image_undecodable", detail=str(bad))
     if isinstance(ids, ValueError):
         return Prepared(reason="image_count_mismatch", detail=str(ids))
-    return Prepared(Request(ids, images, split=record.split))
+    return Prepared(Request(ids, images, split=record.split, prompt_id=record.prompt_id))

@@ -142,4 +142,4 @@ class ContinuousLoop:
         for delivery, record, request in prepared:
             refused = self.stream.submit(request, (delivery, record, request.prompt_token_ids, images_s))
             if refused is not None:
-                worker._reject(delivery, record, refused.rejected, f"{refused.prompt_len} prompt tokens")
+                worker._reject(delivery, record, refused.rejected, refused.detail)

@@ -196,7 +196,7 @@ class GeneratorWorker:
         groups, done = [], []
         for (delivery, record, ids), result in zip(kept, results):
             if not result.ok:
-                self._reject(delivery, record, result.rejected, f"{result.prompt_len} prompt tokens")
+                self._reject(delivery, record, result.rejected, result.detail)
                 continue
             groups.append(self._group(delivery, record, ids, result, images_s))
             done.append(delivery)

@@ -1,6 +1,8 @@
 """From scored groups to packed micro-batches: samples, staleness filter, token-budget batching.
 
 * `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
+* `validate_group` names what makes a group untrainable (counts that disagree, token ids outside
+  the vocabulary, image pads that do not match the images).
 * `nonfinite_problem` rejects a group with a NaN/inf reward or behaviour logprob (the inbox
   dead-letters that group alone, before any step sees it).
 * `filter_stale` drops samples whose `version_start` is more than K versions behind the
@@ -26,6 +28,7 @@ import torch
 
 from broker.schemas import ImageRef, ScoredGroup
 from policy.packing import PackedBatch, PixelCache, make_sample, pack
+from tasks.prompt import ImageCountMismatch, check_image_pads
 
 
 @dataclass
@@ -76,11 +79,19 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
     return out
 
 
-def validate_group(scored: ScoredGroup, vocab_size: int | None = None) -> str | None:
-    """Why this scored group cannot be trained on (None when it can)."""
+def validate_group(
+    scored: ScoredGroup, vocab_size: int | None = None, image_token_id: int | None = None
+) -> str | None:
+    """Why this scored group cannot be trained on (None when it can); with `image_token_id`, a prompt
+    whose image pads and images disagree is named with both counts (`tasks.prompt.check_image_pads`)."""
     g = scored.group
     if not g.samples:
         return "empty"
+    if image_token_id is not None:
+        try:
+            check_image_pads(g.prompt_id, g.prompt_token_ids, len(g.images), image_token_id)
+        except ImageCountMismatch as exc:
+            return str(exc)
     if len(scored.scores) != len(g.samples):
         return f"{len(scored.scores)} scores for {len(g.samples)} samples"
     for i, s in enumerate(g.samples):
@@ -238,7 +249,12 @@ class PackedMicroBatch:
             for ref in s.images:
                 warm_pixels(cache, ref, image_bytes)
             images = [(ref.sha256, None) for ref in s.images]
-            packed_samples.append(make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id))
+            try:
+                packed_samples.append(
+                    make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id)
+                )
+            except ValueError as exc:  # e.g. image pads that do not match the images
+                raise ValueError(f"group {s.group_id}: {exc}") from exc
         packed = pack(packed_samples, image_token_id, cache.image_processor.merge_size)
         lens = [len(s.response_ids) for s in samples]
         prox = None

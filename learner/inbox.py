@@ -11,10 +11,10 @@ worth (`groups_per_step`) of trainable groups is in hand:
     dead-lettered ("not published by this learner") and counted as `unexpected`;
     neither kind frees a slot of the feeder's window;
   * malformed groups (sample/score/logprob counts disagree, token ids outside the vocabulary,
-    wrong temperature, an image missing from the blob store or undecodable) are
-    dead-lettered with the reason and counted as `malformed`; groups with a non-finite reward
-    or behaviour logprob likewise, counted as `nonfinite` (the group alone: the step trains on
-    the others);
+    image pads in the prompt that do not match its images, wrong temperature, an image missing
+    from the blob store or undecodable) are dead-lettered with the reason and counted as
+    `malformed`; groups with a non-finite reward or behaviour logprob likewise, counted as
+    `nonfinite` (the group alone: the step trains on the others);
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
 Every train group taken or skipped joins `consumed`; its delivery is acked only by
@@ -56,12 +56,15 @@ class Inbox:
         registry=None,
         on_skip=None,
         vocab_size: int | None = None,
+        image_token_id: int | None = None,
         check_image=None,
     ):
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.image_token_id = image_token_id
+        """The image pad id: a prompt whose pads and images disagree is dead-lettered, naming both counts."""
         self.check_image = check_image
-        """`ref -> None`, raising when the image cannot be fetched or decoded (it also warms rank 0's cache)."""
+        """`ref -> None`, raising when the image cannot be fetched or decoded (also warms rank 0's cache)."""
         self.sub = Subscriber(
             transport, names.scored, Names.LEARNER, cfg.consumer, expect=ScoredGroup, registry=registry
         )
@@ -149,7 +152,7 @@ class Inbox:
                 delivery, "unexpected", f"group {group.group_id}: not published by this learner"
             )
             return False
-        reason, problem = "malformed", validate_group(scored, self.vocab_size)
+        reason, problem = "malformed", validate_group(scored, self.vocab_size, self.image_token_id)
         if problem is None:
             reason, problem = "nonfinite", nonfinite_problem(scored)
         if problem is None and abs(group.temperature - self.cfg.algo.temperature) > 1e-6:

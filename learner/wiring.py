@@ -94,6 +94,7 @@ def build_inbox(learner) -> Inbox:
         evaluator=evaluator,
         registry=learner.registry,
         vocab_size=learner.hf.config.text_config.vocab_size,
+        image_token_id=learner.image_token_id,
         check_image=lambda ref: warm_pixels(learner.pixels, ref, learner.images.get),
         on_skip=lambda reason: learner.metrics.skipped.labels(reason=reason).inc(),
     )

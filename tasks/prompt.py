@@ -4,6 +4,8 @@
 `<|vision_start|>...<|vision_end|>` (what vLLM takes, together with the images). The learner
 expands each pad to the image's token count (`policy.packing.expand_image_pads`);
 `expanded_length` predicts that length without processing pixels, for length filtering.
+`check_image_pads` is the one check that a prompt's image pads and its images agree (the
+generator's admission and the learner's inbox both run it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ SHORT_INSTRUCTION = " Think inside <think> </think>, then put the answer in \\bo
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_PAD = "<|image_pad|>"
+
+
+class ImageCountMismatch(ValueError):
+    """A prompt whose image pads and images disagree in number."""
+
+
+def check_image_pads(prompt_id: str, prompt_ids, n_images: int, image_token_id: int) -> None:
+    """Raise `ImageCountMismatch`, naming the prompt and both counts, unless the prompt ids hold
+    exactly one image pad per image (what vLLM takes and the learner expands)."""
+    pads = sum(1 for t in prompt_ids if t == image_token_id)
+    if pads != n_images:
+        raise ImageCountMismatch(
+            f"prompt {prompt_id or '?'}: {pads} image pads in the prompt ids but {n_images} images"
+        )
 
 
 def with_instruction(problem: str, instruction: str = INSTRUCTION) -> str:

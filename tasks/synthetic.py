@@ -4,7 +4,9 @@ Question types (`task`):
 - "colour": one large shape; "What colour is the shape?" -> a colour word.
 - "count":  1..max_count small shapes; "How many shapes are there?" -> a digit.
 - "bigger": two shapes, left and right; "Which shape is bigger, left or right?" -> left/right.
-- "mixed":  one of the three per example.
+- "more":   TWO images of 1..max_count small shapes each (different counts); "Which image has more
+            shapes, the first or the second? Answer 1 or 2." -> 1/2 (a two-image prompt).
+- "mixed":  one of the three one-image types per example.
 
 Difficulty knobs: `n_colours` (palette size), `max_count`, `size_jitter` and `equal_area` (how
 much the shapes of a "count" scene vary in size: with equal areas and little jitter the count can
@@ -18,6 +20,7 @@ same type, so the answer cannot be read from the image and accuracy must stay at
 `verify(response_text, ground_truth)` is the task's pure verifier (the reward service calls it).
 
     python -m tasks synthetic --out data/shapes --train 2000 --test 64 --task colour
+    python -m tasks synthetic --out data/two --task more     # two images per prompt
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ QUESTIONS = {
     "colour": "What colour is the shape?",
     "count": "How many shapes are there?",
     "bigger": "Which shape is bigger, left or right?",
+    "more": "Which image has more shapes, the first or the second? Answer 1 or 2.",
 }
+MIXED = ("colour", "count", "bigger")
+"""The question types "mixed" draws from (one image each)."""
 
 
 @dataclasses.dataclass
@@ -66,7 +72,7 @@ class SyntheticConfig:
     out: Path = Path("data/synthetic")
     """Task directory to write (records, images, manifest)."""
     task: str = "colour"
-    """colour | count | bigger | mixed."""
+    """colour | count | bigger | more (two images per prompt) | mixed."""
     train: int = 2000
     """Number of training prompts."""
     test: int = 64
@@ -76,7 +82,7 @@ class SyntheticConfig:
     n_colours: int = 4
     """Palette size (2..10); chance on "colour" is 1/n_colours."""
     max_count: int = 4
-    """Largest count in "count" questions (1..9)."""
+    """Largest count in "count" and "more" questions (1..9; "more" needs at least 2)."""
     size_jitter: float = 0.25
     """"count": each shape's radius is 0.6 x (cell half-width) x uniform(1 - size_jitter, 1 + size_jitter)."""
     equal_area: bool = False
@@ -88,7 +94,7 @@ class SyntheticConfig:
     image_size: int = 112
     """Square image side in pixels (112 -> 16 image tokens with Qwen2-VL's 28-px merged patches)."""
     shuffle_images: bool = False
-    """Control: pair every question with the image of an independent scene (answer unreadable)."""
+    """Control: pair every question with the image(s) of an independent scene (answer unreadable)."""
     instruction: str = SHORT_INSTRUCTION
     """Appended to each question."""
 
@@ -97,22 +103,37 @@ class SyntheticConfig:
 class Example:
     """One generated example before it becomes a record."""
 
-    image: Image.Image
+    images: list[Image.Image]
+    """Its images, in the order the question refers to them."""
     question: str
     answer: str
     task: str
+
+    @property
+    def image(self) -> Image.Image:
+        """The image of a one-image example."""
+        if len(self.images) != 1:
+            raise ValueError(f"a {self.task!r} example has {len(self.images)} images")
+        return self.images[0]
+
+
+def images_per_prompt(task: str) -> int:
+    """How many images each prompt of a synthetic task variant carries."""
+    return 2 if task == "more" else 1
 
 
 def make_example(config: SyntheticConfig, split: str, index: int) -> Example:
     """The example at `index` of `split`: a pure function of the config's seed, the split and the index."""
     rng = random.Random(f"{config.seed}/{split}/{index}")
-    task = rng.choice(list(QUESTIONS)) if config.task == "mixed" else config.task
+    task = rng.choice(MIXED) if config.task == "mixed" else config.task
     if task not in QUESTIONS:
-        raise ValueError(f"unknown synthetic task {config.task!r}; choose colour, count, bigger or mixed")
-    image, answer = _SCENES[task](rng, config)
+        raise ValueError(
+            f"unknown synthetic task {config.task!r}; choose colour, count, bigger, more or mixed"
+        )
+    images, answer = _SCENES[task](rng, config)
     if config.shuffle_images:
-        image, _ = _SCENES[task](random.Random(f"{config.seed}/{split}/{index}/decoy"), config)
-    return Example(image=image, question=QUESTIONS[task], answer=answer, task=task)
+        images, _ = _SCENES[task](random.Random(f"{config.seed}/{split}/{index}/decoy"), config)
+    return Example(images=images, question=QUESTIONS[task], answer=answer, task=task)
 
 
 def generate(
@@ -124,8 +145,8 @@ def generate(
         yield make_record(
             prompt_id=f"{DATA_SOURCE}-{config.task}-{split}-{index}",
             data_source=DATA_SOURCE,
-            problem="<image>" + ex.question + config.instruction,
-            images=[encode_png(ex.image)],
+            problem="<image>" * len(ex.images) + ex.question + config.instruction,
+            images=[encode_png(image) for image in ex.images],
             ground_truth=ex.answer,
             split=split,
             put_image=put_image,
@@ -162,6 +183,8 @@ _WORDS = {
     "seven": "7",
     "eight": "8",
     "nine": "9",
+    "first": "1",
+    "second": "2",
     "grey": "gray",
     "colour": "color",
 }
@@ -219,21 +242,39 @@ def _draw(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, 
         draw.polygon([(cx, cy - r), (cx - r * 0.95, cy + r * 0.8), (cx + r * 0.95, cy + r * 0.8)], fill=fill)
 
 
-def _scene_colour(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+def _scene_colour(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
     image, draw = _canvas(rng, config)
     s = config.image_size
     r = s * rng.uniform(0.22, 0.36)
     cx, cy = rng.uniform(r, s - r), rng.uniform(r, s - r)
     name, rgb = _colour(rng, config)
     _draw(draw, rng.choice(KINDS), cx, cy, r, rgb)
-    return image, name
+    return [image], name
 
 
-def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
     if not 1 <= config.max_count <= 9:
         raise ValueError("max_count must be in 1..9")
+    image, k = _count_image(rng, config)
+    return [image], str(k)
+
+
+def _scene_more(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
+    """Two count scenes with different counts; the answer is which one (1 or 2) has more shapes."""
+    if not 2 <= config.max_count <= 9:
+        raise ValueError("max_count must be in 2..9 for the two-image task")
+    counts = rng.sample(range(1, config.max_count + 1), 2)
+    images = [_count_image(rng, config, k)[0] for k in counts]
+    return images, "1" if counts[0] > counts[1] else "2"
+
+
+def _count_image(
+    rng: random.Random, config: SyntheticConfig, k: int | None = None
+) -> tuple[Image.Image, int]:
+    """A scene of `k` (None: 1..max_count at random) small shapes, one per 3x3 grid cell (none overlap)."""
     image, draw = _canvas(rng, config)
-    s, k = config.image_size, rng.randint(1, config.max_count)
+    s = config.image_size
+    k = rng.randint(1, config.max_count) if k is None else k
     cells = rng.sample([(i, j) for i in range(3) for j in range(3)], k)  # one shape per 3x3 cell: no overlap
     if not 0 <= config.size_jitter < 0.5:
         raise ValueError("size_jitter must be in [0, 0.5)")
@@ -245,7 +286,7 @@ def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Ima
         cx = (i + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
         cy = (j + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
         _draw(draw, kind, cx, cy, r, _colour(rng, config)[1])
-    return image, str(k)
+    return image, k
 
 
 _EQUAL_AREA = {
@@ -256,7 +297,7 @@ _EQUAL_AREA = {
 """Radius factors that give each kind (as `_draw` draws it) the area of a circle of the same radius."""
 
 
-def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, str]:
+def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
     image, draw = _canvas(rng, config)
     s = config.image_size
     big = s / 4 * rng.uniform(0.75, 0.95)
@@ -267,7 +308,7 @@ def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Im
         cx = s / 4 + side * s / 2 + rng.uniform(-1, 1) * (s / 4 - r)
         cy = s / 2 + rng.uniform(-1, 1) * (s / 2 - r) * 0.6
         _draw(draw, kind, cx, cy, r, _colour(rng, config)[1])
-    return image, "left" if left_is_big else "right"
+    return [image], "left" if left_is_big else "right"
 
 
-_SCENES = {"colour": _scene_colour, "count": _scene_count, "bigger": _scene_bigger}
+_SCENES = {"colour": _scene_colour, "count": _scene_count, "bigger": _scene_bigger, "more": _scene_more}

@@ -350,3 +350,26 @@ def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
         assert (logprobs[m:] - old[m:]).abs().max().item() > 1e-2  # the two policies really differ here
     finally:
         engine.apply_weights(base_weights.items(), version=0)
+
+
+def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, tiny_model, tiny_processor):
+    """A prompt of the two-image task: the engine samples it, the learner's packed forward scores it."""
+    from generator.inputs import Request
+    from tests.fixtures.two_images import learner_logprobs, two_image_prompt
+
+    record, pngs, ids, images = two_image_prompt(engine.tokenizer)
+    (result,) = engine.generate([Request(ids, images, prompt_id=record.prompt_id)])
+    assert result.ok and len(result.completions) == 4
+    enc = hf_inputs(tiny_processor, record.problem, images)
+    assert result.prompt_len == enc["input_ids"].shape[1]  # two images' expansion predicted
+    responses = [c.token_ids for c in result.completions]
+    ours = learner_logprobs(
+        tiny_model, tiny_processor, ids, pngs, responses, TEMPERATURE, engine.banned_token_ids
+    )
+    theirs = torch.tensor([x for c in result.completions for x in c.logprobs])
+    assert theirs.std() > 0.05  # logprobs vary, so agreement is meaningful
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    swapped = learner_logprobs(
+        tiny_model, tiny_processor, ids, pngs[::-1], responses, TEMPERATURE, engine.banned_token_ids
+    )
+    assert (swapped - theirs).abs().max().item() > 1e-4  # the images' order matters

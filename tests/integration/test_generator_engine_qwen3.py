@@ -131,3 +131,25 @@ def test_weight_update_reproduces_the_other_models_greedy_output(engine, qwen3):
     finally:
         engine.apply_weights(wire(model), version=0)
     assert greedy(engine, ids, [blue_circle()]) == mine_hf
+
+
+def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, qwen3):
+    """A prompt of the two-image task: the engine samples it, the learner's packed forward scores it."""
+    from generator.inputs import Request
+    from tests.fixtures.two_images import learner_logprobs, two_image_prompt
+
+    model, processor = qwen3
+    record, pngs, ids, images = two_image_prompt(engine.tokenizer)
+    (result,) = engine.generate([Request(ids, images, prompt_id=record.prompt_id)])
+    assert result.ok and len(result.completions) == 4
+    enc = hf_inputs(processor, record.problem, images)
+    assert result.prompt_len == enc["input_ids"].shape[1]  # two images' expansion predicted
+    responses = [c.token_ids for c in result.completions]
+    ours = learner_logprobs(model, processor, ids, pngs, responses, TEMPERATURE, engine.banned_token_ids)
+    theirs = torch.tensor([x for c in result.completions for x in c.logprobs])
+    assert theirs.std() > 0.05  # logprobs vary, so agreement is meaningful
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    swapped = learner_logprobs(
+        model, processor, ids, pngs[::-1], responses, TEMPERATURE, engine.banned_token_ids
+    )
+    assert (swapped - theirs).abs().max().item() > 1e-4  # the images' order matters

@@ -66,6 +66,14 @@ def test_role_configs_round_trip_through_toml(tmp_path):
     learner.validate()
 
 
+def test_the_two_image_task_raises_the_generators_image_limit(tmp_path):
+    cfg = load_config(LaunchConfig, ["--task.task", "more"])
+    assert cfg.generator.engine.max_images == 1 and cfg.chance() == 0.5
+    args = (tmp_path, Path("/m"), Path("/d"), "redis://127.0.0.1:7/0", "ns")
+    assert role_configs(cfg, *args)["generator"].engine.max_images == 2
+    assert role_configs(LaunchConfig(), *args)["generator"].engine.max_images == 1
+
+
 def test_write_toml_quotes_what_needs_quoting(tmp_path):
     data = {
         "a": 'say "hi"\\n',

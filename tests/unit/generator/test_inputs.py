@@ -50,3 +50,15 @@ def test_reasons(tiny_processor, ids_of):
     assert c.check(Request([], []))[1] == "empty_prompt"
     assert c.check(Request(one + [c.video_token_id], [img]))[1] == "video_pad"
     assert c.check(Request(one, [Image.new("RGB", (1000, 2))]))[1] == "bad_image"  # aspect ratio > 200
+
+
+def test_an_image_count_mismatch_is_described_with_the_prompt_id_and_both_counts(tiny_processor, ids_of):
+    c = checker(tiny_processor)
+    img = Image.new("RGB", (112, 112))
+    two = Request(ids_of("<image><image> Which has more?", 2), [img], prompt_id="synthetic-more-train-3")
+    length, reason = c.check(two)
+    assert reason == "image_count_mismatch"
+    assert c.describe(two, reason, length) == (
+        "prompt synthetic-more-train-3: 2 image pads in the prompt ids but 1 images"
+    )
+    assert c.check(Request(two.prompt_token_ids, [img, img]))[1] is None

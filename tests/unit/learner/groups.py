@@ -28,11 +28,13 @@ def make_group(
     group_id=None,
     resp_len=(3, 9),
     temperature=1.0,
+    n_images=1,
 ) -> ScoredGroup:
-    """A scored group: one prompt (with or without an image), len(rewards) random responses."""
+    """A scored group: one prompt (with `n_images` images, or none), len(rewards) random responses."""
     rng = random.Random(seed)
-    refs = [store.put(png((rng.randrange(256), 40, 40)))] if image else []
-    prompt = render_prompt_ids(processor, "<image> what colour?" if image else "count to three", len(refs))
+    refs = [store.put(png((rng.randrange(256), 40, 40 + 80 * k))) for k in range(n_images)] if image else []
+    problem = "<image>" * len(refs) + " what colour?" if image else "count to three"
+    prompt = render_prompt_ids(processor, problem, len(refs))
     vocab = min(len(processor.tokenizer), 1500)
     samples = []
     for _ in rewards:

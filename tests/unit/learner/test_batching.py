@@ -135,6 +135,40 @@ def test_validate_group_names_the_problem(tiny_processor, store):
     assert validate_group(empty) == "empty"
 
 
+def test_two_image_samples_pack_each_image_once_per_group(tiny_processor, store):
+    groups = [
+        make_group(tiny_processor, store, [1.0, 0.0, 0.5], seed=6, n_images=2),
+        make_group(tiny_processor, store, [0.0, 1.0], seed=7),
+    ]
+    samples = to_samples(groups, [[0.5, -0.5, 0.0], [-0.5, 0.5]])
+    assert [len(s.images) for s in samples] == [2, 2, 2, 1, 1]
+    cache = PixelCache(tiny_processor.image_processor)
+    image_token = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    mb = PackedMicroBatch.build(samples, store.get, cache, image_token)
+    packed = mb.packed
+    assert packed.num_image_occurrences == 8 and packed.image_grid_thw.shape[0] == 3  # 2 + 1 distinct
+    assert packed.image_index.tolist() == [0, 1, 0, 1, 0, 1, 2, 2]
+    assert int((packed.input_ids == image_token).sum()) == 8 * 4  # 4 tokens per 56x56 image
+    assert packed.num_tokens == sum(sample_length(s, lambda ref: 4) for s in samples)
+
+
+def test_image_pads_that_disagree_with_the_images_are_named_with_both_counts(tiny_processor, store):
+    image_token = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    good = make_group(tiny_processor, store, [1.0, 0.0], seed=8, n_images=2)
+    assert validate_group(good, image_token_id=image_token) is None
+    bad = make_group(tiny_processor, store, [1.0, 0.0], seed=8, n_images=2)
+    bad.group.images = bad.group.images[:1]  # two placeholders, one image
+    assert validate_group(bad) is None  # the check needs the pad id
+    problem = validate_group(bad, image_token_id=image_token)
+    assert problem == "prompt p8: 2 image pads in the prompt ids but 1 images"
+    samples = to_samples([bad], [[0.5, -0.5]])
+    cache = PixelCache(tiny_processor.image_processor)
+    with pytest.raises(
+        ValueError, match=f"group {bad.group.group_id}: 2 image pads in the prompt but 1 images"
+    ):
+        PackedMicroBatch.build(samples, store.get, cache, image_token)
+
+
 def test_samples_of_lost_versions_count_as_stale():
     from learner.batching import TrainSample, filter_stale, staleness
 

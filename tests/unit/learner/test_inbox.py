@@ -26,7 +26,7 @@ def _records(n=8):
     ]
 
 
-def _scored(gid, prompt_id, rewards=(0.0, 1.0), logprob=-0.5):
+def _scored(gid, prompt_id, rewards=(0.0, 1.0), logprob=-0.5, prompt_ids=(1, 2)):
     samples = [
         Rollout.of(
             token_ids=[5, 6],
@@ -42,7 +42,7 @@ def _scored(gid, prompt_id, rewards=(0.0, 1.0), logprob=-0.5):
         group_id=gid,
         prompt_id=prompt_id,
         data_source="synthetic",
-        prompt_token_ids=[1, 2],
+        prompt_token_ids=list(prompt_ids),
         images=[],
         ground_truth="1",
         samples=samples,
@@ -117,6 +117,20 @@ def test_a_minus_infinite_behaviour_logprob_rejects_its_group_alone(setup):
     assert inbox.skipped["nonfinite"] == 1 and bad[0] in inbox.consumed
     (dead,) = transport.dead_letters(names.scored)
     assert "non-finite behaviour logprob -inf" in dead.reason
+
+
+def test_a_prompt_whose_image_pads_and_images_disagree_is_dead_lettered_naming_both_counts(setup):
+    transport, names, inbox, feeder, prompts, scored = setup
+    inbox.image_token_id = 99
+    inbox._feed(version=0)
+    bad = _answer(prompts, scored, 1, prompt_ids=(1, 99, 3, 99, 2))  # two pads, no image
+    good = _answer(prompts, scored, 2)
+    step = inbox.collect(version=0)
+    assert [g.group.group_id for g in step] == good
+    assert inbox.skipped["malformed"] == 1 and bad[0] in inbox.consumed
+    (dead,) = transport.dead_letters(names.scored)
+    prompt_id = bad[0].split("@")[0]
+    assert dead.reason == f"group {bad[0]}: prompt {prompt_id}: 2 image pads in the prompt ids but 0 images"
 
 
 def test_a_redelivery_of_a_held_entry_is_ignored_and_acked_once(setup, redis_server):

@@ -65,6 +65,10 @@ def _lose_image(scored):
     scored.group.images = [ImageRef(sha256="0" * 64, width=56, height=56)]
 
 
+def _drop_image(scored):
+    scored.group.images = scored.group.images[:1]
+
+
 def _lines(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -79,7 +83,8 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     publish([0.0, 1.0, 1.0], seed=5, temperature=0.7)  # wrong temperature: dead-lettered
     publish([1.0, 0.0], seed=7, mutate=lambda g: set_token(g, sample=0, index=0, token=10**6))  # OOV
     publish([0.0, 1.0], seed=8, mutate=_lose_image)  # image not in the blob store: dead-lettered
-    publish([1.0, 0.0], seed=6)
+    publish([1.0, 0.0], seed=9, n_images=2, mutate=_drop_image)  # 2 image pads, 1 image: dead-lettered
+    publish([1.0, 0.0], seed=6, n_images=2)  # two images per sample
     learner = Learner(cfg, sender=NullSender())
     before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     learner.train()
@@ -87,8 +92,8 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     after = learner.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     skipped = learner.inbox.skipped
-    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 3
-    assert len(learner.inbox.consumed) == 8
+    assert skipped["zero_variance"] == 1 and skipped["duplicate"] == 1 and skipped["malformed"] == 4
+    assert len(learner.inbox.consumed) == 9
     version = codec.decode(learner.transport.get_value(learner.names.learner_version))
     assert version.version == 2 and version.source == "learner"
     lines = _lines(tmp_path)

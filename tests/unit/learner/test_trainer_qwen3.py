@@ -1,6 +1,6 @@
 """The Learner on the tiny Qwen3-VL (the family read from its config.json, nothing to choose): it trains
-on image groups (vision tower, DeepStack mergers and decoder all move) and its real weight sender gets
-every version to a receiver bit for bit, under Qwen3-VL's names and layouts."""
+on groups of one and two images per prompt (vision tower, DeepStack mergers and decoder all move) and
+its real weight sender gets every version to a receiver bit for bit, under Qwen3-VL's names and layouts."""
 
 import time
 
@@ -44,8 +44,8 @@ def test_qwen3_learner_trains_and_syncs_bit_for_bit(qwen3_dir, redis_server, nam
     transport = broker.connect(redis_server.url)
     publisher, store = Publisher(transport, names.scored), ImageStore(transport, names)
     processor = load_processor(qwen3_dir)
-    for seed in range(4):
-        publisher.publish(make_group(processor, store, [1.0, 0.0, 0.5], seed=seed))
+    for seed in range(4):  # one and two images per prompt
+        publisher.publish(make_group(processor, store, [1.0, 0.0, 0.5], seed=seed, n_images=1 + seed % 2))
     learner = Learner(cfg)
     assert type(learner.hf).__name__ == "Qwen3VLForConditionalGeneration"
     before = {k: v.detach().clone() for k, v in learner.hf.state_dict().items()}

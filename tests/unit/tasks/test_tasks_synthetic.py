@@ -141,3 +141,54 @@ def test_equal_area_count_scenes_make_the_count_readable_from_the_covered_area()
     assert len(easy) == 6 and all(hi < lo for (_, hi), (lo, _) in zip(easy, easy[1:]))
     hard = ranges()
     assert any(hi >= lo for (_, hi), (lo, _) in zip(hard, hard[1:]))
+
+
+def _shapes(image) -> int:
+    """Connected foreground blobs of a scene (its shapes: one per 3x3 cell, so they never touch)."""
+    import numpy as np
+
+    pixels = np.asarray(image).astype(int)
+    mask = np.abs(pixels - pixels[0, 0]).sum(axis=2) > 60
+    h, w = mask.shape
+    seen, blobs = np.zeros_like(mask), 0
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        blobs += 1
+        stack = [(y, x)]
+        seen[y, x] = True
+        while stack:
+            cy, cx = stack.pop()
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+    return blobs
+
+
+def test_two_image_records_ask_which_image_has_more_shapes(tmp_path, tiny_processor):
+    from tasks.prompt import IMAGE_PAD, render_prompt_ids
+    from tasks.synthetic import images_per_prompt
+
+    config = SyntheticConfig(out=tmp_path, task="more", train=40, test=8)
+    assert images_per_prompt("more") == 2 and images_per_prompt("colour") == 1
+    assert write_task(config) == {"records": {"train": 40, "test": 8}}
+    answers = collections.Counter()
+    for index, record in enumerate(read_records(tmp_path, "train")):
+        ex = make_example(config, "train", index)
+        first, second = (_shapes(image) for image in ex.images)
+        assert first != second and ex.answer == ("1" if first > second else "2") == record.ground_truth
+        assert record.problem.startswith("<image><image>Which image has more shapes")
+        assert len(record.images) == 2 and record.images[0].sha256 != record.images[1].sha256
+        ids = render_prompt_ids(tiny_processor, record.problem, 2)
+        assert ids.count(tiny_processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)) == 2
+        answers[record.ground_truth] += 1
+    assert set(answers) == {"1", "2"} and min(answers.values()) >= 10
+    assert verify("<think> look </think> \\boxed{2}", "2") == verify("\\boxed{second}", "2") == 1.0
+    control = make_example(SyntheticConfig(task="more", shuffle_images=True), "train", 0)
+    plain = make_example(SyntheticConfig(task="more"), "train", 0)
+    assert control.answer == plain.answer and control.images[0].tobytes() != plain.images[0].tobytes()
+    with pytest.raises(ValueError, match="2 images"):
+        plain.image  # noqa: B018 - a two-image example has no single image
+    with pytest.raises(ValueError, match="max_count"):
+        make_example(SyntheticConfig(task="more", max_count=1), "train", 0)
