@@ -114,7 +114,9 @@ class Checkpointer:
         path = Path(path)
         state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
         meta = json.loads((path / "optim.json").read_text())
-        multi = distributed()
+        # one rank has nothing to broadcast (and a broadcast load would stage host-resident optimizer states,
+        # ~100 GB for 7B with master_weights = host, on the GPU first)
+        multi = distributed() and dist.get_world_size() > 1
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi)
         model_sd = load_file(str(path / "model.safetensors")) if self.rank == 0 or not multi else {}
         set_model_state_dict(model, model_sd, options=opts)
