@@ -22,7 +22,7 @@ feeder holds the exact set of group ids it waits for (`in_flight`). `returned(gr
 one out; a group that is not in the set (never published, or already back) frees no slot, so
 stray or duplicated entries never change the window. The set goes into each checkpoint, and
 the broker's cursor carries every id published and not yet durably back (in flight, plus those
-returned since the last checkpoint, `settle()`), so that after a crash the union of the two,
+returned and not yet in a checkpoint, `settle()`), so that after a crash the union of the two,
 minus the checkpoint's consumed ids, is again exactly what is still to come.
 """
 
@@ -147,9 +147,9 @@ class PromptFeeder:
         self.unsettled.add(group_id)
         return True
 
-    def settle(self) -> None:
-        """The groups returned so far are durable (a checkpoint holds them as consumed)."""
-        self.unsettled.clear()
+    def settle(self, group_ids: set[str]) -> None:
+        """These returned groups are durable (a checkpoint holds them as consumed)."""
+        self.unsettled.difference_update(group_ids)
 
     def top_up(self, taken: int, version: int) -> int:
         """Publish until `ahead` prompts are in flight; returns how many were published.

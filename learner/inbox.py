@@ -17,10 +17,11 @@ worth (`groups_per_step`) of trainable groups is in hand:
     `nonfinite` (the group alone: the step trains on the others);
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
-Every train group taken or skipped joins `consumed`; its delivery is acked only by
-`ack_durable()`, which the trainer calls after a checkpoint made it durable. So a crash
-re-delivers exactly the groups whose effect was lost, and the checkpointed `consumed` set
-drops the ones whose effect was kept.
+Every train group taken or skipped joins `consumed`. The deliveries of a step stay with the
+step until the trainer finished it (`commit()`, which also dead-letters the step's malformed
+groups), and are acked only by `ack_durable()`, which the trainer calls after a checkpoint made
+them durable. So a crash, or a stop in the middle of a step, re-delivers exactly the groups
+whose effect was lost, and the checkpointed `consumed` set drops the ones whose effect was kept.
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ class Inbox:
         self.feeder, self.evaluator = feeder, evaluator
         self.consumed: set[str] = set()
         self.unacked: list[Delivery] = []
-        self._held: set[str] = set()  # entry ids of `unacked`
+        """Deliveries of finished steps, acked by the next `ack_durable`."""
+        self._step: list[tuple[Delivery, str]] = []  # (delivery, group id) of the step being collected
+        self._step_rejects: list[tuple[Delivery, str, str, str]] = []  # (delivery, group id, reason, detail)
+        self._committed: set[str] = set()  # group ids of `unacked` and of committed rejects
+        self._held: set[str] = set()  # entry ids taken and not acked yet
         self.skipped: Counter[str] = Counter()
         self.on_skip = on_skip or (lambda reason: None)
         self.eval_metrics: list[dict[str, float]] = []
@@ -100,15 +105,28 @@ class Inbox:
                     batch.append(scored)
         return batch
 
+    def commit(self) -> None:
+        """The step collected last was trained (its groups are in the trainer's consumed state):
+        its deliveries wait for the next checkpoint, its malformed groups are dead-lettered."""
+        for delivery, gid in self._step:
+            self.unacked.append(delivery)
+            self._committed.add(gid)
+        for delivery, gid, reason, detail in self._step_rejects:
+            self.sub.reject(delivery, reason, detail)
+            self._held.discard(delivery.id)
+            self._committed.add(gid)
+        self._step, self._step_rejects = [], []
+
     def ack_durable(self) -> int:
-        """Ack every delivery taken so far (call after a checkpoint holds their effect)."""
+        """Ack the deliveries of every committed step (call after a checkpoint holds their effect)."""
         n = len(self.unacked)
         if n:
             self.sub.ack(self.unacked)
+            self._held.difference_update(d.id for d in self.unacked)
             self.unacked = []
-            self._held.clear()
         if self.feeder is not None:
-            self.feeder.settle()
+            self.feeder.settle(self._committed)
+        self._committed = set()
         return n
 
     def _feed(self, version: int, taken: int = 0) -> None:
@@ -160,13 +178,15 @@ class Inbox:
             problem = f"sampled at temperature {group.temperature}, learner uses {self.cfg.algo.temperature}"
         if problem is None:
             reason, problem = "malformed", self._image_problem(group)
-        if problem is not None and problem != "empty":
-            self._consume(group.group_id)
-            self._dead_letter(delivery, reason, f"group {group.group_id}: {problem}")
-            return False
         self._consume(group.group_id)
-        self.unacked.append(delivery)
         self._held.add(delivery.id)
+        if problem is not None and problem != "empty":
+            self._step_rejects.append(
+                (delivery, group.group_id, reason, f"group {group.group_id}: {problem}")
+            )
+            self._skip(reason)
+            return False
+        self._step.append((delivery, group.group_id))
         if problem == "empty":
             self._skip("empty")
             return False

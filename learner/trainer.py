@@ -373,6 +373,7 @@ class Learner:
 
     def _record_consumed(self, groups: list[ScoredGroup]) -> None:
         if self.inbox is not None:
+            self.inbox.commit()
             self.state.consumed = sorted(self.inbox.consumed)
             if self.inbox.feeder is not None:
                 self.state.cursor = self.inbox.feeder.cursor()

@@ -85,6 +85,7 @@ def test_strays_duplicates_and_nonfinite_groups_are_dead_lettered_and_never_move
     step = inbox.collect(version=0)
     assert [g.group.group_id for g in step] == good
     assert feeder.state.published == 4  # the strays freed no slot: still 2 + 2 taken
+    inbox.commit()
     inbox.ack_durable()
 
     scored.publish(_scored(good[0], "p0"))  # a second copy of a consumed group
@@ -93,6 +94,7 @@ def test_strays_duplicates_and_nonfinite_groups_are_dead_lettered_and_never_move
     assert feeder.state.published == 6  # the two taken into step 1 left the window
     ok = _answer(prompts, scored, 2)
     step = inbox.collect(version=1)
+    inbox.commit()
     assert [g.group.group_id for g in step] == ok
     assert inbox.skipped["unexpected"] == 3
     assert inbox.skipped["duplicate"] == 1
@@ -113,6 +115,7 @@ def test_a_minus_infinite_behaviour_logprob_rejects_its_group_alone(setup):
     bad = _answer(prompts, scored, 1, logprob=-math.inf)
     good = _answer(prompts, scored, 3)
     step = inbox.collect(version=0)
+    inbox.commit()
     assert [g.group.group_id for g in step] == good[:2]
     assert inbox.skipped["nonfinite"] == 1 and bad[0] in inbox.consumed
     (dead,) = transport.dead_letters(names.scored)
@@ -138,8 +141,11 @@ def test_a_redelivery_of_a_held_entry_is_ignored_and_acked_once(setup, redis_ser
     inbox._feed(version=0)
     ids = _answer(prompts, scored, 2)
     assert [g.group.group_id for g in inbox.collect(version=0)] == ids
-    held = list(inbox.unacked)
+    held = [d for d, _ in inbox._step]
     for delivery in held:  # the same entries come back (e.g. reclaimed) before the checkpoint
         inbox._take(delivery, _scored(group_id("x", delivery.id), "x"))
     assert inbox.skipped["redelivered"] == 2 and transport.dead_letters(names.scored) == []
+    assert inbox.ack_durable() == 0  # the step was not trained (stopped in the middle): nothing acked
+    assert transport.pending(names.scored, names.LEARNER) == 2
+    inbox.commit()
     assert inbox.ack_durable() == 2
