@@ -28,7 +28,7 @@ import torch
 from weights.config import WeightSyncConfig
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, checksum, pack_bucket, plan_layout, trailer
-from weights.membership import Member, Membership, Publish
+from weights.membership import Member, Publish
 from weights.protocol import JoinAccept, JoinRequest, Keys, Manifest, encode
 from weights.rendezvous import abort, device_uuid, pair_group, wait_work
 
@@ -56,35 +56,16 @@ class BroadcastSender(WeightSender):
         device: torch.device | str = "cpu",
     ):
         """`device`: where buckets are packed: a CUDA device selects NCCL, the CPU gloo."""
-        self.config = config
-        self._rank = rank
+        super().__init__(config, publish=publish, rank=rank)
         self._device = torch.device(device)
         self._backend = "nccl" if self._device.type == "cuda" else "gloo"
         self._uuid = device_uuid(self._device)
-        self._membership = Membership(
-            config, self.transport, admit=self._admit, end=self._end, publish=publish
-        )
         self._wire: WireTensors | None = None
         self._kept: _Kept | None = None
         self._staging: list[torch.Tensor] = []
         """Bucket buffers reused across syncs (all buckets with keep_last, else two that alternate)."""
 
-    def start(self):
-        return self._membership.start() if self._rank == 0 else None
-
-    @property
-    def announcement(self):
-        return self._membership.rendezvous.announcement
-
-    @property
-    def address(self) -> str:
-        return self.announcement.address
-
-    def members(self) -> dict[str, int]:
-        return self._membership.members()
-
-    def close(self) -> None:
-        self._membership.close()
+    def _release(self) -> None:
         self._kept = None
 
     def sync(self, model: torch.nn.Module, version: int, step: int = 0) -> SyncReport:

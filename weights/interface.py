@@ -29,6 +29,7 @@ import torch
 
 from weights.config import WeightSyncConfig
 from weights.manifest import views
+from weights.membership import Member, Membership, Publish
 from weights.protocol import Announcement, Manifest
 from weights.vllm_layout import checkpoint_views
 
@@ -124,25 +125,49 @@ class ReceiverStats:
 
 
 class WeightSender(abc.ABC):
-    """Learner side; every training rank calls `sync` (collectively, for an FSDP2 model)."""
+    """Learner side; every training rank calls `sync` (collectively, for an FSDP2 model). The rendezvous
+    and the members are shared (weights/membership.py); a transport implements `sync`, `_admit` (build
+    a joiner's session and answer it) and `_end` (tear a dropped member's session down)."""
 
     transport: str
 
-    @abc.abstractmethod
+    def __init__(self, config: WeightSyncConfig, *, publish: Publish | None = None, rank: int = 0):
+        self.config = config
+        self._rank = rank
+        self._membership = Membership(
+            config, self.transport, admit=self._admit, end=self._end, publish=publish
+        )
+
     def start(self) -> Announcement | None:
         """Rank 0: bind the rendezvous, start admitting generators, publish and return the announcement."""
+        return self._membership.start() if self._rank == 0 else None
+
+    @property
+    def announcement(self) -> Announcement:
+        return self._membership.rendezvous.announcement
+
+    def members(self) -> dict[str, int]:
+        """Connected generators -> the version each serves (-1 before its first)."""
+        return self._membership.members()
+
+    def close(self) -> None:
+        """End every session and release the rendezvous; idempotent."""
+        self._membership.close()
+        self._release()
 
     @abc.abstractmethod
     def sync(self, model: torch.nn.Module, version: int, step: int = 0) -> SyncReport:
         """Make the model's current weights version `version` for every connected generator."""
 
     @abc.abstractmethod
-    def members(self) -> dict[str, int]:
-        """Connected generators -> the version each serves (-1 before its first)."""
+    def _admit(self, store, ticket: int, request) -> None: ...
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """End every session and release the rendezvous; idempotent."""
+    def _end(self, member: Member, reason: str) -> None: ...
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Drop what the transport holds (after every session ended)."""
 
 
 class WeightReceiver(abc.ABC):

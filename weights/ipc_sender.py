@@ -27,7 +27,7 @@ from weights import ipc
 from weights.config import WeightSyncConfig
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, full, one_buffer, tensor_view
-from weights.membership import Member, Membership, Publish
+from weights.membership import Member, Publish
 from weights.protocol import JoinAccept, JoinRequest, Keys, WeightSyncError, encode
 from weights.vllm_layout import row_slices
 
@@ -44,33 +44,15 @@ class IpcSender(WeightSender):
     ):
         if rank != 0:
             raise WeightSyncError("weight_sync.transport = cuda-ipc needs a one-rank learner; use broadcast")
-        self.config = config
-        self._membership = Membership(
-            config, self.transport, admit=self._admit, end=self._end, publish=publish
-        )
+        super().__init__(config, publish=publish, rank=rank)
         self._wire: WireTensors | None = None
         self._buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._layout: ipc.IpcLayout | None = None
         self._version: int | None = None
 
-    def start(self):
-        return self._membership.start()
-
-    @property
-    def announcement(self):
-        return self._membership.rendezvous.announcement
-
-    @property
-    def address(self) -> str:
-        return self.announcement.address
-
-    def members(self) -> dict[str, int]:
-        return self._membership.members()
-
-    def close(self) -> None:
-        """End every session; the buffer is released with this object (after generators unmapped it)."""
-        self._membership.close()
+    def _release(self) -> None:
+        """The buffer is freed with its last reference (generators unmapped it when their sessions ended)."""
         self._layout = None
         self._buffer = None
         self._views = []

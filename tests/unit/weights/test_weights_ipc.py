@@ -10,9 +10,7 @@ from torch import nn
 from weights_procs import announced_config, wait_until
 
 import weights
-from weights import ipc
 from weights.config import WeightSyncConfig
-from weights.ipc import IpcHandle, MappingCache
 from weights.ipc_sender import IpcSender
 
 
@@ -21,20 +19,6 @@ class Tiny(nn.Module):
         super().__init__()
         self.a = nn.Linear(4, 3)
         self.b = nn.Linear(3, 2, bias=False)
-
-
-@pytest.fixture
-def fake_ipc(monkeypatch):
-    """share() remembers the buffer; opening any handle returns that same tensor (one process, no CUDA)."""
-    buffers = {}
-
-    def share(tensor):
-        buffers["b"] = tensor
-        return IpcHandle(0, b"h", tensor.numel(), 0, b"r", 0, b"e", False)
-
-    monkeypatch.setattr(ipc, "share", share)
-    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
-    return buffers
 
 
 def _pair(generator_id: str, send_dtype: str = "keep", apply=None, **kwargs):

@@ -14,27 +14,11 @@ from weights_procs import announced_config, digest, perturb, wait_until
 
 import weights
 from policy.loading import load_model
-from weights import ipc
 from weights.config import WeightSyncConfig
-from weights.ipc import IpcHandle, MappingCache
 from weights.ipc_sender import IpcSender
 from weights.manifest import WireTensors, module_loader
 from weights.protocol import WeightSyncError
 from weights.vllm_layout import plan
-
-
-@pytest.fixture
-def fake_ipc(monkeypatch):
-    """share() remembers the buffer; mapping any handle returns it (one process, no CUDA)."""
-    buffers = {}
-
-    def share(tensor):
-        buffers["b"] = tensor
-        return IpcHandle(0, b"h", tensor.numel(), 0, b"r", 0, b"e", False)
-
-    monkeypatch.setattr(ipc, "share", share)
-    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
-    return buffers
 
 
 def test_the_plan_stacks_attention_and_mlp_under_vllms_names(tiny_model_dir):

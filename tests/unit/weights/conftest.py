@@ -1,0 +1,22 @@
+"""Fixtures of the weight-sync tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from weights import ipc
+from weights.ipc import IpcHandle, MappingCache
+
+
+@pytest.fixture
+def fake_ipc(monkeypatch):
+    """share() remembers the buffer; mapping any handle returns that same tensor (one process, no CUDA)."""
+    buffers = {}
+
+    def share(tensor):
+        buffers["b"] = tensor
+        return IpcHandle(0, b"h", tensor.numel(), 0, b"r", 0, b"e", False)
+
+    monkeypatch.setattr(ipc, "share", share)
+    monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
+    return buffers
