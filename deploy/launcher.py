@@ -42,7 +42,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -51,13 +50,11 @@ from pathlib import Path
 from broker.redis_server import redis_server_argv
 from deploy.plan import GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs, write_role_configs
 from deploy.preflight import PreflightError, explain_failure, inspect_model, require_vllm, visible_gpus
-from deploy.processes import Child, ChildDied, ProcessGroup, tail
+from deploy.processes import Child, ChildDied, ProcessGroup, child_env, free_port, port_open, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ID_ENV = "PARALLAX_RUN_ID"
-"""Every process of a run carries this variable (its value: the run id), grandchildren included."""
 
 
 class Launcher:
@@ -458,18 +455,6 @@ class Launcher:
         )
 
 
-def child_env(threads: int, run_id: str) -> dict[str, str]:
-    """Environment of every child: thread counts, the repository on PYTHONPATH, the run id."""
-    n = str(max(threads, 1))
-    return {
-        "OMP_NUM_THREADS": n,
-        "MKL_NUM_THREADS": n,
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        RUN_ID_ENV: run_id,
-    }
-
-
 GPU_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # its sampler needs flashinfer, which vLLM does not require
     "NCCL_NVLS_ENABLE": "0",  # NVLink multicast (NVLS) is not usable on the lent machines
@@ -483,20 +468,6 @@ GPU_ENV = {
 def gpu_env(environ) -> dict[str, str]:
     """GPU_ENV, without the variables the user already set."""
     return {k: v for k, v in GPU_ENV.items() if k not in environ}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _raise_interrupt(signum, frame) -> None:

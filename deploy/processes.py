@@ -11,6 +11,8 @@ by the launcher about once a second):
     Exit code 0 is a finished child and is never restarted;
   * a critical child that exits, or a restartable one that ran out of restarts, raises
     `ChildDied` with the tail of its log.
+`child_env` is the environment every child gets (thread counts, PYTHONPATH, the run id in
+RUN_ID_ENV); `free_port` / `port_open` pick and probe loopback ports.
 The roles make restarts safe: each resumes from its durable state (the learner from its last
 checkpoint, the others from the broker) and re-reads the entries it held, under the same
 consumer name.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ID_ENV = "PARALLAX_RUN_ID"
+"""Every process of a run carries this variable (its value: the run id), grandchildren included."""
 RESTART_BACKOFF_CAP_S = 30.0
 """Longest wait before a restart (the n-th restart waits min(2 ** (n - 2), cap) s; the first none)."""
 
@@ -162,3 +168,29 @@ def tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def child_env(threads: int, run_id: str) -> dict[str, str]:
+    """Environment of every child: thread counts, the repository on PYTHONPATH, the run id."""
+    n = str(max(threads, 1))
+    return {
+        "OMP_NUM_THREADS": n,
+        "MKL_NUM_THREADS": n,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        RUN_ID_ENV: run_id,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.launcher import RUN_ID_ENV
+from deploy.processes import RUN_ID_ENV
 from tests.integration.test_prometheus_scrape import Prometheus, free_ports, required_series
 
 ROOT = Path(__file__).resolve().parents[2]
