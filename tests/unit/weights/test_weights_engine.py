@@ -3,7 +3,8 @@
 * an IPC reference runs the worker-side loader inside vLLM's worker (in-process engine: the CUDA-IPC
   mapping is replaced by a fake opener returning a CPU buffer) and serves exactly what the same
   weights as named tensors serve; a refused mapping changes nothing;
-* an engine whose core runs in its own process (in_process=False) gets named tensors as bytes.
+* an engine whose core runs in its own process (in_process=False) gets named tensors as bytes, in
+  several RPCs under `rpc_chunk_bytes`, and serves what the same version sent in one RPC serves.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import torch
 pytestmark = pytest.mark.vllm
 
 
-def _engine(model_dir, run_dir, in_process: bool):
+def _engine(model_dir, run_dir, in_process: bool, **engine):
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
 
     return Engine(
         model_dir,
-        EngineConfig(max_model_len=256, kv_cache_gb=0.25, in_process=in_process),
+        EngineConfig(max_model_len=256, kv_cache_gb=0.25, in_process=in_process, **engine),
         SamplingConfig(n=1, max_tokens=8, eval_temperature=0.0),
         run_dir=run_dir,
     )
@@ -93,13 +94,17 @@ def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monk
 @pytest.mark.slow
 def test_a_multi_process_engine_gets_named_tensors_as_bytes(tiny_model_dir, tmp_path):
     base = _weights(tiny_model_dir)
-    engine = _engine(tiny_model_dir, tmp_path, in_process=False)
+    cap = sum(t.numel() * t.element_size() for t in base.values()) // 5  # at least 5 RPCs per version
+    engine = _engine(tiny_model_dir, tmp_path, in_process=False, rpc_chunk_bytes=cap)
     try:
-        assert not engine.in_process
+        assert not engine.in_process and len(engine._loader.chunks(list(base.items()))) >= 5
         original = _greedy(engine)
         engine.apply_weights(_other(base).items(), version=1)
         changed = _greedy(engine)
         engine.apply_weights(base.items(), version=0)
         assert changed != original and _greedy(engine) == original
+        engine._loader.rpc_chunk_bytes = 2**31  # the same version in one RPC serves the same
+        engine.apply_weights(_other(base).items(), version=1)
+        assert _greedy(engine) == changed
     finally:
         engine.close()

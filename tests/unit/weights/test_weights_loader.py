@@ -100,3 +100,81 @@ def test_the_multi_process_path_ships_safetensors_bytes(checkpoint):
     loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
     loader.apply(FakeLLM(model), as_version([("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))], 1))
     assert torch.equal(model.params["b.weight"], torch.full((4,), 3.0))
+
+
+class ProcessLLM(FakeLLM):
+    """A multi-process engine: every RPC crosses msgpack; records the tensor bytes of each safetensors blob
+    and can fail half way through the `fail_rpc`-th one (counting from 0)."""
+
+    def __init__(self, model: FakeModel):
+        super().__init__(model)
+        model.parameters = lambda: iter([torch.zeros(1)])
+        self.chunks: list[dict[str, int]] = []
+        self.fail_rpc: int | None = None
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        import msgspec
+        from safetensors.torch import load
+
+        args = msgspec.msgpack.decode(msgspec.msgpack.encode(list(args)))
+        if args and isinstance(args[0], bytes):
+            if self.fail_rpc == len(self.chunks):
+                self.worker.model_runner.fail_after = 1
+            self.chunks.append({k: v.numel() * v.element_size() for k, v in load(args[0]).items()})
+        return [fn(self.worker, *args, **(kwargs or {}))]
+
+
+@pytest.fixture
+def six(tmp_path):
+    disk = {f"t{i}.weight": torch.full((4,), float(i)) for i in range(6)}  # 16 bytes each
+    save_file(disk, str(tmp_path / "model.safetensors"))
+    return tmp_path, disk
+
+
+def test_a_version_crosses_to_a_worker_process_in_chunks_under_the_cap(six):
+    path, disk = six
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(
+        path, method="reload", in_process=False, keep_rollback_copy=True, rpc_chunk_bytes=40
+    )
+    learner = {name: torch.full((4,), 10.0 + i) for i, name in enumerate(disk)}
+    assert loader.apply(llm, as_version(list(learner.items()), 1)) == 6
+    assert len(llm.chunks) == 3  # 2 tensors (32 bytes) per 40-byte chunk
+    assert all(sum(chunk.values()) <= 40 for chunk in llm.chunks)
+    assert [sorted(chunk) for chunk in llm.chunks] == [list(learner)[i : i + 2] for i in (0, 2, 4)]
+    for name, value in learner.items():
+        assert torch.equal(model.params[name], value), name
+
+
+def test_a_failure_in_a_middle_chunk_rolls_the_whole_version_back(six):
+    path, disk = six
+    model = FakeModel(disk)
+    llm = ProcessLLM(model)
+    loader = WeightLoader(
+        path, method="reload", in_process=False, keep_rollback_copy=True, rpc_chunk_bytes=40
+    )
+    loader.apply(llm, as_version([(name, torch.full((4,), -1.0)) for name in disk], 1))
+    good = {k: v.clone() for k, v in model.params.items()}
+    llm.chunks.clear()
+    llm.fail_rpc = 1  # chunk 0 (t0, t1) lands, chunk 1 fails after t2 was written
+    with pytest.raises(WeightsRolledBack, match="boom"):
+        loader.apply(llm, as_version([(name, torch.full((4,), 5.0)) for name in disk], 2))
+    assert len(llm.chunks) == 2 + 3  # the failed version's two RPCs, then the rollback copy in 3 chunks
+    assert all(sum(chunk.values()) <= 40 for chunk in llm.chunks)
+    for name in good:  # t0..t2 had been overwritten: the rollback restored version 1 everywhere
+        assert torch.equal(model.params[name], good[name]), name
+
+
+def test_a_tensor_larger_than_the_cap_travels_alone_and_the_cap_is_checked(six):
+    path, disk = six
+    loader = WeightLoader(
+        path, method="reload", in_process=False, keep_rollback_copy=False, rpc_chunk_bytes=20
+    )
+    pairs = [("a", torch.zeros(2)), ("b", torch.zeros(8)), ("c", torch.zeros(2)), ("d", torch.zeros(2))]
+    assert [[n for n, _ in chunk] for chunk in loader.chunks(pairs)] == [["a"], ["b"], ["c", "d"]]
+    for bad in (0, 2**32):
+        with pytest.raises(ValueError, match="rpc_chunk_bytes"):
+            WeightLoader(
+                path, method="reload", in_process=False, keep_rollback_copy=False, rpc_chunk_bytes=bad
+            )
