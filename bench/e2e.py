@@ -172,7 +172,7 @@ def cpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--learner.max-steps", str(cfg.warmup + cfg.steps), "--learner.algo.max-staleness", str(k)),
         *("--learner.eval.every", "0", "--learner.eval.no-at-start", "--learner.checkpoint.every", "-1"),
         "--learner.algo.no-dynamic-sampling",
-        *("--learner.metrics-port", "0", "--generator.metrics-port", "0", "--reward.metrics-port", "0"),
+        *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),
     ]
 
 

@@ -143,10 +143,10 @@ def learner_config(cfg: BenchConfig, overrides: list[str], model_dir: Path, brok
 
     fixed = [
         f"model={model_dir}",
-        f"broker={broker_url}",
+        f"broker.url={broker_url}",
         f"run_dir={run_dir}",
-        f"namespace=bench-{re.sub('[^a-z0-9]+', '-', run_dir.name.lower())}",  # per variant: from version 0
-        "metrics_port=0",
+        f"broker.namespace=bench-{re.sub('[^a-z0-9]+', '-', run_dir.name.lower())}",  # per variant: from version 0
+        "metrics.port=0",
         "weight_sync.enabled=false",
         "checkpoint.every=0",
         "checkpoint.resume=false",

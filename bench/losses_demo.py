@@ -38,11 +38,11 @@ DEFAULT_EXTRA = (
 )
 
 NO_METRICS_PORTS = (
-    "--learner.metrics-port",
+    "--learner.metrics.port",
     "0",
-    "--generator.metrics-port",
+    "--generator.metrics.port",
     "0",
-    "--reward.metrics-port",
+    "--reward.metrics.port",
     "0",
 )
 """No Prometheus ports: another demo on the shared machine may hold the demo's fixed ones."""

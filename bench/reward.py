@@ -290,9 +290,11 @@ def bench_reference_pathological(items, kill_s: float) -> dict:
 def bench_redis_worker(groups, timeout_s: float) -> dict:
     import broker
     from broker.channel import Publisher
+    from broker.config import BrokerConfig
     from broker.redis_server import LocalRedis
     from reward_service.config import RewardConfig
     from reward_service.worker import RewardWorker
+    from runtime.metrics import MetricsConfig
 
     rollouts = [_make_group(f"g{i}", truth, responses) for i, (truth, responses) in enumerate(groups)]
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
@@ -300,9 +302,8 @@ def bench_redis_worker(groups, timeout_s: float) -> dict:
         with broker.connect(server.url) as transport:
             Publisher(transport, f"{namespace}:rollouts").publish_many(rollouts)
         cfg = RewardConfig(
-            broker=server.url,
-            namespace=namespace,
-            metrics_port=0,
+            broker=BrokerConfig(url=server.url, namespace=namespace, claim_idle_s=30.0),
+            metrics=MetricsConfig(port=0),
             burst=True,
             timeout_s=timeout_s,
             cache_size=0,
@@ -364,11 +365,11 @@ def bench_scale(groups, workers: int, timeout_s: float) -> dict:
                 "reward_service",
                 "--workers",
                 str(workers),
-                "--broker",
+                "--broker.url",
                 server.url,
-                "--namespace",
+                "--broker.namespace",
                 namespace,
-                "--metrics-port",
+                "--metrics.port",
                 str(port),
                 "--timeout-s",
                 str(timeout_s),

@@ -61,8 +61,8 @@ setup_cpu() {  # the same runs on CPU, tiny: mechanics only
 
 launch() {  # launch NAME INDEX FLAGS...: one launcher run in the background, its ports offset by 10 x INDEX
   local name=$1 i=$2; shift 2
-  local ports=(--reward.metrics-port $((9101 + 10 * i)) --generator.metrics-port $((9201 + 10 * i))
-               --learner.metrics-port $((9301 + 10 * i)))
+  local ports=(--reward.metrics.port $((9101 + 10 * i)) --generator.metrics.port $((9201 + 10 * i))
+               --learner.metrics.port $((9301 + 10 * i)))
   echo "=== $name: python -m deploy --config $CONFIG $* ${TINY[*]} $EXTRA" | tee "$OUT/$name.log"
   # shellcheck disable=SC2086
   timeout -s INT -k 60 $((MINUTES * 60 + 120)) $PY -m deploy --config "$CONFIG" --run-dir "$OUT/runs/$name" \

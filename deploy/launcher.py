@@ -53,6 +53,7 @@ from deploy.preflight import PreflightError, explain_failure, inspect_model, req
 from deploy.processes import Child, ChildDied, ProcessGroup, child_env, free_port, port_open, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
+from runtime.config import write_resolved
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,9 +81,7 @@ class Launcher:
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
         self._event("resume" if self.resume else "launch", chance=self.cfg.chance(), run_id=self.run_id)
-        (self.run_dir / "config.launcher.json").write_text(
-            json.dumps(dataclasses.asdict(self.cfg), indent=2) + "\n"
-        )
+        write_resolved(self.cfg, self.run_dir, "launcher")
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         # Ctrl-C must stop the run even when this process was started with SIGINT ignored (a shell's
         # background job, nohup): Python installs its KeyboardInterrupt handler only if SIGINT was at default.
@@ -135,7 +134,7 @@ class Launcher:
             self.roles, "generator", "generator", ["--config", str(paths["generator"])], restart=not shared
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
-            self._wait_ready(generator, configs["generator"].metrics_port)
+            self._wait_ready(generator, configs["generator"].metrics.port)
             generator.max_restarts = cfg.max_restarts
         learner = self._start(
             self.roles,
@@ -145,7 +144,7 @@ class Launcher:
             critical=False,
             restart=True,
         )
-        self._train(learner, configs["generator"].metrics_port)
+        self._train(learner, configs["generator"].metrics.port)
 
     def _plan(self, n_params: int) -> GpuPlan:
         """The GPU layout (deploy.plan.plan_gpus) on this machine's GPUs; a GPU run needs vLLM importable."""

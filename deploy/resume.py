@@ -39,16 +39,14 @@ def split_resume(argv: list[str]) -> tuple[Path | None, list[str]]:
 
 def resumed_config(run_dir: Path, argv: list[str], description: str | None = None):
     """The stopped run's LaunchConfig (run_dir pointing at it), with `argv` flags on top."""
-    import tyro
-
     from deploy.plan import LaunchConfig
-    from runtime.config import from_dict
+    from runtime.config import from_dict, load_config
 
     path = run_dir / CONFIG_FILE
     if not path.is_file() or not (run_dir / RUN_FILE).is_file():
         raise SystemExit(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE} or {RUN_FILE})")
     saved = from_dict(LaunchConfig, json.loads(path.read_text()))
-    cfg = tyro.cli(LaunchConfig, args=argv, default=saved, description=description)
+    cfg = load_config(LaunchConfig, argv, description=description, default=saved)
     cfg.run_dir = str(run_dir)
     if cfg.broker != "redis":
         raise SystemExit(

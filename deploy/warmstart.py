@@ -65,6 +65,10 @@ class WarmStartConfig:
     thought: str = THOUGHT
     """The fixed content of the <think> block."""
 
+    def validate(self) -> None:
+        if not (self.model and self.task_dir and self.out):
+            raise ValueError("--model, --task-dir and --out are required")
+
 
 def response_text(answer: str, thought: str = THOUGHT) -> str:
     """The response the warm start teaches for one (random) answer."""
@@ -171,11 +175,10 @@ def _save(trained, base_dir: str, processor, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
+    from runtime.redact import setup_logging
 
     cfg = load_config(WarmStartConfig, list(sys.argv[1:] if argv is None else argv), description=__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not (cfg.model and cfg.task_dir and cfg.out):
-        raise SystemExit("--model, --task-dir and --out are required")
+    setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")
     run(cfg)
     return 0
 

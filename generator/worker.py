@@ -57,17 +57,12 @@ class GeneratorWorker:
     def __init__(
         self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None
     ):
-        config.validate()
         self.config = config
         self.generator_id = config.generator_id or default_generator_id()
-        self.names = Names(config.namespace)
+        self.names = Names(config.broker.namespace)
         self.metrics = metrics or GeneratorMetrics()
         if transport is None:
-            import broker
-
-            transport = broker.connect(
-                config.broker, claim_idle_s=config.claim_idle_s, max_deliveries=config.max_deliveries
-            )
+            transport = config.broker.connect()
         self.transport = transport
         self.prompts = Subscriber(
             transport,

@@ -3,7 +3,9 @@
 Parses the config and sets CUDA_VISIBLE_DEVICES before torch is imported; with several GPUs
 (or `--nproc N` > 1 on CPU) it re-launches itself under `torch.distributed.run`, one process
 per GPU (NCCL) or per CPU rank (gloo). The ranks get the resolved config through a JSON file
-named by $PARALLAX_LEARNER_CONFIG (torchrun's own parser would swallow flags like --nproc).
+named by $PARALLAX_LEARNER_CONFIG (torchrun's own parser would swallow flags like --nproc); that
+file has the broker password redacted, so it travels to them in $PARALLAX_BROKER_PASSWORD.
+A model path that is not a checkpoint directory is refused before anything starts.
 Each rank then runs `learner.trainer.run(cfg)`.
 """
 
@@ -47,13 +49,22 @@ def resolve(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from broker.config import PASSWORD_ENV
+    from policy.model_dir import ModelDirError, model_dir
     from runtime.config import apply_gpus, write_resolved
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = resolve(argv)
+    try:
+        model_dir(cfg.model)
+    except ModelDirError as exc:
+        raise SystemExit(f"error: {exc}") from None
     gpus = apply_gpus(cfg.gpus)  # before torch is imported
     nproc = world_size_wanted(gpus, cfg.nproc)
     if nproc > 1 and "RANK" not in os.environ:
+        password = cfg.broker.password()
+        if password:  # the resolved config shows it as ***
+            os.environ[PASSWORD_ENV] = password
         os.environ[CONFIG_ENV] = str(write_resolved(cfg, cfg.run_dir, "learner").resolve())
         cmd = relaunch_command(nproc)
         os.execv(cmd[0], cmd)

@@ -15,12 +15,11 @@ no signal under any of these estimators, so they are dropped (and counted) befor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, TypeVar
+from typing import TypeVar, get_args
 
 import torch
 
-Estimator = Literal["grpo", "drgrpo", "rloo"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
+from learner.config import Estimator
 
 T = TypeVar("T")
 
@@ -29,8 +28,8 @@ def group_advantages(
     rewards: Sequence[float], estimator: Estimator = "grpo", eps: float = 1e-6
 ) -> list[float]:
     """Advantages of the samples of one group, in order."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
+    if estimator not in get_args(Estimator):
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {get_args(Estimator)}")
     r = torch.as_tensor(list(rewards), dtype=torch.float64)
     n = r.numel()
     if n == 0:

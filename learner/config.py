@@ -9,32 +9,35 @@ CUDA_VISIBLE_DEVICES) before torch is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from weights.config import WeightSyncConfig
+from broker.config import BrokerConfig
+from runtime.metrics import MetricsConfig
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-CORRECTIONS = ("none", "decoupled", "tis", "icepop", "geo_mask")
-POLICY_LOSSES = ("ppo-clip", "gspo", "cispo", "sapo")
-POLICY_CORRECTIONS = {
-    "ppo-clip": CORRECTIONS,
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Correction = Literal["none", "decoupled", "tis", "icepop", "geo_mask"]
+Estimator = Literal["grpo", "drgrpo", "rloo"]
+PolicyLoss = Literal["ppo-clip", "gspo", "cispo", "sapo"]
+Proximal = Literal["detached", "recompute", "behaviour"]
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+POLICY_CORRECTIONS: dict[str, tuple[str, ...]] = {
+    "ppo-clip": get_args(Correction),
     "gspo": ("none", "geo_mask"),
     "cispo": ("none", "tis", "icepop", "geo_mask"),
-    "sapo": CORRECTIONS,
+    "sapo": get_args(Correction),
 }
 """The off-policy corrections each policy loss can be combined with (README, "Policy losses"): GSPO's ratio
 is one per sequence, so only sequence-level rejection fits it (a per-token weight brings back the token-level
 variance GSPO removes); CISPO's weight is a truncated importance weight, so decoupled's unbounded k on top of
 it would undo the truncation (tis and icepop keep it bounded)."""
-PROXIMAL_MODES = ("detached", "recompute", "behaviour")
-MASTER_WEIGHTS = ("params", "device", "host", "auto")
 
 
 @dataclass
 class LossConfig:
     """Policy loss (PPO-clip, GSPO, CISPO, SAPO), off-policy correction, regularisers (learner/losses.py)."""
 
-    policy: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
+    policy: PolicyLoss = "ppo-clip"
     """The policy-gradient surrogate on u = π_θ/π_prox: ppo-clip (token ratio, hard clip), gspo (one ratio per
     sequence, exp of the mean token log-ratio, clipped per sequence), cispo (clipped stop-gradient ratio times
     log π_θ), sapo (sigmoid soft gate instead of a clip). Corrections each takes: POLICY_CORRECTIONS."""
@@ -59,11 +62,11 @@ class LossConfig:
     """sapo: temperature τ of the gate (4/τ)·σ(τ(u-1)) for tokens with A > 0 (SAPO paper: 1.0)."""
     sapo_tau_neg: float = 1.05
     """sapo: temperature for A <= 0; larger decays faster off-policy (SAPO paper: 1.05, >= sapo_tau_pos)."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Aggregation = "token-mean"
     """How token losses become the batch loss; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser."""
     norm_length: int = 1024
     """The constant length of seq-mean-token-sum-norm (Dr.GRPO: the maximum response length)."""
-    correction: Literal["none", "decoupled", "tis", "icepop", "geo_mask"] = "decoupled"
+    correction: Correction = "decoupled"
     """Off-policy correction of k = π_prox/μ: none, decoupled PPO, truncated IS, IcePop, geometric mask."""
     behav_weight_cap: float = 0.0
     """decoupled: tokens whose k exceeds this are masked out (AReaL's cap); 0 disables."""
@@ -82,12 +85,26 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
 
+    def validate(self) -> None:
+        takes = POLICY_CORRECTIONS[self.policy]
+        if self.correction not in takes:
+            raise ValueError(
+                f"policy={self.policy} cannot take correction={self.correction}; "
+                f"it takes one of {takes} (why: learner/config.py POLICY_CORRECTIONS)"
+            )
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be >= 0")
+        if min(self.gspo_clip_low, self.gspo_clip_high, self.cispo_clip_low, self.cispo_clip_high) < 0:
+            raise ValueError("gspo_clip_low/high and cispo_clip_low/high must be >= 0")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
+
 
 @dataclass
 class AlgoConfig:
     """Advantages, batch composition and staleness."""
 
-    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    estimator: Estimator = "grpo"
     """Group-relative advantage estimator (learner/advantages.py)."""
     adv_eps: float = 1e-6
     """ε added to the group std by grpo."""
@@ -99,7 +116,7 @@ class AlgoConfig:
     """Optimizer steps per batch of groups (PPO mini-batches); > 1 needs proximal=recompute."""
     max_staleness: int = 1
     """Samples whose version_start is more than this many versions behind the learner are dropped (counted)."""
-    proximal: Literal["detached", "recompute", "behaviour"] = "detached"
+    proximal: Proximal = "detached"
     """π_prox: detached (the step's own forward, exact when mini_batches == 1), recompute (extra
     no-grad forward before the step), behaviour (π_prox := μ, no correction possible)."""
     temperature: float = 1.0
@@ -107,6 +124,12 @@ class AlgoConfig:
     mask_truncated: bool = False
     """DAPO overlong filtering: samples the generator cut at max_tokens (finish reason "length") get no
     loss (counted as truncated_masked); without it they train like any sample on their (format-less) reward."""
+
+    def validate(self) -> None:
+        if self.groups_per_step < 1 or self.mini_batches < 1:
+            raise ValueError("groups_per_step and mini_batches must be >= 1")
+        if self.mini_batches > 1 and self.proximal == "detached":
+            raise ValueError("mini_batches > 1 needs proximal = recompute (or behaviour)")
 
 
 @dataclass
@@ -148,9 +171,9 @@ class ParallelConfig:
     """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
     outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/) or
     "selective:<k>" (selective on the first k decoder blocks); see policy/recompute.py."""
-    vision_checkpoint_mode: str = "full"
+    vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
-    compile: str = ""
+    compile: Literal["", "elementwise", "blocks"] = ""
     """torch.compile (policy/compile.py): "" none, "elementwise" (fused RMSNorms, SiLU x up and logprob chunks;
     matmuls stay eager, so selective checkpointing keeps its savings), "blocks" (whole decoder blocks; pair
     it with full checkpointing)."""
@@ -160,8 +183,17 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2). Ignored on one rank
     (nothing to free: the gathered parameters are kept)."""
-    backend: str = ""
+    backend: Literal["", "nccl", "gloo"] = ""
     """torch.distributed backend; empty = nccl on GPU, gloo on CPU."""
+
+    def validate(self) -> None:
+        mode, _, blocks = self.checkpoint_mode.partition(":")
+        if self.checkpoint_mode not in ("full", "selective", "none") and not (
+            mode == "selective" and blocks.isdigit()
+        ):
+            raise ValueError(
+                f"checkpoint_mode {self.checkpoint_mode!r}: expected full, selective, none or selective:<k>"
+            )
 
 
 @dataclass
@@ -230,10 +262,6 @@ class LearnerConfig:
     """GPUs to use, e.g. "0-5"; empty = CPU."""
     nproc: int = 1
     """Number of CPU processes (gloo) when no GPUs are given."""
-    broker: str = "redis://127.0.0.1:6379/0"
-    """Broker URL (redis://... or zmq://...)."""
-    namespace: str = "parallax"
-    """Broker namespace of this run (stream and key names)."""
     run_dir: str = "runs/learner"
     """Where metrics.jsonl, checkpoints and exports go."""
     seed: int = 0
@@ -242,20 +270,18 @@ class LearnerConfig:
     """Stop after this many optimizer steps."""
     sync_every: int = 1
     """Broadcast weights to the generators every this many optimizer steps."""
-    metrics_port: int = 0
-    """Prometheus port (0 = no server)."""
     consumer: str = "learner-0"
     """Consumer name of the learner in the scored stream's consumer group."""
-    claim_idle_s: float = 600.0
-    """Broker: scored groups pending (unacked) this long are re-delivered. The learner acks only after a
-    checkpoint, so keep this above the time between checkpoints; after a crash, what the dead learner
-    held comes back after this long."""
-    max_deliveries: int = 20
-    """Broker: deliveries of one scored group before it is dead-lettered."""
     idle_exit_s: float = 0.0
     """Stop when no scored group arrived for this long (0 = wait forever)."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = guess from the GPU name (unknown on CPU)."""
+    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=600.0, max_deliveries=20))
+    """The broker. claim_idle_s: scored groups pending (unacked) this long are re-delivered; the learner acks
+    only after a checkpoint, so keep it above the time between checkpoints (after a crash, what the dead
+    learner held comes back after this long)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus server (rank 0 only; port 0 = none)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages, batch composition, staleness."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -276,41 +302,8 @@ class LearnerConfig:
     """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport cuda-ipc`; weights/config.py)."""
 
     def validate(self) -> None:
-        """Raise ValueError on inconsistent settings."""
-        if self.loss.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}")
-        if self.loss.correction not in CORRECTIONS:
-            raise ValueError(f"loss.correction must be one of {CORRECTIONS}")
-        if self.loss.policy not in POLICY_LOSSES:
-            raise ValueError(f"loss.policy must be one of {POLICY_LOSSES}, not {self.loss.policy!r}")
-        takes = POLICY_CORRECTIONS[self.loss.policy]
-        if self.loss.correction not in takes:
-            raise ValueError(
-                f"loss.policy={self.loss.policy} cannot take loss.correction={self.loss.correction}; "
-                f"it takes one of {takes} (why: learner/config.py POLICY_CORRECTIONS)"
-            )
-        clips = (
-            self.loss.gspo_clip_low,
-            self.loss.gspo_clip_high,
-            self.loss.cispo_clip_low,
-            self.loss.cispo_clip_high,
-        )
-        if min(clips) < 0:
-            raise ValueError("loss.gspo_clip_low/high and loss.cispo_clip_low/high must be >= 0")
-        if self.loss.sapo_tau_pos <= 0 or self.loss.sapo_tau_neg <= 0:
-            raise ValueError("loss.sapo_tau_pos and loss.sapo_tau_neg must be > 0")
-        if self.algo.proximal not in PROXIMAL_MODES:
-            raise ValueError(f"algo.proximal must be one of {PROXIMAL_MODES}")
-        if self.algo.mini_batches > 1 and self.algo.proximal == "detached":
-            raise ValueError("algo.mini_batches > 1 needs algo.proximal = recompute (or behaviour)")
+        """Rules across sections (each section checks its own fields)."""
         if self.loss.correction != "none" and self.algo.proximal == "behaviour":
-            raise ValueError(f"loss.correction={self.loss.correction} needs a learner-side π_prox")
-        self.weight_sync.validate()
-        if self.optim.master_weights not in MASTER_WEIGHTS:
             raise ValueError(
-                f"optim.master_weights must be one of {MASTER_WEIGHTS}, not {self.optim.master_weights!r}"
+                f"loss.correction={self.loss.correction} needs a learner-side π_prox (algo.proximal)"
             )
-        if self.algo.groups_per_step < 1 or self.algo.mini_batches < 1:
-            raise ValueError("algo.groups_per_step and algo.mini_batches must be >= 1")
-        if self.loss.clip_low < 0 or self.loss.clip_high < 0:
-            raise ValueError("clip ranges must be >= 0")

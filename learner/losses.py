@@ -25,7 +25,7 @@ The off-policy weight w is chosen by `LossConfig.correction`:
     icepop    : w = k if α ≤ k ≤ β else 0                       IcePop's M(k)
     geo_mask  : w = 1 if lo ≤ exp(mean_seq log k) ≤ hi else 0   whole sequence rejected
 w is a constant (no gradient flows through it). Which corrections each policy takes, and why:
-learner/config.py POLICY_CORRECTIONS (checked by LearnerConfig.validate).
+learner/config.py POLICY_CORRECTIONS (checked by LossConfig.validate).
 
 Aggregation (`LossConfig.aggregation`) divides a numerator by a denominator; the trainer
 passes the denominator of the whole optimizer step (all micro-batches, all ranks) so that
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.config import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, LossConfig
+from learner.config import POLICY_LOSSES, LossConfig
 
 
 @dataclass
@@ -76,7 +76,7 @@ def loss_denominator(cfg: LossConfig, num_tokens: int, num_seqs: int) -> float:
         return float(max(num_seqs, 1))
     if cfg.aggregation == "seq-mean-token-sum-norm":
         return float(max(num_seqs, 1) * cfg.norm_length)
-    raise ValueError(f"unknown aggregation {cfg.aggregation!r}; choose one of {AGGREGATIONS}")
+    raise ValueError(f"unknown aggregation {cfg.aggregation!r} (learner.config.Aggregation)")
 
 
 def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -112,7 +112,7 @@ def off_policy_weight(cfg: LossConfig, log_k: Tensor, batch: TokenBatch) -> Tens
         geo = seq_mean(log_k, batch.seq_index, batch.num_seqs).exp()
         keep_seq = (geo >= cfg.geo_low) & (geo <= cfg.geo_high)
         return keep_seq[batch.seq_index].to(log_k.dtype)
-    raise ValueError(f"unknown correction {cfg.correction!r}; choose one of {CORRECTIONS}")
+    raise ValueError(f"unknown correction {cfg.correction!r} (learner.config.Correction)")
 
 
 def _clipped(cfg: LossConfig, ratio: Tensor, adv: Tensor, low: float, high: float):

@@ -31,7 +31,6 @@ from pathlib import Path
 import msgspec
 import torch
 
-import broker
 from broker import codec
 from broker.images import ImageStore
 from broker.names import Names
@@ -69,6 +68,7 @@ from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
 from runtime.config import write_resolved
 from runtime.metrics import new_registry, start_metrics_server
+from runtime.redact import setup_logging
 from tasks.prompt import num_image_tokens
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,6 @@ class Learner:
     """See the module docstring."""
 
     def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
-        cfg.validate()
         self.cfg = cfg
         self.info = init_distributed(cfg.parallel.backend)
         torch.manual_seed(cfg.seed)
@@ -107,10 +106,8 @@ class Learner:
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
         self.ref = self._reference() if cfg.loss.kl_coef > 0 else None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
-        self.names = Names(cfg.namespace)
-        self.transport = transport or broker.connect(
-            cfg.broker, claim_idle_s=cfg.claim_idle_s, max_deliveries=cfg.max_deliveries
-        )
+        self.names = Names(cfg.broker.namespace)
+        self.transport = transport or cfg.broker.connect()
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
@@ -449,11 +446,11 @@ def _split(n: int, parts: int) -> list[list[int]]:
 
 def run(cfg: LearnerConfig) -> None:
     """Entry point of every rank (`python -m learner`)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")
     learner = Learner(cfg)
     if learner.info.is_main:
         write_resolved(cfg, cfg.run_dir, "learner")
-        start_metrics_server(cfg.metrics_port, learner.registry)
+        start_metrics_server(cfg.metrics, learner.registry)
     try:
         learner.train()
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from policy import compat
+from policy.model_dir import model_dir
 
 _DTYPES = {
     "float32": torch.float32,
@@ -33,18 +34,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}") from None
 
 
-def _check_dir(path: str | Path) -> Path:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
-    return path
-
-
 def load_processor(path: str | Path):
     """The checkpoint's processor (image processor + tokenizer; chat template included)."""
     from transformers import AutoProcessor
 
-    path = _check_dir(path)
+    path = model_dir(path)
     compat.install()
     return AutoProcessor.from_pretrained(str(path), local_files_only=True)
 
@@ -53,7 +47,7 @@ def load_tokenizer(path: str | Path):
     """Just the tokenizer (cheaper than the full processor)."""
     from transformers import AutoTokenizer
 
-    path = _check_dir(path)
+    path = model_dir(path)
     compat.install()
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
@@ -70,7 +64,7 @@ def load_model(
     """
     from transformers import AutoModelForImageTextToText
 
-    path = _check_dir(path)
+    path = model_dir(path)
     compat.install()
     model = AutoModelForImageTextToText.from_pretrained(
         str(path),

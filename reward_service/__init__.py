@@ -1,6 +1,6 @@
 """Parallax reward service: scores rollout groups, never hangs, scales out.
 
-    python -m reward_service --workers N --broker redis://... --namespace RUN   (see __main__.py)
+    python -m reward_service --workers N --broker.url redis://... --broker.namespace RUN   (see __main__.py)
 
 Layout:
   rewards/    one reward function per module (math: mathruler accuracy + think-then-boxed format,

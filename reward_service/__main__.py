@@ -1,13 +1,13 @@
 """`python -m reward_service`: score rollout groups with N worker processes on this host.
 
-    python -m reward_service --workers 4 --broker redis://:PW@host:6379/0 --namespace run1
+    python -m reward_service --workers 4 --broker.url redis://host:6379/0 --broker.namespace run1
     python -m reward_service --config deploy/configs/reward.toml --burst      # drain, then exit
 
 With `--workers 1` the worker runs in this process. With more, this process supervises N children
 (`python -m reward_service.worker`, config as JSON on stdin): worker i serves metrics on
-metrics_port + i, a worker that dies is restarted with backoff (its pending groups are reclaimed
+metrics.port + i, a worker that dies is restarted with backoff (its pending groups are reclaimed
 by the others meanwhile), and SIGTERM/SIGINT stop them all (SIGKILL after `GRACE_S`).
-`--broker-url` is accepted as an alias of `--broker`.
+The Redis password: `--broker.password-file FILE` or $PARALLAX_BROKER_PASSWORD (broker/config.py).
 """
 
 from __future__ import annotations
@@ -94,21 +94,12 @@ class Supervisor:
         self.procs.clear()
 
 
-def _aliases(argv: list[str]) -> list[str]:
-    out = []
-    for arg in argv:
-        if arg == "--broker-url" or arg.startswith("--broker-url="):
-            arg = "--broker" + arg[len("--broker-url") :]
-        out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
+    from runtime.redact import setup_logging
 
-    argv = _aliases(list(sys.argv[1:] if argv is None else argv))
     cfg = load_config(RewardConfig, argv, description="Parallax reward service: score rollout groups.")
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s reward %(levelname)s %(message)s")
+    setup_logging(cfg.log_level, "%(asctime)s reward %(levelname)s %(message)s")
     if cfg.workers == 1:
         from reward_service.worker import run_worker
 

@@ -1,36 +1,27 @@
 """Configuration of `python -m reward_service` (one dataclass; a docstring under every field).
 
-Resolved by `runtime.config.load_config`: defaults < `--config deploy/configs/reward.toml` < flags.
-The broker URL (with the Redis password inside it, redis://:PASSWORD@host:port/db) may also come
-from the environment variable PARALLAX_BROKER_URL, so that it need not appear on a command line.
+Resolved by `runtime.config.load_config`: defaults < `--config deploy/configs/reward.toml` < flags,
+then validated. Shared sections: `broker` (broker.config.BrokerConfig: URL from
+$PARALLAX_BROKER_URL, the Redis password from `--broker.password-file` or
+$PARALLAX_BROKER_PASSWORD, so that it need not appear on a command line) and `metrics`.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from typing import Literal
 
+from broker.config import BrokerConfig
 from reward_service.rewards import DEFAULT_REWARD, REWARDS, Weights
-
-BROKER_ENV = "PARALLAX_BROKER_URL"
-
-
-def _default_broker() -> str:
-    return os.environ.get(BROKER_ENV, "redis://127.0.0.1:6379/0")
+from runtime.metrics import MetricsConfig
 
 
 @dataclass
 class RewardConfig:
     """Everything `python -m reward_service` needs."""
 
-    broker: str = field(default_factory=_default_broker)
-    """Broker URL (redis://[:password@]host:port/db or zmq://...); default from $PARALLAX_BROKER_URL."""
-    namespace: str = "parallax"
-    """Broker namespace of this run (stream and key names)."""
     workers: int = 1
     """Worker processes on this host; every one joins the same consumer group as other hosts'."""
-    metrics_port: int = 9101
-    """Prometheus port of worker 0; worker i serves metrics_port + i (0 = no server)."""
     accuracy_weight: float = 0.9
     """reward = accuracy_weight * accuracy + format_weight * format."""
     format_weight: float = 0.1
@@ -44,7 +35,7 @@ class RewardConfig:
     memory_mb: int = 1024
     """Address-space cap of each grader process in MiB (0 = none)."""
     group_budget_s: float = 10.0
-    """Bound on grading one whole group; groups_per_read * group_budget_s must stay below claim_idle_s,
+    """Bound on grading one whole group; groups_per_read * group_budget_s must stay below broker.claim_idle_s,
     or groups still waiting in a worker's hands would be reclaimed by another."""
     spare_grader: bool = True
     """Keep a warm spare grader per worker so that a timeout costs no process start."""
@@ -54,10 +45,6 @@ class RewardConfig:
     """Rollout groups taken per read from the broker."""
     block_s: float = 1.0
     """Longest wait of one read on an empty stream."""
-    claim_idle_s: float = 30.0
-    """A delivery pending this long on one (dead) worker is reclaimed by another."""
-    max_deliveries: int = 5
-    """A group delivered this often without an ack is dead-lettered."""
     publish_timeout_s: float = 5.0
     """While the scored stream is full a worker holds its group and retries publishing at this period
     (backpressure reaches the generators through the rollouts stream; nothing is dropped)."""
@@ -71,18 +58,22 @@ class RewardConfig:
     """Drain the rollouts stream, then exit (tests, batch re-scoring)."""
     consumer: str = ""
     """Consumer-name prefix; default <hostname>-<pid>. Worker i appends -<i>."""
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Python logging level."""
+    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=30.0, max_deliveries=5))
+    """The broker. claim_idle_s: a group pending this long on one (dead) worker is reclaimed by another."""
+    metrics: MetricsConfig = field(default_factory=lambda: MetricsConfig(port=9101))
+    """Prometheus server of worker 0; worker i serves metrics.port + i (port 0 = none)."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.groups_per_read * self.group_budget_s >= self.claim_idle_s:
+        if self.groups_per_read * self.group_budget_s >= self.broker.claim_idle_s:
             raise ValueError(
                 f"groups_per_read * group_budget_s ({self.groups_per_read} * {self.group_budget_s})"
-                f" must be below claim_idle_s ({self.claim_idle_s}), or groups still waiting in"
+                f" must be below broker.claim_idle_s ({self.broker.claim_idle_s}), or groups still waiting in"
                 " a worker's hands get reclaimed by another"
             )
         for name in [self.default_reward, *self.routes.values()]:

@@ -1,6 +1,6 @@
 """Prometheus metrics of one reward worker (names and buckets: deploy/METRICS.md).
 
-Every worker process owns a registry and serves it on `metrics_port + index`
+Every worker process owns a registry and serves it on `metrics.port + index`
 (`runtime.metrics.start_metrics_server`). Labelled series of the known data sources are created
 up front so that they are exported (as 0) from the moment the server starts.
 """

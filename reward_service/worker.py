@@ -41,6 +41,7 @@ from reward_service.rewards import DEFAULT_ROUTES
 from reward_service.scoring import GroupScorer, Pending
 from runtime.config import from_dict
 from runtime.metrics import start_metrics_server
+from runtime.redact import setup_logging
 
 log = logging.getLogger("reward_service.worker")
 
@@ -51,9 +52,7 @@ def consumer_name(cfg: RewardConfig, index: int) -> str:
 
 
 def connect(cfg: RewardConfig) -> Transport:
-    import broker
-
-    return broker.connect(cfg.broker, claim_idle_s=cfg.claim_idle_s, max_deliveries=cfg.max_deliveries)
+    return cfg.broker.connect()
 
 
 class RewardWorker:
@@ -62,7 +61,7 @@ class RewardWorker:
     def __init__(self, cfg: RewardConfig, index: int = 0, transport: Transport | None = None) -> None:
         self.cfg = cfg
         self.index = index
-        self.names = Names(cfg.namespace)
+        self.names = Names(cfg.broker.namespace)
         self.consumer = consumer_name(cfg, index)
         sources = tuple(sorted({*DEFAULT_ROUTES, *cfg.routes}))
         self.metrics = RewardMetrics(data_sources=sources)
@@ -110,9 +109,7 @@ class RewardWorker:
     def run(self) -> int:
         """Serve until stopped (or, with `burst`, until the stream is drained); returns groups published."""
         self.grader.start()
-        port = start_metrics_server(
-            self.cfg.metrics_port + self.index if self.cfg.metrics_port else 0, self.metrics.registry
-        )
+        port = start_metrics_server(self.cfg.metrics, self.metrics.registry, self.index)
         log.info(
             "worker %s consuming %s (metrics port %s)", self.consumer, self.names.rollouts, port or "off"
         )
@@ -186,9 +183,7 @@ def main() -> int:
     """Entry of a child started by `python -m reward_service`: {"config": {...}, "index": i} on stdin."""
     spec = json.load(sys.stdin)
     cfg = from_dict(RewardConfig, spec["config"])
-    logging.basicConfig(
-        level=cfg.log_level, format=f"%(asctime)s reward[{spec['index']}] %(levelname)s %(message)s"
-    )
+    setup_logging(cfg.log_level, f"%(asctime)s reward[{spec['index']}] %(levelname)s %(message)s")
     run_worker(cfg, int(spec["index"]))
     return 0
 

@@ -3,7 +3,9 @@
 Input schema (per row): `images` (list of {"bytes": binary, "path": str} structs), `problem`
 (text containing `<image>`), `answer` (the value, e.g. "48"); `id` is used when present.
 
-Each kept row becomes a PromptRecord with data_source "geometry3k", the problem followed by the
+A file without one of the columns `images`, `problem` and `answer` is refused before anything is
+written (`MissingColumns`, naming them; `python -m tasks` exits 1), and a file that yields no
+record at all is an error too (`BadInput`). Each kept row becomes a PromptRecord with data_source "geometry3k", the problem followed by the
 think-then-\\boxed{} instruction, and its images referenced by sha256. Rows are skipped, counted
 and logged when: the answer is missing or empty, an image is missing or undecodable, the
 `<image>` placeholders outnumber the images, or the prompt is longer than `max_prompt_len`
@@ -31,6 +33,15 @@ from tasks.records import BadImage, ImagePut, RecordWriter, SkipCounter, make_re
 log = logging.getLogger(__name__)
 
 DATA_SOURCE = "geometry3k"
+REQUIRED_COLUMNS = ("images", "problem", "answer")
+
+
+class BadInput(ValueError):
+    """The input file cannot make a task: missing, without a needed column, or without a usable row."""
+
+
+class MissingColumns(BadInput):
+    """The parquet file lacks columns that every row needs."""
 
 
 @dataclasses.dataclass
@@ -49,6 +60,23 @@ class Geo3kConfig:
     """Longest prompt kept, in tokens after image expansion."""
     instruction: str = INSTRUCTION
     """Appended to each problem."""
+
+    def validate(self) -> None:
+        if self.max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {self.max_prompt_len}")
+
+
+def check_columns(path: Path) -> None:
+    """Raise MissingColumns naming what `path` lacks of REQUIRED_COLUMNS (BadInput if there is no file)."""
+    if not Path(path).is_file():
+        raise BadInput(f"{path}: no such file")
+    names = set(pq.ParquetFile(path).schema_arrow.names)
+    missing = [c for c in REQUIRED_COLUMNS if c not in names]
+    if missing:
+        raise MissingColumns(
+            f"{path}: missing column(s) {', '.join(missing)} (the hiyouga/geometry3k schema needs"
+            f" {', '.join(REQUIRED_COLUMNS)}; found {', '.join(sorted(names)) or 'none'})"
+        )
 
 
 SPLITS = ("train", "test")
@@ -135,7 +163,10 @@ def row_to_record(
 
 
 def preprocess(config: Geo3kConfig, processor=None) -> dict:
-    """Convert the parquet file into a task directory; returns the manifest dict."""
+    """Convert the parquet file into a task directory; returns the manifest dict.
+
+    Raises MissingColumns before writing anything, and BadInput when no row became a record."""
+    check_columns(config.input)
     if processor is None:
         processor = _default_processor(config.model)
     skips = SkipCounter(DATA_SOURCE)
@@ -159,6 +190,8 @@ def preprocess(config: Geo3kConfig, processor=None) -> dict:
             },
         )
     log.info("geometry3k %s: kept %s, skipped %s", config.split, kept, skips.as_dict())
+    if not sum(kept.values()):
+        raise BadInput(f"{config.input}: no row became a record (skipped: {skips.as_dict()})")
     return {"records": kept, "skipped": skips.as_dict()}
 
 

@@ -32,6 +32,7 @@ import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from PIL import Image, ImageDraw
 
@@ -62,6 +63,8 @@ QUESTIONS = {
     "more": "Which image has more shapes, the first or the second? Answer 1 or 2.",
 }
 MIXED = ("colour", "count", "bigger")
+SyntheticTask = Literal["colour", "count", "bigger", "more", "mixed"]
+"""Question types; "mixed" draws one of MIXED per example."""
 """The question types "mixed" draws from (one image each)."""
 
 
@@ -71,7 +74,7 @@ class SyntheticConfig:
 
     out: Path = Path("data/synthetic")
     """Task directory to write (records, images, manifest)."""
-    task: str = "colour"
+    task: SyntheticTask = "colour"
     """colour | count | bigger | more (two images per prompt) | mixed."""
     train: int = 2000
     """Number of training prompts."""
@@ -97,6 +100,17 @@ class SyntheticConfig:
     """Control: pair every question with the image(s) of an independent scene (answer unreadable)."""
     instruction: str = SHORT_INSTRUCTION
     """Appended to each question."""
+
+    def validate(self) -> None:
+        if not 2 <= self.n_colours <= len(PALETTE):
+            raise ValueError(f"n_colours must be in 2..{len(PALETTE)}, got {self.n_colours}")
+        low = 2 if self.task == "more" else 1
+        if not low <= self.max_count <= 9:
+            raise ValueError(f"max_count must be in {low}..9 for task {self.task}, got {self.max_count}")
+        if not 0 <= self.size_jitter < 0.5:
+            raise ValueError(f"size_jitter must be in [0, 0.5), got {self.size_jitter}")
+        if self.train < 0 or self.test < 0:
+            raise ValueError("train and test must be >= 0")
 
 
 @dataclasses.dataclass
@@ -126,10 +140,6 @@ def make_example(config: SyntheticConfig, split: str, index: int) -> Example:
     """The example at `index` of `split`: a pure function of the config's seed, the split and the index."""
     rng = random.Random(f"{config.seed}/{split}/{index}")
     task = rng.choice(MIXED) if config.task == "mixed" else config.task
-    if task not in QUESTIONS:
-        raise ValueError(
-            f"unknown synthetic task {config.task!r}; choose colour, count, bigger, more or mixed"
-        )
     images, answer = _SCENES[task](rng, config)
     if config.shuffle_images:
         images, _ = _SCENES[task](random.Random(f"{config.seed}/{split}/{index}/decoy"), config)
@@ -226,8 +236,6 @@ def _canvas(rng: random.Random, config: SyntheticConfig) -> tuple[Image.Image, I
 
 
 def _colour(rng: random.Random, config: SyntheticConfig) -> tuple[str, tuple[int, int, int]]:
-    if not 2 <= config.n_colours <= len(PALETTE):
-        raise ValueError(f"n_colours must be in 2..{len(PALETTE)}")
     name, rgb = PALETTE[rng.randrange(config.n_colours)]
     j = config.colour_jitter
     return name, tuple(min(255, max(0, c + rng.randint(-j, j))) for c in rgb)
@@ -253,16 +261,12 @@ def _scene_colour(rng: random.Random, config: SyntheticConfig) -> tuple[list[Ima
 
 
 def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
-    if not 1 <= config.max_count <= 9:
-        raise ValueError("max_count must be in 1..9")
     image, k = _count_image(rng, config)
     return [image], str(k)
 
 
 def _scene_more(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
     """Two count scenes with different counts; the answer is which one (1 or 2) has more shapes."""
-    if not 2 <= config.max_count <= 9:
-        raise ValueError("max_count must be in 2..9 for the two-image task")
     counts = rng.sample(range(1, config.max_count + 1), 2)
     images = [_count_image(rng, config, k)[0] for k in counts]
     return images, "1" if counts[0] > counts[1] else "2"
@@ -276,8 +280,6 @@ def _count_image(
     s = config.image_size
     k = rng.randint(1, config.max_count) if k is None else k
     cells = rng.sample([(i, j) for i in range(3) for j in range(3)], k)  # one shape per 3x3 cell: no overlap
-    if not 0 <= config.size_jitter < 0.5:
-        raise ValueError("size_jitter must be in [0, 0.5)")
     for i, j in cells:
         r = s / 6 * 0.6 * rng.uniform(1 - config.size_jitter, 1 + config.size_jitter)
         kind = rng.choice(KINDS)

@@ -40,6 +40,8 @@ def sender(
     """The learner's sender of `cfg.transport` (not started). `rank`: this training rank (0 sends);
     `device`: the learner's device (cuda -> NCCL / cuda-ipc; cpu -> gloo)."""
     cfg.validate()
+    if cfg.transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {cfg.transport!r} (known: {TRANSPORTS})")
     if cfg.transport == "broadcast":
         from weights.broadcast_sender import BroadcastSender
 

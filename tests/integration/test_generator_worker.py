@@ -74,11 +74,12 @@ def record(store: ImageStore, i: int, *, min_version: int = 0, split: str = "tra
 
 
 def worker_for(engine, transport, names, **overrides):
+    from broker.config import BrokerConfig
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
     settings = dict(
-        namespace=names.namespace,
+        broker=BrokerConfig(namespace=names.namespace),
         generator_id="gen-a",
         weight_sync=WeightSyncConfig(enabled=False),
         block_s=0.05,

@@ -31,9 +31,9 @@ SMALL_RUN = [
     "--task.test", "2",
     "--task.image-size", "56",
     "--warm-start.steps", "0",
-    "--reward.metrics-port", "0",
-    "--generator.metrics-port", "0",
-    "--learner.metrics-port", "0",
+    "--reward.metrics.port", "0",
+    "--generator.metrics.port", "0",
+    "--learner.metrics.port", "0",
 ]  # fmt: skip
 
 

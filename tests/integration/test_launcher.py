@@ -70,11 +70,11 @@ class LauncherRun:
             "4",
             "--generator.sampling.max-tokens",
             "8",
-            "--reward.metrics-port",
+            "--reward.metrics.port",
             str(self.ports["reward"]),
-            "--generator.metrics-port",
+            "--generator.metrics.port",
             str(self.ports["generator"]),
-            "--learner.metrics-port",
+            "--learner.metrics.port",
             str(self.ports["learner"]),
         ]
         self.log = open(run_dir.parent / "launcher.log", "wb")  # noqa: SIM115
@@ -105,7 +105,7 @@ class LauncherRun:
         config = self.run_dir / "configs" / "learner.toml"
         if not config.is_file():
             return []
-        url = tomllib.loads(config.read_text())["broker"]
+        url = tomllib.loads(config.read_text())["broker"]["url"]
         title = [b"redis-server", url.split("//")[1].split("/")[0].encode()]
         pids = []
         for entry in Path("/proc").iterdir():

@@ -136,7 +136,8 @@ def test_reward_service_scales(raw, compose):
 def test_metrics_ports_match_prometheus_and_the_catalogue(compose, prometheus, service):
     job, base = ROLES[service]
     svc = compose["services"][service]
-    assert int(flag(svc["command"], "--metrics-port")) == base
+    assert int(flag(svc["command"], "--metrics.port")) == base
+    assert flag(svc["command"], "--metrics.host") == "0.0.0.0", "Prometheus scrapes from another container"
     expected = set(range(base, base + metric_instances(service, svc["command"])))
     assert exposed_ports(svc) == expected
     assert scrape_targets(prometheus)[job] == {(service, p) for p in expected}
@@ -170,8 +171,11 @@ def test_redis_password_and_persistence(raw, compose):
     assert "parallax:rollouts" in exporter["REDIS_EXPORTER_CHECK_STREAMS"]
     for name in ROLES:
         command = compose["services"][name]["command"]
-        url = flag(command, "--broker") or flag(command, "--broker-url")
-        assert url == f"redis://:{ENV['REDIS_PASSWORD']}@redis:6379/0", name
+        assert flag(command, "--broker.url") == "redis://redis:6379/0", name
+        assert ENV["REDIS_PASSWORD"] not in " ".join(command), (
+            f"{name}: a password on a command line shows in ps"
+        )
+        assert compose["services"][name]["environment"]["PARALLAX_BROKER_PASSWORD"] == ENV["REDIS_PASSWORD"]
 
 
 def test_no_secret_is_written_in_the_file(raw):

@@ -17,13 +17,13 @@ from deploy.plan import LaunchConfig, plan_gpus, role_configs
 from generator.config import GeneratorConfig
 from learner.config import LearnerConfig
 from reward_service.config import RewardConfig
-from runtime.config import load_config
+from runtime.config import load_config, validate
 from tests.unit.deploy.test_gpu_plan import h200s
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
 LAUNCH_CONFIGS = ["demo.toml", "qwen2_5_vl_7b_geometry3k.toml", "gpu_learn.toml"]
-PER_RUN = {"namespace", "run_dir", "feeder.train_data", "feeder.test_data", "broker"}
+PER_RUN = {"broker.namespace", "broker.url", "run_dir", "feeder.train_data", "feeder.test_data"}
 """Role settings the launcher fills in for each run."""
 
 
@@ -47,8 +47,8 @@ def test_launch_config_parses_and_plans(name, tmp_path):
     if cfg.learner.gpus:
         gpus = plan_gpus(cfg.learner.gpus, cfg.generator.gpus, h200s(8), tp=cfg.generator.tp)
     configs = role_configs(cfg, tmp_path, Path("/m"), Path("/d"), "zmq://127.0.0.1:1", "ns", gpus=gpus)
-    configs["learner"].validate()
-    configs["generator"].validate()
+    validate(configs["learner"])
+    validate(configs["generator"])
 
 
 @pytest.mark.parametrize(

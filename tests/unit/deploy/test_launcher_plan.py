@@ -20,7 +20,7 @@ from deploy.progress import JsonlTail, Rate, RunStatus
 from generator.config import GeneratorConfig
 from learner.config import LearnerConfig
 from reward_service.config import RewardConfig
-from runtime.config import load_config
+from runtime.config import load_config, validate
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,7 +55,7 @@ def test_role_configs_round_trip_through_toml(tmp_path):
     for name, cls in (("learner", LearnerConfig), ("generator", GeneratorConfig), ("reward", RewardConfig)):
         back = load_config(cls, ["--config", str(paths[name])])
         assert back == configs[name], name
-        assert back.broker == "redis://127.0.0.1:7/0" and back.namespace == "ns-1"
+        assert back.broker.url == "redis://127.0.0.1:7/0" and back.broker.namespace == "ns-1"
     learner, generator = configs["learner"], configs["generator"]
     assert learner.model == generator.model == "/models/m"
     assert learner.feeder.train_data == learner.feeder.test_data == "/data/t"
@@ -63,7 +63,7 @@ def test_role_configs_round_trip_through_toml(tmp_path):
         generator.sampling.temperature == 0.9
     )  # the learner's temperature, or the inbox rejects every group
     assert Path(learner.run_dir) == tmp_path / "learner"
-    learner.validate()
+    validate(learner)
 
 
 def test_the_two_image_task_raises_the_generators_image_limit(tmp_path):

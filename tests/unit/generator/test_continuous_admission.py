@@ -50,8 +50,10 @@ def test_inflight_updates_need_the_continuous_loop():
     GeneratorConfig().validate()
     with pytest.raises(ValueError, match="needs continuous"):
         GeneratorConfig(weight_update="inflight").validate()
-    with pytest.raises(ValueError, match="weight_update must be one of"):
-        GeneratorConfig(continuous=True, weight_update="abort").validate()
+    from runtime.config import from_dict
+
+    with pytest.raises(ValueError, match="weight_update = 'abort': expected one of 'drain', 'inflight'"):
+        from_dict(GeneratorConfig, {"continuous": True, "weight_update": "abort"})
     with pytest.raises(ValueError, match=">= 1"):
         GeneratorConfig(continuous=True, batch_prompts=0).validate()
 

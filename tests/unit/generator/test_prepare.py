@@ -130,6 +130,7 @@ class FakeEngine:
 def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(
     broker_url, names, tiny_processor, threads
 ):
+    from broker.config import BrokerConfig
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
 
@@ -139,7 +140,7 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(
     Publisher(transport, names.prompts).publish_many(records)
     engine = FakeEngine(tiny_processor.tokenizer)
     config = GeneratorConfig(
-        namespace=names.namespace,
+        broker=BrokerConfig(namespace=names.namespace),
         generator_id="gen-prep",
         weight_sync=WeightSyncConfig(enabled=False),
         block_s=0.05,

@@ -13,6 +13,7 @@ import time
 import broker
 from broker import codec
 from broker.channel import Publisher, Subscriber
+from broker.config import BrokerConfig
 from broker.names import group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import LearnerConfig
@@ -87,8 +88,7 @@ def test_feeder_drives_training_within_the_staleness_bound(
     write_task(SyntheticConfig(out=task, train=12, test=3, image_size=56))
     cfg = LearnerConfig(
         model=str(tiny_model_dir),
-        broker=redis_server.url,
-        namespace=names.namespace,
+        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
         run_dir=str(tmp_path / "run"),
         max_steps=4,
         weight_sync=WeightSyncConfig(enabled=False),

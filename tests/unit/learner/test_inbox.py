@@ -12,6 +12,7 @@ import pytest
 
 import broker
 from broker.channel import Publisher, Subscriber
+from broker.config import BrokerConfig
 from broker.names import group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, Score, ScoredGroup
 from learner.config import LearnerConfig
@@ -53,7 +54,7 @@ def _scored(gid, prompt_id, rewards=(0.0, 1.0), logprob=-0.5, prompt_ids=(1, 2))
 @pytest.fixture
 def setup(redis_server, names):
     transport = broker.connect(redis_server.url)
-    cfg = LearnerConfig(namespace=names.namespace)
+    cfg = LearnerConfig(broker=BrokerConfig(namespace=names.namespace))
     cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = 2, 1, False
     feeder = PromptFeeder(
         transport, names, _records(), lambda ref: b"", groups_per_step=2, max_staleness=1, shuffle=False

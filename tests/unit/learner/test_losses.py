@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from learner.config import POLICY_CORRECTIONS, POLICY_LOSSES, LearnerConfig, LossConfig
+from runtime.config import from_dict, validate
 from learner.losses import TokenBatch, loss_denominator, low_var_kl, policy_loss
 
 # Two sequences: seq 0 has 4 tokens (A > 0), seq 1 has 3 tokens (A < 0).
@@ -318,21 +319,21 @@ def test_config_accepts_listed_and_refuses_other_corrections(policy):
     for correction in CORRECTION_CASES:
         cfg = LearnerConfig(loss=LossConfig(policy=policy, correction=correction))
         if correction in POLICY_CORRECTIONS[policy]:
-            cfg.validate()
+            validate(cfg)
         else:
             with pytest.raises(
-                ValueError, match=f"loss.policy={policy} cannot take loss.correction={correction}"
+                ValueError, match=f"loss: policy={policy} cannot take correction={correction}"
             ):
-                cfg.validate()
+                validate(cfg)
 
 
 def test_config_refuses_unknown_policy_and_bad_parameters():
-    with pytest.raises(ValueError, match="loss.policy must be one of"):
-        LearnerConfig(loss=LossConfig(policy="grpo")).validate()
+    with pytest.raises(ValueError, match="loss.policy = 'grpo': expected one of 'ppo-clip', 'gspo'"):
+        from_dict(LearnerConfig, {"loss": {"policy": "grpo"}})
     with pytest.raises(ValueError, match="sapo_tau"):
-        LearnerConfig(loss=LossConfig(policy="sapo", sapo_tau_neg=0.0)).validate()
+        validate(LearnerConfig(loss=LossConfig(policy="sapo", sapo_tau_neg=0.0)))
     with pytest.raises(ValueError, match="cispo_clip"):
-        LearnerConfig(loss=LossConfig(policy="cispo", correction="tis", cispo_clip_high=-1.0)).validate()
+        validate(LearnerConfig(loss=LossConfig(policy="cispo", correction="tis", cispo_clip_high=-1.0)))
     batch = TokenBatch(torch.zeros(2), torch.zeros(2), torch.ones(2), torch.tensor([0, 0]), 1)
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy_loss(LossConfig(policy="grpo"), batch)

@@ -53,3 +53,31 @@ def test_config_resolves_without_importing_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["/x", "tis", "3", "2,3"]
+
+
+def test_a_rank_gets_the_redacted_password_from_the_environment(tmp_path, monkeypatch):
+    from broker.config import PASSWORD_ENV, BrokerConfig
+    from learner.__main__ import CONFIG_ENV, resolve
+    from learner.config import LearnerConfig
+    from runtime.config import write_resolved
+
+    cfg = LearnerConfig(model="/m", broker=BrokerConfig(url="redis://:pw-123@h:6379/0"))
+    path = write_resolved(cfg, tmp_path, "learner")
+    assert "pw-123" not in path.read_text() and "redis://:***@h:6379/0" in path.read_text()
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(PASSWORD_ENV, cfg.broker.password())  # what main() does before re-launching
+    assert resolve([]).broker.connect_url() == "redis://:pw-123@h:6379/0"
+
+
+def test_a_missing_model_directory_is_named_before_anything_starts(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "learner", "--model", str(tmp_path / "no-such-model")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert f"error: model {tmp_path / 'no-such-model'}: no such directory" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -9,6 +9,7 @@ import torch
 import broker
 from broker import codec
 from broker.channel import Publisher
+from broker.config import BrokerConfig
 from broker.images import ImageStore
 from broker.names import Names
 from learner.config import LearnerConfig
@@ -21,8 +22,7 @@ from weights.config import WeightSyncConfig
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
     cfg = LearnerConfig(
         model=str(tiny_model_dir),
-        broker=redis_server.url,
-        namespace=names.namespace,
+        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
         run_dir=str(run_dir),
         max_steps=2,
         weight_sync=WeightSyncConfig(enabled=False),
@@ -150,9 +150,9 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
         "learner",
         "--model",
         str(tiny_model_dir),
-        "--broker",
+        "--broker.url",
         redis_server.url,
-        "--namespace",
+        "--broker.namespace",
         names.namespace,
         "--run-dir",
         str(tmp_path),
@@ -161,7 +161,7 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
         "100",
         "--idle-exit-s",
         "120",
-        "--claim-idle-s",
+        "--broker.claim-idle-s",
         "1",
         "--checkpoint.every",
         "2",
@@ -200,9 +200,8 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
         names,
         tmp_path,
         max_steps=4,
-        claim_idle_s=1.0,
         idle_exit_s=20.0,
-        **{"checkpoint.every": 2},
+        **{"checkpoint.every": 2, "broker.claim_idle_s": 1.0},
     )
     learner = Learner(cfg, sender=NullSender())
     assert learner.state.step == 2 and learner.inbox.consumed == set(ckpt["consumed"])

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import broker
 from broker.channel import Publisher
+from broker.config import BrokerConfig
 from broker.images import ImageStore
 from broker.names import Names
 from learner.config import LearnerConfig
@@ -40,7 +41,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
     common = [
         "--model",
         str(tiny_model_dir),
-        "--broker",
+        "--broker.url",
         redis_server.url,
         "--weight-sync.no-enabled",
         "--max-steps",
@@ -65,7 +66,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
             "learner",
             "--nproc",
             "2",
-            "--namespace",
+            "--broker.namespace",
             "ranks-two",
             "--run-dir",
             str(tmp_path / "two"),
@@ -82,8 +83,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
     _publish(redis_server.url, "ranks-one", tiny_processor)
     cfg = LearnerConfig(
         model=str(tiny_model_dir),
-        broker=redis_server.url,
-        namespace="ranks-one",
+        broker=BrokerConfig(url=redis_server.url, namespace="ranks-one"),
         run_dir=str(tmp_path / "one"),
         max_steps=1,
         weight_sync=WeightSyncConfig(enabled=False),

@@ -44,21 +44,24 @@ def test_synthetic_reward_is_the_tasks_verifier(response, truth):
 
 
 def test_config_rejects_unknown_rewards_and_unsafe_budgets():
+    from broker.config import BrokerConfig
+
     with pytest.raises(ValueError, match="unknown reward"):
-        RewardConfig(routes={"geometry3k": "nope"})
+        RewardConfig(routes={"geometry3k": "nope"}).validate()
     with pytest.raises(ValueError, match="claim_idle_s"):
-        RewardConfig(groups_per_read=4, group_budget_s=10, claim_idle_s=30)
+        RewardConfig(groups_per_read=4, group_budget_s=10, broker=BrokerConfig(claim_idle_s=30)).validate()
     assert RewardConfig().weights.combine(1, 1) == pytest.approx(1.0)
 
 
-def test_shipped_toml_and_flag_aliases_resolve(monkeypatch):
+def test_shipped_toml_and_broker_flags_resolve(monkeypatch):
     from pathlib import Path
 
-    from reward_service.__main__ import _aliases
     from runtime.config import load_config
 
     monkeypatch.setenv("PARALLAX_BROKER_URL", "redis://:secret@example:6379/0")
     toml = Path(__file__).resolve().parents[3] / "deploy" / "configs" / "reward.toml"
-    cfg = load_config(RewardConfig, ["--config", str(toml), *_aliases(["--broker-url", "redis://h:1/0"])])
-    assert cfg.broker == "redis://h:1/0" and cfg.workers == 4 and cfg.routes["synthetic"] == "synthetic"
-    assert load_config(RewardConfig, ["--config", str(toml)]).broker == "redis://:secret@example:6379/0"
+    cfg = load_config(RewardConfig, ["--config", str(toml), "--broker.url", "redis://h:1/0"])
+    assert cfg.broker.url == "redis://h:1/0" and cfg.workers == 4 and cfg.routes["synthetic"] == "synthetic"
+    assert load_config(RewardConfig, ["--config", str(toml)]).broker.url == "redis://:secret@example:6379/0"
+    with pytest.raises(SystemExit, match="unknown reward 'nope'"):
+        load_config(RewardConfig, ["--config", str(toml), "--default-reward", "nope"])

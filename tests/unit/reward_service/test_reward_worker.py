@@ -15,12 +15,14 @@ import pytest
 
 import broker
 from broker.channel import Publisher, Subscriber
+from broker.config import BrokerConfig
 from broker.names import Names
 from broker.redis_server import free_port
 from broker.schemas import Rollout, RolloutGroup, ScoredGroup
 from reward_service.config import RewardConfig
 from reward_service.dedupe import OnceGate, scored_key
 from reward_service.worker import RewardWorker
+from runtime.metrics import MetricsConfig
 
 T = "<think>a</think>"
 CLIENT = "test-learner"
@@ -49,16 +51,16 @@ def make_group(group_id: str, answers: list[str], ground_truth: str, data_source
     )
 
 
-def config(url: str, names: Names, **overrides) -> RewardConfig:
+def config(
+    url: str, names: Names, claim_idle_s: float = 5.0, metrics_port: int = 0, **overrides
+) -> RewardConfig:
     base = dict(
-        broker=url,
-        namespace=names.namespace,
-        metrics_port=0,
+        broker=BrokerConfig(url=url, namespace=names.namespace, claim_idle_s=claim_idle_s),
+        metrics=MetricsConfig(port=metrics_port),
         burst=True,
         block_s=0.2,
         timeout_s=1.0,
         group_budget_s=2.0,
-        claim_idle_s=5.0,
         spare_grader=False,
         groups_per_read=1,
     )
@@ -213,17 +215,17 @@ def test_a_killed_workers_pending_group_is_reclaimed(redis_server, names):
             sys.executable,
             "-m",
             "reward_service",
-            "--broker",
+            "--broker.url",
             redis_server.url,
-            "--namespace",
+            "--broker.namespace",
             names.namespace,
-            "--metrics-port",
+            "--metrics.port",
             "0",
             "--timeout-s",
             "100",
             "--group-budget-s",
             "150",
-            "--claim-idle-s",
+            "--broker.claim-idle-s",
             "300",
             "--groups-per-read",
             "1",
@@ -266,11 +268,11 @@ def test_supervisor_runs_n_workers_that_share_the_stream(redis_server, names):
             "--workers",
             "2",
             "--burst",
-            "--broker-url",
+            "--broker.url",
             redis_server.url,
-            "--namespace",
+            "--broker.namespace",
             names.namespace,
-            "--metrics-port",
+            "--metrics.port",
             str(port),
             "--timeout-s",
             "2",

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from typing import Literal
 
 import pytest
 
@@ -51,3 +52,83 @@ def test_gpus(monkeypatch):
 def test_write_resolved(tmp_path):
     path = write_resolved(Cfg(), tmp_path, "test")
     assert json.loads(path.read_text())["inner"]["lr"] == 1e-6
+
+
+@dataclasses.dataclass
+class Section:
+    mode: Literal["fast", "exact"] = "fast"
+    """A choice."""
+    limit: int = 4
+    """Must be below 10."""
+
+    def validate(self) -> None:
+        if self.limit >= 10:
+            raise ValueError(f"limit must be < 10, got {self.limit}")
+
+
+def _section_default() -> Section:
+    return Section(limit=7)
+
+
+@dataclasses.dataclass
+class Role:
+    section: Section = dataclasses.field(default_factory=_section_default)
+    """A section whose default differs from the section class's own."""
+    url: str = "redis://h:1/0"
+    """A URL."""
+    maybe: bool | None = None
+    """Optional."""
+
+
+def test_a_wrong_type_in_toml_names_the_file_the_key_and_the_type(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[inner]\nlr = "fast"\n')
+    with pytest.raises(SystemExit) as info:
+        load_config(Cfg, ["--config", str(toml)])
+    assert str(info.value) == f"error: {toml}: inner.lr = 'fast': expected float, got str"
+    toml.write_text("betas = [0.5]\n")
+    with pytest.raises(SystemExit, match=r"betas = \[0.5\]: expected tuple\[float, float\] \(2 items\)"):
+        load_config(Cfg, ["--config", str(toml)])
+    toml.write_text("steps = 2.5\n")
+    with pytest.raises(SystemExit, match="steps = 2.5: expected int, got float"):
+        load_config(Cfg, ["--config", str(toml)])
+    toml.write_text("steps = true\n")  # bool is not an int here
+    with pytest.raises(SystemExit, match="steps = True: expected int, got bool"):
+        load_config(Cfg, ["--config", str(toml)])
+    toml.write_text("inner = 3\n")
+    with pytest.raises(SystemExit, match="inner: expected a table, got int"):
+        load_config(Cfg, ["--config", str(toml)])
+
+
+def test_a_choice_outside_its_literal_names_the_allowed_values(tmp_path):
+    toml = tmp_path / "r.toml"
+    toml.write_text('[section]\nmode = "quick"\n')
+    with pytest.raises(SystemExit, match="section.mode = 'quick': expected one of 'fast', 'exact', got str"):
+        load_config(Role, ["--config", str(toml)])
+    with pytest.raises(SystemExit):  # tyro refuses it on the command line too
+        load_config(Role, ["--section.mode", "quick"])
+
+
+def test_validate_runs_once_toml_and_flags_are_merged(tmp_path):
+    toml = tmp_path / "r.toml"
+    toml.write_text("[section]\nlimit = 12\n")
+    assert load_config(Role, ["--config", str(toml), "--section.limit", "3"]).section.limit == 3
+    with pytest.raises(SystemExit, match="error: section: limit must be < 10, got 12"):
+        load_config(Role, ["--config", str(toml)])
+    with pytest.raises(ValueError, match="section: limit must be < 10"):
+        from_dict(Role, {"section": {"limit": 11}})
+
+
+def test_a_partial_toml_section_keeps_the_roles_defaults_for_it(tmp_path):
+    toml = tmp_path / "r.toml"
+    toml.write_text('[section]\nmode = "exact"\n')
+    cfg = load_config(Role, ["--config", str(toml)])
+    assert cfg.section == Section(mode="exact", limit=7)  # limit from Role's default, not Section's
+    assert from_dict(Role, {"maybe": None, "url": "zmq://x:1"}).maybe is None
+
+
+def test_write_resolved_redacts_passwords(tmp_path):
+    path = write_resolved(Role(url="redis://user:hunter2@h:1/0"), tmp_path, "role")
+    text = path.read_text()
+    assert "hunter2" not in text
+    assert json.loads(text)["url"] == "redis://user:***@h:1/0"

@@ -124,3 +124,31 @@ def test_find_splits_says_what_is_missing(tmp_path):
         find_splits(tmp_path)
     with pytest.raises(ValueError, match="is not a directory: download the data set first"):
         find_splits(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("dropped", ["answer", "problem", "images"])
+def test_a_parquet_missing_a_column_exits_1_naming_it_and_writes_nothing(tmp_path, dropped):
+    path = tmp_path / "bad.parquet"
+    rows = [{"images": [_img()], "problem": "<image>Find x.", "answer": "48", "id": "0"}]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA).drop_columns([dropped])
+    pq.write_table(table, path)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "tasks", "geometry3k", "--input", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stderr
+    assert f"missing column(s) {dropped}" in run.stderr and "Traceback" not in run.stderr
+    assert not out.exists(), "nothing may be written for an input that cannot make a task"
+
+
+def test_a_parquet_without_any_usable_row_is_an_error(tmp_path, tiny_processor):
+    from tasks.geometry3k import BadInput
+
+    path = tmp_path / "empty.parquet"
+    rows = [{"images": [_img()], "problem": "<image>Find z.", "answer": None, "id": "3"}]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+    with pytest.raises(BadInput, match="no row became a record.*missing_answer"):
+        preprocess(Geo3kConfig(input=path, out=tmp_path / "out"), processor=tiny_processor)

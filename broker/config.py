@@ -1,0 +1,106 @@
+"""`BrokerConfig`: the broker section of every role's config (where the broker is, how to use it).
+
+Every process config has `broker: BrokerConfig` (TOML `[broker]`, flags `--broker.url`,
+`--broker.namespace`, ...). The URL defaults to $PARALLAX_BROKER_URL, else a local Redis. The
+Redis password is best kept out of the URL (a URL ends up in `ps` and in files): give it as
+`password_file` (first line of a file, e.g. a mounted secret) or in $PARALLAX_BROKER_PASSWORD;
+`connect()` puts it into the URL only when connecting. A password inside the URL still works;
+resolved configs and logs show it as *** (runtime/redact.py).
+
+    cfg.broker.connect()          # a broker.transport.Transport with this section's options
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote, unquote
+
+from runtime.redact import MASK
+
+if TYPE_CHECKING:
+    from broker.transport import Transport
+
+URL_ENV = "PARALLAX_BROKER_URL"
+"""Environment variable of the default broker URL."""
+PASSWORD_ENV = "PARALLAX_BROKER_PASSWORD"
+"""Environment variable of the Redis password (used when neither password_file nor the URL has one)."""
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+SCHEMES = ("redis://", "rediss://", "unix://", "zmq://")
+
+
+def default_url() -> str:
+    """$PARALLAX_BROKER_URL, else a Redis on this host."""
+    return os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+@dataclass
+class BrokerConfig:
+    """The run's broker: address, namespace, password and delivery options of this process's streams."""
+
+    url: str = field(default_factory=default_url)
+    """redis://host:port/db, rediss://..., unix:///path or zmq://host:port; default $PARALLAX_BROKER_URL,
+    else redis://127.0.0.1:6379/0. A password may be inside (redis://:PASSWORD@host:port/db), but
+    password_file or $PARALLAX_BROKER_PASSWORD keep it off command lines."""
+    namespace: str = "parallax"
+    """Namespace of this run's stream and key names (broker.names.Names); the same for every role of a run."""
+    password_file: str = ""
+    """File whose first line is the Redis password ("" = the URL's, else $PARALLAX_BROKER_PASSWORD)."""
+    claim_idle_s: float = 600.0
+    """An entry pending this long on one (dead) consumer of this process's input stream is reclaimed by
+    another consumer; each role documents what bounds it."""
+    max_deliveries: int = 5
+    """An input entry delivered this many times without an ack is dead-lettered."""
+
+    def validate(self) -> None:
+        if not self.url.startswith(SCHEMES):
+            raise ValueError(f"url {self.url!r} must start with one of {', '.join(SCHEMES)}")
+        if not self.namespace:
+            raise ValueError("namespace must not be empty")
+        if self.password_file and not Path(self.password_file).is_file():
+            raise ValueError(f"password_file {self.password_file} does not exist")
+        if self.claim_idle_s <= 0:
+            raise ValueError(f"claim_idle_s must be > 0, got {self.claim_idle_s}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+
+    def password(self) -> str | None:
+        """password_file's first line, else the URL's own password, else $PARALLAX_BROKER_PASSWORD."""
+        if self.password_file:
+            lines = Path(self.password_file).read_text().splitlines()
+            return lines[0].strip() if lines else None
+        own = _url_password(self.url)
+        return own if own else os.environ.get(PASSWORD_ENV) or None
+
+    def connect_url(self) -> str:
+        """The URL to connect to, with the password in it (never write this one anywhere)."""
+        password = self.password()
+        if not password or self.url.startswith("zmq://") or password == _url_password(self.url):
+            return self.url
+        scheme, userinfo, rest = _split(self.url)
+        user = userinfo.split(":", 1)[0]
+        return f"{scheme}://{user}:{quote(password, safe='')}@{rest}"
+
+    def connect(self, **opts) -> Transport:
+        """A connected transport (`broker.connect`) with this section's delivery options."""
+        import broker
+
+        opts.setdefault("claim_idle_s", self.claim_idle_s)
+        opts.setdefault("max_deliveries", self.max_deliveries)
+        return broker.connect(self.connect_url(), **opts)
+
+
+def _url_password(url: str) -> str | None:
+    """The password inside `url` (None when absent or redacted to ***)."""
+    _, userinfo, _ = _split(url)
+    password = userinfo.split(":", 1)[1] if ":" in userinfo else ""
+    return unquote(password) if password and password != MASK else None
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """(scheme, userinfo, rest) of scheme://[userinfo@]rest."""
+    scheme, _, tail = url.partition("://")
+    userinfo, at, rest = tail.rpartition("@")
+    return (scheme, userinfo, rest) if at else (scheme, "", tail)
