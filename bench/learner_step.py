@@ -145,7 +145,8 @@ def learner_config(cfg: BenchConfig, overrides: list[str], model_dir: Path, brok
         f"model={model_dir}",
         f"broker.url={broker_url}",
         f"run_dir={run_dir}",
-        f"broker.namespace=bench-{re.sub('[^a-z0-9]+', '-', run_dir.name.lower())}",  # per variant: from version 0
+        # per variant, so that each one starts from version 0
+        f"broker.namespace=bench-{re.sub('[^a-z0-9]+', '-', run_dir.name.lower())}",
         "metrics.port=0",
         "weight_sync.enabled=false",
         "checkpoint.every=0",

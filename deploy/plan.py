@@ -34,10 +34,9 @@ from learner.config import (
     ParallelConfig,
 )
 from reward_service.config import RewardConfig
-from tasks.synthetic import images_per_prompt
-from weights.config import WeightSyncConfig
 from runtime.metrics import MetricsConfig
-from tasks.synthetic import SyntheticTask
+from tasks.synthetic import SyntheticTask, images_per_prompt
+from weights.config import WeightSyncConfig
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from weights.config import WeightSyncConfig
 from broker.config import BrokerConfig
 from runtime.metrics import MetricsConfig
+from weights.config import WeightSyncConfig
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Correction = Literal["none", "decoupled", "tis", "icepop", "geo_mask"]

@@ -5,7 +5,9 @@ Input schema (per row): `images` (list of {"bytes": binary, "path": str} structs
 
 A file without one of the columns `images`, `problem` and `answer` is refused before anything is
 written (`MissingColumns`, naming them; `python -m tasks` exits 1), and a file that yields no
-record at all is an error too (`BadInput`). Each kept row becomes a PromptRecord with data_source "geometry3k", the problem followed by the
+record at all is an error too (`BadInput`).
+
+Each kept row becomes a PromptRecord with data_source "geometry3k", the problem followed by the
 think-then-\\boxed{} instruction, and its images referenced by sha256. Rows are skipped, counted
 and logged when: the answer is missing or empty, an image is missing or undecodable, the
 `<image>` placeholders outnumber the images, or the prompt is longer than `max_prompt_len`
