@@ -48,8 +48,8 @@ class FaultRun:
         self.run_dir, self.broker_kind = run_dir, broker_kind
         base = free_ports(3)
         ports = [
-            "--reward.metrics-port", str(base), "--generator.metrics-port", str(base + 1),
-            "--learner.metrics-port", str(base + 2),
+            "--reward.metrics.port", str(base), "--generator.metrics.port", str(base + 1),
+            "--learner.metrics.port", str(base + 2),
         ]  # fmt: skip
         args = ["--resume", str(run_dir), "--progress", "plain", *ports] if resume else [
             "--run-dir", str(run_dir), "--preset", "tiny", "--progress", "plain", "--broker", broker_kind,
@@ -90,10 +90,10 @@ class FaultRun:
 
         def configs():
             cfg = _toml(self.run_dir / "configs" / "learner.toml")
-            return cfg if cfg and cfg["broker"] != not_url else None
+            return cfg if cfg and cfg["broker"]["url"] != not_url else None
 
         cfg = self.wait_for("role configs", configs, poll_s=0.05)
-        return cfg["broker"], Names(cfg["namespace"])
+        return cfg["broker"]["url"], Names(cfg["broker"]["namespace"])
 
     def trained_lines(self) -> list[dict]:
         path = self.run_dir / "learner" / "trained.jsonl"
