@@ -190,5 +190,7 @@ def test_two_image_records_ask_which_image_has_more_shapes(tmp_path, tiny_proces
     assert control.answer == plain.answer and control.images[0].tobytes() != plain.images[0].tobytes()
     with pytest.raises(ValueError, match="2 images"):
         plain.image  # noqa: B018 - a two-image example has no single image
-    with pytest.raises(ValueError, match="max_count"):
-        make_example(SyntheticConfig(task="more", max_count=1), "train", 0)
+    from runtime.config import validate
+
+    with pytest.raises(ValueError, match="max_count must be in 2..9 for task more"):
+        validate(SyntheticConfig(task="more", max_count=1))  # what `python -m tasks synthetic` runs
