@@ -57,8 +57,8 @@ class FaultRun:
             "--warm-start.steps", "1", "--warm-start.batch", "2",
             "--learner.algo.groups-per-step", "2", "--learner.algo.no-dynamic-sampling",
             "--learner.eval.every", "0", "--learner.feeder.epochs", "1", "--learner.checkpoint.every", "2",
-            "--learner.claim-idle-s", "600", "--generator.claim-idle-s", "600",
-            "--reward.claim-idle-s", "600",
+            "--learner.broker.claim-idle-s", "600", "--generator.broker.claim-idle-s", "600",
+            "--reward.broker.claim-idle-s", "600",
             "--generator.sampling.n", "2", "--generator.sampling.max-tokens", "4", *ports,
         ]  # fmt: skip
         self.log_path = run_dir.parent / ("launcher-resumed.log" if resume else "launcher.log")
