@@ -71,7 +71,7 @@ class WeightSyncConfig:
     """How often a waiting side looks again (the learner for a lock, a generator for a new version)."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field (the choices are Literals: runtime.config checks them)."""
+        """Raise ValueError naming the first bad field (runtime.config checks the Literal choices)."""
         if not 0 <= self.port < 65536:
             raise ValueError(f"weight_sync.port must be in 0..65535, not {self.port}")
         if not self.host:
