@@ -115,7 +115,8 @@ class AlgoConfig:
     mini_batches: int = 1
     """Optimizer steps per batch of groups (PPO mini-batches); > 1 needs proximal=recompute."""
     max_staleness: int = 1
-    """Samples whose version_start is more than this many versions behind the learner are dropped (counted)."""
+    """Samples whose version_start is more than this many versions behind the learner are dropped
+    (counted)."""
     proximal: Proximal = "detached"
     """π_prox: detached (the step's own forward, exact when mini_batches == 1), recompute (extra
     no-grad forward before the step), behaviour (π_prox := μ, no correction possible)."""
@@ -123,7 +124,8 @@ class AlgoConfig:
     """Sampling temperature the generators used; logits are divided by it before log-softmax."""
     mask_truncated: bool = False
     """DAPO overlong filtering: samples the generator cut at max_tokens (finish reason "length") get no
-    loss (counted as truncated_masked); without it they train like any sample on their (format-less) reward."""
+    loss (counted as truncated_masked); without it they train like any sample on their (format-less)
+    reward."""
 
     def validate(self) -> None:
         if self.groups_per_step < 1 or self.mini_batches < 1:
@@ -174,15 +176,15 @@ class ParallelConfig:
     vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
     compile: Literal["", "elementwise", "blocks"] = ""
-    """torch.compile (policy/compile.py): "" none, "elementwise" (fused RMSNorms, SiLU x up and logprob chunks;
-    matmuls stay eager, so selective checkpointing keeps its savings), "blocks" (whole decoder blocks; pair
-    it with full checkpointing)."""
+    """torch.compile (policy/compile.py): "" none, "elementwise" (fused RMSNorms, SiLU x up and logprob
+    chunks; matmuls stay eager, so selective checkpointing keeps its savings), "blocks" (whole decoder
+    blocks; pair it with full checkpointing)."""
     mixed_precision: bool = True
     """bf16 parameters/compute with fp32 gradient reduction on GPU (CPU always runs fp32). On one GPU the
     learner still runs FSDP2 (a one-rank group) so that this applies."""
     reshard_after_forward: bool = True
-    """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2). Ignored on one rank
-    (nothing to free: the gathered parameters are kept)."""
+    """FSDP2: free the gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2). Ignored on
+    one rank (nothing to free: the gathered parameters are kept)."""
     backend: Literal["", "nccl", "gloo"] = ""
     """torch.distributed backend; empty = nccl on GPU, gloo on CPU."""
 
@@ -228,8 +230,9 @@ class FeederConfig:
     test_data: str = ""
     """Prompt records of the test split, for periodic evaluation."""
     prompts_ahead: int = 0
-    """Prompts kept in flight (published, not yet back as scored groups); 0 = groups_per_step x (max_staleness + 1),
-    the most for which the admission rule can bound staleness (more prompts in flight start on older weights)."""
+    """Prompts kept in flight (published, not yet back as scored groups); 0 = groups_per_step x
+    (max_staleness + 1), the most for which the admission rule can bound staleness (more prompts in
+    flight start on older weights)."""
     epochs: int = 1
     """Passes over the training prompts."""
     shuffle: bool = True
@@ -299,7 +302,8 @@ class LearnerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Periodic evaluation."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport cuda-ipc`; weights/config.py)."""
+    """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport cuda-ipc`;
+    weights/config.py)."""
 
     def validate(self) -> None:
         """Rules across sections (each section checks its own fields)."""

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from learner.config import POLICY_CORRECTIONS, POLICY_LOSSES, LearnerConfig, LossConfig
-from runtime.config import from_dict, validate
 from learner.losses import TokenBatch, loss_denominator, low_var_kl, policy_loss
+from runtime.config import from_dict, validate
 
 # Two sequences: seq 0 has 4 tokens (A > 0), seq 1 has 3 tokens (A < 0).
 # log π_θ - log π_prox chosen to land inside, on and beyond the clip range [0.8, 1.3] and the
