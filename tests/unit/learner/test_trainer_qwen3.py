@@ -9,6 +9,7 @@ import torch
 
 import broker
 from broker.channel import Publisher
+from broker.config import BrokerConfig
 from broker.images import ImageStore
 from learner.config import LearnerConfig
 from learner.trainer import Learner
@@ -30,8 +31,7 @@ def test_qwen3_learner_trains_and_syncs_bit_for_bit(qwen3_dir, redis_server, nam
 
     cfg = LearnerConfig(
         model=str(qwen3_dir),
-        broker=redis_server.url,
-        namespace=names.namespace,
+        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
         run_dir=str(tmp_path),
         max_steps=2,
         weight_sync=weights.WeightSyncConfig(timeout_s=20.0),
