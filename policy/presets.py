@@ -98,6 +98,10 @@ class Preset:
     """Attention head width; 0 = hidden / heads (Qwen3-VL-4B sets 128 with hidden 2560 and 32 heads)."""
 
 
+_QWEN_INPUTS = dict(vocab=151936, dtype="bfloat16", max_pixels=448 * 448)
+"""Qwen's vocabulary and token ids, bf16 weights, images up to 448x448 (256 tokens): the presets that run
+inputs written for the real models."""
+
 _QWEN_VISION = dict(
     vision_depth=32,
     vision_hidden=1280,
@@ -107,29 +111,68 @@ _QWEN_VISION = dict(
 )
 """The vision tower shared by the published 3B and 7B (patch 14, temporal patch 2, merge 2, window 112)."""
 
+_QWEN2_5_VL_PUBLISHED = dict(_QWEN_INPUTS, max_position_embeddings=128000, **_QWEN_VISION)
+"""What the published Qwen2.5-VL-3B and -7B share (the 7B replaces the vocabulary)."""
+
+_QWEN3_VL_PUBLISHED = dict(
+    _QWEN_INPUTS,
+    family="qwen3_vl",
+    max_position_embeddings=262144,
+    layers=36,
+    heads=32,
+    kv_heads=8,
+    vision_heads=16,
+    vision_positions=2304,
+)
+"""What the published Qwen3-VL-4B and -8B share."""
+
+_TINY = Preset(
+    hidden=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    ffn=256,
+    vision_depth=2,
+    vision_hidden=64,
+    vision_heads=2,
+    vision_ffn=128,
+)
+_SMALL = Preset(
+    hidden=256,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    ffn=768,
+    vision_depth=4,
+    vision_hidden=128,
+    vision_heads=4,
+    vision_ffn=256,
+)
+_TINY_FULLVOCAB = Preset(
+    **_QWEN_INPUTS,
+    hidden=128,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    ffn=256,
+    vision_depth=4,
+    vision_hidden=64,
+    vision_heads=2,
+    vision_ffn=128,
+    tie_word_embeddings=True,
+    fullatt_block_indexes=(1, 3),
+    max_position_embeddings=128000,
+)
+
+
+def _as_qwen3_vl(base: Preset, **changes) -> Preset:
+    """`base` as a Qwen3-VL model (family qwen3_vl, no Qwen2.5-VL full-attention blocks), then `changes`."""
+    return dataclasses.replace(base, family="qwen3_vl", fullatt_block_indexes=(), **changes)
+
+
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        hidden=128,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        ffn=256,
-        vision_depth=2,
-        vision_hidden=64,
-        vision_heads=2,
-        vision_ffn=128,
-    ),
-    "small": Preset(
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        ffn=768,
-        vision_depth=4,
-        vision_hidden=128,
-        vision_heads=4,
-        vision_ffn=256,
-    ),
+    "tiny": _TINY,
+    "small": _SMALL,
     "learn-230m": Preset(
         hidden=896,
         layers=12,
@@ -142,132 +185,53 @@ PRESETS: dict[str, Preset] = {
         vision_ffn=1710,
         fullatt_block_indexes=(3, 7),
     ),
-    "tiny-fullvocab": Preset(
-        hidden=128,
-        layers=2,
-        heads=2,
-        kv_heads=1,
-        ffn=256,
-        vision_depth=4,
-        vision_hidden=64,
-        vision_heads=2,
-        vision_ffn=128,
-        vocab=151936,
-        tie_word_embeddings=True,
-        fullatt_block_indexes=(1, 3),
-        max_position_embeddings=128000,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
-    ),
-    "qwen3-vl-tiny": Preset(  # 3 decoder layers: DeepStack's additions after layers 0 and 1 reach the logits
-        hidden=128,
-        layers=3,
-        heads=4,
-        kv_heads=2,
-        ffn=256,
-        vision_depth=3,
-        vision_hidden=64,
-        vision_heads=2,
-        vision_ffn=128,
-        family="qwen3_vl",
-        deepstack=(0, 1),
-    ),
-    "qwen3-vl-small": Preset(
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv_heads=2,
-        ffn=768,
-        vision_depth=4,
-        vision_hidden=128,
-        vision_heads=4,
-        vision_ffn=256,
-        family="qwen3_vl",
-        deepstack=(1, 2),
-    ),
-    "qwen3-vl-tiny-fullvocab": Preset(  # tiny-fullvocab as Qwen3-VL: the benches' --device cpu check
-        hidden=128,
-        layers=3,
-        heads=2,
-        kv_heads=1,
-        ffn=256,
-        vision_depth=3,
-        vision_hidden=64,
-        vision_heads=2,
-        vision_ffn=128,
-        vocab=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=262144,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
-        family="qwen3_vl",
-        deepstack=(0, 1),
+    "tiny-fullvocab": _TINY_FULLVOCAB,
+    # 3 decoder layers: DeepStack's additions after layers 0 and 1 reach the logits
+    "qwen3-vl-tiny": _as_qwen3_vl(_TINY, layers=3, vision_depth=3, deepstack=(0, 1)),
+    "qwen3-vl-small": _as_qwen3_vl(_SMALL, deepstack=(1, 2)),
+    # the benches' --device cpu check
+    "qwen3-vl-tiny-fullvocab": _as_qwen3_vl(
+        _TINY_FULLVOCAB, layers=3, vision_depth=3, deepstack=(0, 1), max_position_embeddings=262144
     ),
     # Qwen3-VL-{4B,8B}-Instruct config.json values (text and vision; vocab 151936 as Qwen3's tokenizer).
     "qwen3-vl-4b": Preset(
+        **_QWEN3_VL_PUBLISHED,
         hidden=2560,
-        layers=36,
-        heads=32,
-        kv_heads=8,
         head_dim=128,
         ffn=9728,
-        vocab=151936,
         tie_word_embeddings=True,
-        max_position_embeddings=262144,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
         vision_depth=24,
         vision_hidden=1024,
-        vision_heads=16,
         vision_ffn=4096,
-        family="qwen3_vl",
         deepstack=(5, 11, 17),
-        vision_positions=2304,
     ),
     "qwen3-vl-8b": Preset(
+        **_QWEN3_VL_PUBLISHED,
         hidden=4096,
-        layers=36,
-        heads=32,
-        kv_heads=8,
         ffn=12288,
-        vocab=151936,
         tie_word_embeddings=False,
-        max_position_embeddings=262144,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
         vision_depth=27,
         vision_hidden=1152,
-        vision_heads=16,
         vision_ffn=4304,
-        family="qwen3_vl",
         deepstack=(8, 16, 24),
-        vision_positions=2304,
     ),
     "qwen2.5-vl-3b": Preset(
+        **_QWEN2_5_VL_PUBLISHED,
         hidden=2048,
         layers=36,
         heads=16,
         kv_heads=2,
         ffn=11008,
-        vocab=151936,
         tie_word_embeddings=True,
-        max_position_embeddings=128000,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
-        **_QWEN_VISION,
     ),
     "qwen2.5-vl-7b": Preset(
+        **dict(_QWEN2_5_VL_PUBLISHED, vocab=152064),
         hidden=3584,
         layers=28,
         heads=28,
         kv_heads=4,
         ffn=18944,
-        vocab=152064,
         tie_word_embeddings=False,
-        max_position_embeddings=128000,
-        dtype="bfloat16",
-        max_pixels=448 * 448,
-        **_QWEN_VISION,
     ),
 }
 """Every preset by name. The published presets cap images at 448x448 (256 tokens), the benches' input."""

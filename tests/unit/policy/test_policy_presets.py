@@ -7,11 +7,13 @@ at the top level there, vision part under "vision_config"), so a wrong preset fa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from policy.builder import build_model
-from policy.presets import PRESETS, QWEN_TOKEN_IDS, get_preset, model_config
+from policy.presets import PRESETS, QWEN_TOKEN_IDS, Preset, get_preset, model_config
 
 _VISION = dict(
     depth=32,
@@ -154,6 +156,76 @@ def test_published_qwen3_vl_presets_have_the_published_parameter_count(name, tot
     """The parameter counts of the published safetensors (4.44 B and 8.77 B), built on the meta device."""
     model = build_model(name, "meta", torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == total
+
+
+_SHAPE = (
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn",
+    "vision_depth",
+    "vision_hidden",
+    "vision_heads",
+    "vision_ffn",
+)
+_QWEN_INPUTS = dict(vocab=151936, dtype="bfloat16", max_pixels=448 * 448)
+_QWEN3 = dict(family="qwen3_vl")
+_QWEN3_FULLVOCAB = dict(_QWEN_INPUTS, **_QWEN3, max_position_embeddings=262144)
+_QWEN2_5_PUBLISHED = dict(_QWEN_INPUTS, max_position_embeddings=128000, fullatt_block_indexes=(7, 15, 23, 31))
+EVERY_PRESET = {
+    "tiny": ((128, 2, 4, 2, 256, 2, 64, 2, 128), {}),
+    "small": ((256, 4, 4, 2, 768, 4, 128, 4, 256), {}),
+    "learn-230m": ((896, 12, 14, 2, 4864, 8, 640, 10, 1710), dict(fullatt_block_indexes=(3, 7))),
+    "tiny-fullvocab": (
+        (128, 2, 2, 1, 256, 4, 64, 2, 128),
+        dict(
+            _QWEN_INPUTS,
+            tie_word_embeddings=True,
+            fullatt_block_indexes=(1, 3),
+            max_position_embeddings=128000,
+        ),
+    ),
+    "qwen3-vl-tiny": ((128, 3, 4, 2, 256, 3, 64, 2, 128), dict(_QWEN3, deepstack=(0, 1))),
+    "qwen3-vl-small": ((256, 4, 4, 2, 768, 4, 128, 4, 256), dict(_QWEN3, deepstack=(1, 2))),
+    "qwen3-vl-tiny-fullvocab": (
+        (128, 3, 2, 1, 256, 3, 64, 2, 128),
+        dict(_QWEN3_FULLVOCAB, tie_word_embeddings=True, deepstack=(0, 1)),
+    ),
+    "qwen3-vl-4b": (
+        (2560, 36, 32, 8, 9728, 24, 1024, 16, 4096),
+        dict(
+            _QWEN3_FULLVOCAB,
+            head_dim=128,
+            tie_word_embeddings=True,
+            deepstack=(5, 11, 17),
+            vision_positions=2304,
+        ),
+    ),
+    "qwen3-vl-8b": (
+        (4096, 36, 32, 8, 12288, 27, 1152, 16, 4304),
+        dict(_QWEN3_FULLVOCAB, deepstack=(8, 16, 24), vision_positions=2304),
+    ),
+    "qwen2.5-vl-3b": (
+        (2048, 36, 16, 2, 11008, 32, 1280, 16, 3420),
+        dict(_QWEN2_5_PUBLISHED, tie_word_embeddings=True),
+    ),
+    "qwen2.5-vl-7b": ((3584, 28, 28, 4, 18944, 32, 1280, 16, 3420), dict(_QWEN2_5_PUBLISHED, vocab=152064)),
+}
+"""Every field of every preset: the _SHAPE values, then those that differ from Preset's defaults (also the
+ones config.json does not show: dtype, max_pixels, the toy presets)."""
+
+
+def test_the_table_lists_every_preset():
+    assert list(EVERY_PRESET) == list(PRESETS)
+
+
+@pytest.mark.parametrize("name", list(EVERY_PRESET))
+def test_every_preset_keeps_every_value(name):
+    """The blocks policy/presets.py shares between presets must not move a value (defaults included)."""
+    shape, rest = EVERY_PRESET[name]
+    defaults = {f.name: f.default for f in dataclasses.fields(Preset) if f.default is not dataclasses.MISSING}
+    assert dataclasses.asdict(PRESETS[name]) == {**defaults, **dict(zip(_SHAPE, shape)), **rest}
 
 
 def test_every_preset_builds_a_consistent_config():
