@@ -9,7 +9,8 @@
 Shared by both: the wire (weights/protocol.py), packed layouts and views (weights/manifest.py), the
 token-checked rendezvous (weights/rendezvous.py, weights/membership.py), the broker announcement
 (weights/follow.py) and applying a version to vLLM (weights/vllm_apply.py). Nothing is imported
-until a factory is called.
+until a factory is called. The factories take a checked `WeightSyncConfig`: each process validates
+its config once, where it loads it (runtime.config.load_config / from_dict).
 
     sender = weights.sender(cfg.weight_sync, publish=broker_publisher(transport, names), device=device)
     sender.start()
@@ -38,8 +39,8 @@ def sender(
     cfg: WeightSyncConfig, *, publish: Publish | None = None, rank: int = 0, device="cpu"
 ) -> WeightSender:
     """The learner's sender of `cfg.transport` (not started). `rank`: this training rank (0 sends);
-    `device`: the learner's device (cuda -> NCCL / cuda-ipc; cpu -> gloo)."""
-    cfg.validate()
+    `device`: the learner's device (cuda -> NCCL / cuda-ipc; cpu -> gloo). `cfg` is checked where it is
+    loaded (runtime.config); only a transport name outside TRANSPORTS is refused here."""
     if cfg.transport not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {cfg.transport!r} (known: {TRANSPORTS})")
     if cfg.transport == "broadcast":
@@ -65,8 +66,8 @@ def receiver(
     device: str = "cpu",
 ) -> WeightReceiver:
     """A generator's receiver (not started): of `cfg.transport` with an explicit `cfg.address`, else one
-    that follows the transport the learner announces through `resolve`."""
-    cfg.validate()
+    that follows the transport the learner announces through `resolve`. `cfg` is checked where it is
+    loaded (runtime.config); an unknown transport name is refused when the receiver is made."""
 
     def make(transport: str, resolve_inner: Resolve | None, served: int, apply_fn=None) -> WeightReceiver:
         kwargs = dict(resolve=resolve_inner, apply=apply_fn, version=served, device=device)

@@ -111,6 +111,10 @@ def test_the_factory_builds_a_receiver_of_the_configured_transport_with_an_expli
     assert isinstance(weights.receiver(WeightSyncConfig(), "gen", resolve=lambda: None), FollowingReceiver)
     with pytest.raises(ValueError, match="no resolve"):
         weights.receiver(WeightSyncConfig(), "gen")
+    with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
+        weights.receiver(WeightSyncConfig(transport="nccl", address="127.0.0.1:1"), "gen")
+    with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
+        weights.sender(WeightSyncConfig(transport="nccl"))
 
 
 @pytest.mark.parametrize(
