@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from weights import ipc
 from weights.ipc import IpcHandle, MappingCache
@@ -20,3 +22,11 @@ def fake_ipc(monkeypatch):
     monkeypatch.setattr(ipc, "share", share)
     monkeypatch.setattr(ipc, "LOCAL_MAPPINGS", MappingCache(lambda h, n: buffers["b"]))
     return buffers
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A three-tensor model.safetensors in tmp_path: (its directory, the tensors)."""
+    disk = {"a.weight": torch.zeros(2, 3), "b.weight": torch.ones(4), "c.weight": torch.full((3,), 2.0)}
+    save_file(disk, str(tmp_path / "model.safetensors"))
+    return tmp_path, disk

@@ -54,7 +54,8 @@ def _other(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_an_ipc_reference_loads_inside_the_worker(tiny_model_dir, tmp_path, monkeypatch):
-    from tests.unit.weights.test_weights_updates import ipc_version, shared
+    from fake_worker import ipc_version, shared
+
     from weights import ipc
     from weights.ipc import MappingCache
     from weights.vllm_apply import WeightLoadError

@@ -5,46 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_worker import FakeLLM, FakeModel, ProcessLLM
 from safetensors.torch import save_file
 
 from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version, checkpoint_shapes
-
-
-class FakeModel:
-    """What the loader reaches inside vLLM's worker: model_runner.reload_weights / model.load_weights."""
-
-    def __init__(self, disk: dict[str, torch.Tensor]):
-        self.disk = disk
-        self.params = {k: v.clone() for k, v in disk.items()}
-        self.fail_after: int | None = None
-
-    def load_weights(self, weights):
-        for i, (name, tensor) in enumerate(weights):
-            if self.fail_after is not None and i == self.fail_after:
-                self.fail_after = None
-                raise RuntimeError("boom half way")
-            self.params[name].copy_(tensor)
-
-    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
-        assert is_checkpoint_format
-        self.load_weights(weights_iterator if weights_iterator is not None else iter(self.disk.items()))
-
-
-class FakeLLM:
-    def __init__(self, model: FakeModel):
-        self.worker = type("Worker", (), {})()
-        self.worker.model_runner = model
-        model.model = model
-
-    def collective_rpc(self, fn, args=(), kwargs=None):
-        return [fn(self.worker, *args, **(kwargs or {}))]
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    disk = {"a.weight": torch.zeros(2, 3), "b.weight": torch.ones(4), "c.weight": torch.full((3,), 2.0)}
-    save_file(disk, str(tmp_path / "model.safetensors"))
-    return tmp_path, disk
 
 
 def test_shapes_come_from_the_safetensors_header(checkpoint, tmp_path_factory):
@@ -96,32 +60,11 @@ def test_a_load_failing_half_way_is_rolled_back_to_the_last_good_weights(checkpo
 def test_the_multi_process_path_ships_safetensors_bytes(checkpoint):
     path, disk = checkpoint
     model = FakeModel(disk)
-    model.parameters = lambda: iter([torch.zeros(1)])
     loader = WeightLoader(path, method="load_weights", in_process=False, keep_rollback_copy=False)
-    loader.apply(FakeLLM(model), as_version([("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))], 1))
+    llm = ProcessLLM(model)
+    loader.apply(llm, as_version([("b.weight", torch.full((4,), 3.0, dtype=torch.bfloat16))], 1))
     assert torch.equal(model.params["b.weight"], torch.full((4,), 3.0))
-
-
-class ProcessLLM(FakeLLM):
-    """A multi-process engine: every RPC crosses msgpack; records the tensor bytes of each safetensors blob
-    and can fail half way through the `fail_rpc`-th one (counting from 0)."""
-
-    def __init__(self, model: FakeModel):
-        super().__init__(model)
-        model.parameters = lambda: iter([torch.zeros(1)])
-        self.chunks: list[dict[str, int]] = []
-        self.fail_rpc: int | None = None
-
-    def collective_rpc(self, fn, args=(), kwargs=None):
-        import msgspec
-        from safetensors.torch import load
-
-        args = msgspec.msgpack.decode(msgspec.msgpack.encode(list(args)))
-        if args and isinstance(args[0], bytes):
-            if self.fail_rpc == len(self.chunks):
-                self.worker.model_runner.fail_after = 1
-            self.chunks.append({k: v.numel() * v.element_size() for k, v in load(args[0]).items()})
-        return [fn(self.worker, *args, **(kwargs or {}))]
+    assert [sorted(chunk) for chunk in llm.chunks] == [["b.weight"]]  # one safetensors blob crossed msgpack
 
 
 @pytest.fixture
