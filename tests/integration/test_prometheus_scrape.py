@@ -267,6 +267,18 @@ def assert_scraped(
     assert prom.target_health(job) == dict.fromkeys(instances, "up"), log
 
 
+def role_flags(redis_server, metrics_port: int) -> list[str]:
+    """The flags every role takes here: the test's Redis, a namespace of its own, its metrics port."""
+    return [
+        "--broker.url",
+        redis_server.url,
+        "--broker.namespace",
+        f"test-{uuid.uuid4().hex[:8]}",
+        "--metrics.port",
+        str(metrics_port),
+    ]
+
+
 def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory, role_process, redis_server):
     base = free_ports(2)
     log = role_process(
@@ -274,12 +286,7 @@ def test_reward_workers_are_scraped_with_every_reward_series(prometheus_factory,
         [
             "--workers",
             "2",
-            "--broker.url",
-            redis_server.url,
-            "--broker.namespace",
-            f"test-{uuid.uuid4().hex[:8]}",
-            "--metrics.port",
-            str(base),
+            *role_flags(redis_server, base),
         ],
     )
     instances = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
@@ -299,12 +306,7 @@ def test_generator_is_scraped_with_every_generator_series(
         [
             "--model",
             str(tiny_model_dir),
-            "--broker.url",
-            redis_server.url,
-            "--broker.namespace",
-            f"test-{uuid.uuid4().hex[:8]}",
-            "--metrics.port",
-            str(port),
+            *role_flags(redis_server, port),
             "--weight-sync.no-enabled",
             "--run-dir",
             str(tmp_path / "gen"),
@@ -330,12 +332,7 @@ def test_learner_is_scraped_with_every_learner_series(
         [
             "--model",
             str(tiny_model_dir),
-            "--broker.url",
-            redis_server.url,
-            "--broker.namespace",
-            f"test-{uuid.uuid4().hex[:8]}",
-            "--metrics.port",
-            str(port),
+            *role_flags(redis_server, port),
             "--run-dir",
             str(tmp_path / "learner"),
         ],
