@@ -11,6 +11,12 @@
 #   bash deploy/gpu_learn.sh cpu           # the "learn" pair on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
 #
+# A run longer than one device call (10 minutes): BACKGROUND=1 starts the call's runs in their own process
+# sessions (setsid: they outlive the call while the machine stays warm) under RUNS (default /tmp/gpu_learn,
+# which survives between calls; $OUT does not), and a later call collects them:
+#   MINUTES=15 BACKGROUND=1 bash deploy/gpu_learn.sh all   # returns at once; the runs go on
+#   bash deploy/gpu_learn.sh collect all                    # waits for them, then plots and reports
+#
 # Writes $OUT/runs/<name>/ (each launcher run directory: summary.json, curve.png, learner/metrics.jsonl, logs/),
 # $OUT/<call>.png (held-out accuracy and reward over wall-clock minutes, all runs of the call) and $OUT/<call>.json
 # (per run: accuracy at each evaluation, minutes to 80%, mismatch KL between vLLM and the learner over the run).
@@ -20,7 +26,10 @@ MODE=${1:-learn}
 OUT=${OUT:-/tmp/out}
 MINUTES=${MINUTES:-7}
 EXTRA=${EXTRA:-}
-mkdir -p "$OUT/runs"
+BACKGROUND=${BACKGROUND:-0}
+RUNS=${RUNS:-$OUT/runs}
+[ "$BACKGROUND" = 1 ] || [ "$MODE" = collect ] && RUNS=${RUNS_BG:-/tmp/gpu_learn}
+mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 PY=python3
@@ -63,16 +72,33 @@ launch() {  # launch NAME INDEX FLAGS...: one launcher run in the background, it
   local name=$1 i=$2; shift 2
   local ports=(--reward.metrics.port $((9101 + 10 * i)) --generator.metrics.port $((9201 + 10 * i))
                --learner.metrics.port $((9301 + 10 * i)))
-  echo "=== $name: python -m deploy --config $CONFIG $* ${TINY[*]} $EXTRA" | tee "$OUT/$name.log"
-  # shellcheck disable=SC2086
-  timeout -s INT -k 60 $((MINUTES * 60 + 120)) $PY -m deploy --config "$CONFIG" --run-dir "$OUT/runs/$name" \
-    --progress plain --max-minutes "$MINUTES" "${ports[@]}" "$@" "${TINY[@]}" $EXTRA >> "$OUT/$name.log" 2>&1 &
+  local cmd=(timeout -s INT -k 60 $((MINUTES * 60 + 120)) $PY -m deploy --config "$CONFIG" --run-dir "$RUNS/$name"
+             --progress plain --max-minutes "$MINUTES" "${ports[@]}" "$@" "${TINY[@]}")
+  # shellcheck disable=SC2206
+  cmd+=($EXTRA)
+  echo "=== $name: ${cmd[*]}" | tee "$RUNS/$name.log"
+  if [ "$BACKGROUND" = 1 ]; then
+    setsid nohup "${cmd[@]}" >> "$RUNS/$name.log" 2>&1 < /dev/null &
+  else
+    "${cmd[@]}" >> "$RUNS/$name.log" 2>&1 &
+  fi
+}
+
+finish() {  # finish NAME...: wait for the runs (their summary.json, or RUNS/NAME.log idle for 3 min), then copy logs
+  local n deadline=$((SECONDS + ${WAIT_S:-540}))
+  if [ "$BACKGROUND" = 1 ]; then echo "started in the background under $RUNS: $*"; exit 0; fi
+  wait
+  for n in "$@"; do
+    while [ ! -f "$RUNS/$n/summary.json" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
+    [ -f "$RUNS/$n/summary.json" ] || echo "$n: no summary.json yet (still running?)"
+    cp "$RUNS/$n.log" "$OUT/" 2>/dev/null
+  done
 }
 
 report() {  # report CALL NAME...: one plot and one JSON over the call's runs
   local call=$1; shift
   local dirs=() n
-  for n in "$@"; do dirs+=("$OUT/runs/$n"); done
+  for n in "$@"; do dirs+=("$RUNS/$n"); done
   $PY -m deploy.plot "${dirs[@]}" --labels "$@" --out "$OUT/$call.png" --summary "$OUT/$call.json" \
     --title "learn-230m counting 1-6 shapes on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
   $PY - "$OUT/$call.json" <<'PY'
@@ -85,31 +111,36 @@ for label, s in json.load(open(sys.argv[1])).items():
 PY
 }
 
+declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop")
+COLLECT=0
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
   cpu) setup_cpu; MODE=learn ;;
+  collect) COLLECT=1; MODE=${2:-learn}; export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy ;;
   learn|corrections|all) setup_gpu ;;
-  *) echo "usage: $0 learn|corrections|all|cpu|wheels"; exit 2 ;;
+  *) echo "usage: $0 learn|corrections|all|cpu|wheels|collect SET"; exit 2 ;;
 esac
-if [ "$MODE" = learn ]; then
-  launch learn 0
-  launch control 1 --task.shuffle-images
-  wait
-  report learn learn control
-elif [ "$MODE" = corrections ]; then
+[ -n "${SET[$MODE]:-}" ] || { echo "unknown set $MODE (learn | corrections | all)"; exit 2; }
+read -ra NAMES <<< "${SET[$MODE]}"
+if [ "$COLLECT" = 0 ]; then
   i=0
-  for c in none decoupled tis icepop; do launch "$c" $i --learner.loss.correction "$c"; i=$((i + 1)); done
-  wait
-  report corrections none decoupled tis icepop
-else  # all: the decoupled learning run doubles as the corrections' decoupled column
-  launch learn 0
-  launch control 1 --task.shuffle-images
-  i=2
-  for c in none tis icepop; do launch "$c" $i --learner.loss.correction "$c"; i=$((i + 1)); done
-  wait
-  report all learn control none tis icepop
+  for n in "${NAMES[@]}"; do
+    case "$n" in
+      learn) launch learn $i ;;
+      control) launch control $i --task.shuffle-images ;;
+      *) launch "$n" $i --learner.loss.correction "$n" ;;  # the corrections; "learn" is the decoupled one in "all"
+    esac
+    i=$((i + 1))
+  done
 fi
+finish "${NAMES[@]}"
+report "$MODE" "${NAMES[@]}"
+mkdir -p "$OUT/runs"
+for n in "${NAMES[@]}"; do  # what comes back: the small files of each run directory, one tar per call
+  cp -r "$RUNS/$n" "$OUT/runs/" 2>/dev/null
+done
 for d in "$OUT"/runs/*/; do  # what does not come back: weights, images, caches
   rm -rf "$d"learner/checkpoints "$d"learner/hf "$d"warmstart/model "$d"data/images "$d"data/*/images "$d"generator/vllm-cache
 done
-du -sh "$OUT"
+tar czf "$OUT/runs.tar.gz" -C "$OUT" runs && rm -rf "$OUT/runs"  # at most 8 files come back, 2 folders deep
+du -sh "$OUT"/*

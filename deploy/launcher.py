@@ -206,6 +206,8 @@ class Launcher:
             str(t.test),
             "--n-colours",
             str(t.n_colours),
+            "--colour-jitter",
+            str(t.colour_jitter),
             "--image-size",
             str(t.image_size),
             "--max-count",

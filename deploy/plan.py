@@ -55,7 +55,10 @@ class TaskOptions:
     test: int = 64
     """Held-out prompts (evaluated greedily every `learner.eval.every` steps)."""
     n_colours: int = 4
-    """Palette size: chance on "colour" is 1 / n_colours."""
+    """Palette size: chance on "colour" is 1 / n_colours; 1 on "count" draws every shape red, so the count
+    is a linear image feature (the covered red area)."""
+    colour_jitter: int = 20
+    """Per-channel uniform jitter of the shapes' colours."""
     image_size: int = 112
     """Image side in pixels (112 -> 16 image tokens)."""
     max_count: int = 4

@@ -36,8 +36,12 @@ class Curve:
     """stage -> (start, end) minutes."""
     chance: float = math.nan
     mismatch_kl: list[float] = field(default_factory=list)
-    """Per training step (aligned with `reward`): KL between the generator's behaviour logprobs and the
-    learner's at the same weights (the engine mismatch importance correction exists for)."""
+    """Per training step (aligned with `reward`): k3 KL between the generator's behaviour logprobs and the
+    learner's at the same weights (samples of the current version only: the engine mismatch importance
+    correction exists for); NaN on a step without such samples."""
+    behaviour_kl: list[float] = field(default_factory=list)
+    """Per training step: the same KL over all trained samples, stale ones included (mismatch + policy
+    change since the sample's version)."""
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -77,7 +81,8 @@ def run_curve(run_dir: str | Path, label: str = "") -> Curve:
         if line.get("groups") and "reward_mean" in line:
             curve.reward_t.append(minutes)
             curve.reward.append(line["reward_mean"])
-            curve.mismatch_kl.append(float(line.get("mismatch_kl", math.nan)))
+            curve.mismatch_kl.append(float(line.get("mismatch_kl_fresh", math.nan)))
+            curve.behaviour_kl.append(float(line.get("mismatch_kl", math.nan)))
         if "eval/accuracy" in line:
             curve.eval_t.append(minutes)
             curve.eval_acc.append(line["eval/accuracy"])
@@ -90,6 +95,7 @@ def summarize(curve: Curve, outcome: str, target: float) -> dict:
     evals = list(zip(curve.eval_t, curve.eval_step, curve.eval_acc))
     hit = next((t for t, _, acc in evals if acc >= target), None)
     kl = [k for k in curve.mismatch_kl if math.isfinite(k)]
+    stale_kl = [k for k in curve.behaviour_kl if math.isfinite(k)]
     return {
         "outcome": outcome,
         "minutes": curve.reward_t[-1] if curve.reward_t else 0.0,
@@ -104,6 +110,11 @@ def summarize(curve: Curve, outcome: str, target: float) -> dict:
             "mean": _finite(sum(kl) / len(kl), 6) if kl else None,
             "max": _finite(max(kl), 6) if kl else None,
             "every_10_steps": [_finite(k, 6) for k in kl[::10]],
+            "steps_measured": len(kl),
+        },
+        "behaviour_kl_with_staleness": {
+            "mean": _finite(sum(stale_kl) / len(stale_kl), 6) if stale_kl else None,
+            "max": _finite(max(stale_kl), 6) if stale_kl else None,
         },
         "stages": {k: [_finite(v[0]), _finite(v[1])] for k, v in curve.stages.items()},
         "chance": _finite(curve.chance, 4),

@@ -245,10 +245,10 @@ class Learner:
             self._no_grad_pass(plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
         weights = defaultdict(float)
-        for mine, n_micro, denom in plans:
+        for update, (mine, n_micro, denom) in enumerate(plans):
             for i in range(n_micro):
                 mb = mine[i] if i < len(mine) else None
-                self._micro_step(mb, denom, weights)
+                self._micro_step(mb, denom, weights, first_update=update == 0)
             norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             if math.isfinite(norm):
                 t0 = time.perf_counter()  # host time (torch's AdamW on CUDA returns before its kernels end)
@@ -260,10 +260,13 @@ class Learner:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             values["grad_norm"] = norm
-        totals = all_reduce_sum([weights[k] for k in ("n", "tokens", "flops", *_SUMMED)])
+        head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl")
+        totals = all_reduce_sum([weights[k] for k in (*head, *_SUMMED)])
         n = max(totals[0], 1.0)
         values["tokens"], values["flops"] = totals[1], totals[2]
-        for key, total in zip(_SUMMED, totals[3:]):
+        values["fresh_tokens"] = totals[3]
+        values["mismatch_kl_fresh"] = totals[4] / totals[3] if totals[3] > 0 else math.nan
+        for key, total in zip(_SUMMED, totals[len(head) :]):
             values[key] = total / n
         values["lr"] = self.scheduler.get_last_lr()[0]
         values["nonfinite_steps"] = float(self.nonfinite_steps)
@@ -296,7 +299,9 @@ class Learner:
                     logprobs, _ = self._forward(module, mb)
                     setattr(mb, attr, logprobs.float().cpu())
 
-    def _micro_step(self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float]) -> None:
+    def _micro_step(
+        self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool = True
+    ) -> None:
         real = mb is not None
         mb = mb if real else self._dummy()
         logprobs, entropy = self._forward(self.model, mb)
@@ -327,6 +332,23 @@ class Learner:
             weights["flops"] += train_flops(self.n_lm_params, layers, hidden, seq_lens)
             for key in _SUMMED:
                 weights[key] += m.get(key, 0.0) * n
+            if first_update:
+                self._fresh_mismatch(mb, logprobs, weights)
+
+    def _fresh_mismatch(self, mb: PackedMicroBatch, logprobs, weights: dict[str, float]) -> None:
+        """k3 KL between the generator's and the learner's logprobs over the tokens of samples sampled by
+        exactly the weights this forward runs (version_start == version_end == the current version): the
+        engine mismatch alone, without the policy change that staleness adds to `mismatch_kl`."""
+        now = self.version_now
+        fresh = [s.version_start == now and s.version_end in (-1, now) for s in mb.samples]
+        if not any(fresh):
+            return
+        with torch.no_grad():
+            mask = torch.tensor(fresh, device=logprobs.device)[mb.seq_index.to(logprobs.device)]
+            log_r = (logprobs.detach().float() - mb.behaviour_logprobs.to(logprobs.device))[mask]
+            log_r = log_r.clamp(-20.0, 20.0)
+            weights["fresh_tokens"] += float(log_r.numel())
+            weights["fresh_kl"] += (log_r.exp() - log_r - 1.0).sum().item()
 
     def _dummy(self) -> PackedMicroBatch:
         """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""

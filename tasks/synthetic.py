@@ -83,7 +83,8 @@ class SyntheticConfig:
     seed: int = 0
     """Seed of both splits (each split draws from its own stream)."""
     n_colours: int = 4
-    """Palette size (2..10); chance on "colour" is 1/n_colours."""
+    """Palette size (2..10 for "colour", whose chance is 1/n_colours; 1..10 for the others: 1 = every shape
+    red, so on "count" the covered red area, a linear image feature, gives the answer)."""
     max_count: int = 4
     """Largest count in "count" and "more" questions (1..9; "more" needs at least 2)."""
     size_jitter: float = 0.25
@@ -102,8 +103,12 @@ class SyntheticConfig:
     """Appended to each question."""
 
     def validate(self) -> None:
-        if not 2 <= self.n_colours <= len(PALETTE):
-            raise ValueError(f"n_colours must be in 2..{len(PALETTE)}, got {self.n_colours}")
+        low_colours = 2 if self.task in ("colour", "mixed") else 1
+        if not low_colours <= self.n_colours <= len(PALETTE):
+            raise ValueError(
+                f"n_colours must be in {low_colours}..{len(PALETTE)} for task {self.task}, "
+                f"got {self.n_colours}"
+            )
         low = 2 if self.task == "more" else 1
         if not low <= self.max_count <= 9:
             raise ValueError(f"max_count must be in {low}..9 for task {self.task}, got {self.max_count}")

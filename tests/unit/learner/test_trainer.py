@@ -1,6 +1,7 @@
 """The Learner end to end on the tiny model with a real Redis: steps, filters, acks, metrics."""
 
 import json
+import math
 import time
 
 import pytest
@@ -111,6 +112,11 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     ):
         assert key in lines[0], key
     assert lines[0]["mismatch_kl"] > 0  # behaviour logprobs were made up: the learner disagrees
+    # Step 1 runs version 0's weights and every group was sampled at version 0: all of it is fresh, so
+    # the engine-mismatch KL is the behaviour KL; step 2 (version 1) has no version-1 sample.
+    assert lines[0]["fresh_tokens"] > 0
+    assert lines[0]["mismatch_kl_fresh"] == pytest.approx(lines[0]["mismatch_kl"], rel=1e-4)
+    assert lines[1]["fresh_tokens"] == 0 and math.isnan(lines[1]["mismatch_kl_fresh"])
     assert learner.transport.pending(names.scored, Names.LEARNER) == 0  # acked after each checkpoint
     learner.close()
     assert (tmp_path / "hf" / "model.safetensors").is_file()

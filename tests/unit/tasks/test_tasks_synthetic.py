@@ -143,6 +143,34 @@ def test_equal_area_count_scenes_make_the_count_readable_from_the_covered_area()
     assert any(hi >= lo for (_, hi), (lo, _) in zip(hard, hard[1:]))
 
 
+def test_one_colour_count_scenes_make_the_count_a_linear_image_feature():
+    """With every shape red (n_colours=1, small colour jitter: deploy/configs/gpu_learn.toml) the image's
+    mean red-minus-green, a linear function of its pixels, separates every count from the next; with
+    four colours it does not. n_colours=1 is refused for the colour question (chance would be 1)."""
+    import numpy as np
+
+    from tasks.synthetic import SyntheticConfig, make_example
+
+    def ranges(n_colours):
+        config = SyntheticConfig(
+            task="count", max_count=6, image_size=224, size_jitter=0.05, equal_area=True,
+            n_colours=n_colours, colour_jitter=5,
+        )  # fmt: skip
+        feature: dict[int, list[float]] = {}
+        for i in range(240):
+            ex = make_example(config, "train", i)
+            pixels = np.asarray(ex.image).astype(float)
+            feature.setdefault(int(ex.answer), []).append((pixels[..., 0] - pixels[..., 1]).mean())
+        return [(min(v), max(v)) for _, v in sorted(feature.items())]
+
+    one = ranges(1)
+    assert len(one) == 6 and all(hi < lo for (_, hi), (lo, _) in zip(one, one[1:]))
+    four = ranges(4)
+    assert any(hi >= lo for (_, hi), (lo, _) in zip(four, four[1:]))
+    with pytest.raises(ValueError, match="n_colours must be in 2..10 for task colour"):
+        SyntheticConfig(task="colour", n_colours=1).validate()
+
+
 def _shapes(image) -> int:
     """Connected foreground blobs of a scene (its shapes: one per 3x3 cell, so they never touch)."""
     import numpy as np
