@@ -8,14 +8,15 @@
 #   bash deploy/gpu_learn.sh learn         # the learning run (correction decoupled) + its control (shuffled images)
 #   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
 #   bash deploy/gpu_learn.sh all           # learn + control + none / tis / icepop: five runs side by side, one call
-#   bash deploy/gpu_learn.sh cpu           # the "learn" pair on CPU with the tiny override (for testing here)
+#   bash deploy/gpu_learn.sh seq           # the learning run alone on the GPU until 0.9 held out, then the control
+#   bash deploy/gpu_learn.sh cpu [SET]     # a set (default learn) on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
 #
 # A run longer than one device call (10 minutes): BACKGROUND=1 starts the call's runs in their own process
 # sessions (setsid: they outlive the call while the machine stays warm) under RUNS (default /tmp/gpu_learn,
 # which survives between calls; $OUT does not), and a later call collects them:
-#   MINUTES=15 BACKGROUND=1 bash deploy/gpu_learn.sh all   # returns at once; the runs go on
-#   bash deploy/gpu_learn.sh collect all                    # waits for them, then plots and reports
+#   MINUTES=15 BACKGROUND=1 bash deploy/gpu_learn.sh seq   # returns at once; the runs go on
+#   bash deploy/gpu_learn.sh collect seq                    # waits for them, then plots and reports
 #
 # Writes $OUT/runs/<name>/ (each launcher run directory: summary.json, curve.png, learner/metrics.jsonl, logs/),
 # $OUT/<call>.png (held-out accuracy and reward over wall-clock minutes, all runs of the call) and $OUT/<call>.json
@@ -28,7 +29,7 @@ MINUTES=${MINUTES:-7}
 EXTRA=${EXTRA:-}
 BACKGROUND=${BACKGROUND:-0}
 RUNS=${RUNS:-$OUT/runs}
-[ "$BACKGROUND" = 1 ] || [ "$MODE" = collect ] && RUNS=${RUNS_BG:-/tmp/gpu_learn}
+case "$BACKGROUND:$MODE" in 1:*|*:collect|*:seq-run) RUNS=${RUNS_BG:-/tmp/gpu_learn} ;; esac
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -100,7 +101,7 @@ report() {  # report CALL NAME...: one plot and one JSON over the call's runs
   local dirs=() n
   for n in "$@"; do dirs+=("$RUNS/$n"); done
   $PY -m deploy.plot "${dirs[@]}" --labels "$@" --out "$OUT/$call.png" --summary "$OUT/$call.json" \
-    --title "learn-230m counting 1-6 shapes on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
+    --title "learn-230m counting 1-4 red shapes on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
   $PY - "$OUT/$call.json" <<'PY'
 import json, sys
 for label, s in json.load(open(sys.argv[1])).items():
@@ -111,18 +112,38 @@ for label, s in json.load(open(sys.argv[1])).items():
 PY
 }
 
-declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop")
+declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop"
+                [seq]="learn control")
 COLLECT=0
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
-  cpu) setup_cpu; MODE=learn ;;
+  cpu) setup_cpu; MODE=${2:-learn}; export GL_CPU=1 ;;
   collect) COLLECT=1; MODE=${2:-learn}; export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy ;;
-  learn|corrections|all) setup_gpu ;;
+  seq-run) COLLECT=2; MODE=seq
+    if [ "${GL_CPU:-0}" = 1 ]; then setup_cpu; else export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy; fi ;;
+  learn|corrections|all|seq) setup_gpu ;;
   *) echo "usage: $0 learn|corrections|all|cpu|wheels|collect SET"; exit 2 ;;
 esac
 [ -n "${SET[$MODE]:-}" ] || { echo "unknown set $MODE (learn | corrections | all)"; exit 2; }
 read -ra NAMES <<< "${SET[$MODE]}"
-if [ "$COLLECT" = 0 ]; then
+if [ "$COLLECT" = 2 ]; then  # seq, in its own session: the learning run alone on the GPU until it reaches
+  # STOP_ACCURACY (or MINUTES), then the control for what is left of MINUTES (at least CONTROL_MIN minutes)
+  start=$SECONDS
+  BACKGROUND=0 EXTRA="$EXTRA --stop-accuracy ${STOP_ACCURACY:-0.9}" launch learn 0
+  wait
+  MINUTES=$(( MINUTES - (SECONDS - start) / 60 ))
+  [ "$MINUTES" -ge "${CONTROL_MIN:-4}" ] || MINUTES=${CONTROL_MIN:-4}
+  BACKGROUND=0 launch control 1 --task.shuffle-images
+  wait
+  exit 0
+fi
+if [ "$MODE" = seq ]; then  # the same sequence, in the foreground or (BACKGROUND=1) in its own session
+  if [ "$BACKGROUND" = 1 ]; then
+    setsid nohup env RUNS_BG="$RUNS" bash "$0" seq-run > "$RUNS/seq.log" 2>&1 < /dev/null &
+  else
+    RUNS_BG="$RUNS" bash "$0" seq-run > "$RUNS/seq.log" 2>&1
+  fi
+elif [ "$COLLECT" = 0 ]; then
   i=0
   for n in "${NAMES[@]}"; do
     case "$n" in
