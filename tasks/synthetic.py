@@ -280,18 +280,21 @@ def _scene_more(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image
 def _count_image(
     rng: random.Random, config: SyntheticConfig, k: int | None = None
 ) -> tuple[Image.Image, int]:
-    """A scene of `k` (None: 1..max_count at random) small shapes, one per 3x3 grid cell (none overlap)."""
+    """A scene of `k` (None: 1..max_count at random) shapes, one per grid cell (none overlap): a 2x2 grid
+    when max_count <= 4 (larger shapes), else 3x3."""
     image, draw = _canvas(rng, config)
     s = config.image_size
     k = rng.randint(1, config.max_count) if k is None else k
-    cells = rng.sample([(i, j) for i in range(3) for j in range(3)], k)  # one shape per 3x3 cell: no overlap
+    g = 2 if config.max_count <= 4 else 3
+    cells = rng.sample([(i, j) for i in range(g) for j in range(g)], k)  # one shape per cell: no overlap
+    half = s / (2 * g)
     for i, j in cells:
-        r = s / 6 * 0.6 * rng.uniform(1 - config.size_jitter, 1 + config.size_jitter)
+        r = half * 0.6 * rng.uniform(1 - config.size_jitter, 1 + config.size_jitter)
         kind = rng.choice(KINDS)
         if config.equal_area:
             r *= _EQUAL_AREA[kind]
-        cx = (i + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
-        cy = (j + 0.5) * s / 3 + rng.uniform(-1, 1) * max(0.0, s / 6 - r)
+        cx = (2 * i + 1) * half + rng.uniform(-1, 1) * max(0.0, half - r)
+        cy = (2 * j + 1) * half + rng.uniform(-1, 1) * max(0.0, half - r)
         _draw(draw, kind, cx, cy, r, _colour(rng, config)[1])
     return image, k
 

@@ -172,7 +172,7 @@ def test_one_colour_count_scenes_make_the_count_a_linear_image_feature():
 
 
 def _shapes(image) -> int:
-    """Connected foreground blobs of a scene (its shapes: one per 3x3 cell, so they never touch)."""
+    """Connected foreground blobs of a scene (its shapes: one per grid cell, so they never touch)."""
     import numpy as np
 
     pixels = np.asarray(image).astype(int)
