@@ -101,7 +101,7 @@ report() {  # report CALL NAME...: one plot and one JSON over the call's runs
   local dirs=() n
   for n in "$@"; do dirs+=("$RUNS/$n"); done
   $PY -m deploy.plot "${dirs[@]}" --labels "$@" --out "$OUT/$call.png" --summary "$OUT/$call.json" \
-    --title "learn-230m counting 1-4 red shapes on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
+    --title "learn-230m, colour code 1-4 on one GPU ($call)" > "$OUT/$call.plot.log" 2>&1 || tail "$OUT/$call.plot.log"
   $PY - "$OUT/$call.json" <<'PY'
 import json, sys
 for label, s in json.load(open(sys.argv[1])).items():

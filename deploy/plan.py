@@ -44,7 +44,7 @@ class TaskOptions:
     """The synthetic visual task of the demo (tasks/synthetic.py)."""
 
     task: Literal[SyntheticTask, "geometry3k"] = "colour"
-    """A synthetic variant (colour | count | bigger | more | mixed, tasks/synthetic.py; "more" puts two
+    """A synthetic variant (colour | code | count | bigger | more | mixed, tasks/synthetic.py; "more" puts two
     images in every prompt and raises the generator's `engine.max_images` to 2) or "geometry3k" (the
     hiyouga/geometry3k parquet files in `data_dir`, preprocessed by tasks/geometry3k.py as the task stage)."""
     data_dir: str = ""
@@ -175,6 +175,7 @@ class LaunchConfig:
         """Accuracy of guessing on the task (for the plot's chance line)."""
         chances = {
             "colour": 1 / self.task.n_colours,
+            "code": 1 / self.task.n_colours,
             "bigger": 0.5,
             "more": 0.5,
             "count": 1 / self.task.max_count,

@@ -2,6 +2,8 @@
 
 Question types (`task`):
 - "colour": one large shape; "What colour is the shape?" -> a colour word.
+- "code":   the colour scene with a legend in the question ("Each colour stands for a number: red 1,
+            green 2, ..."); the answer is the colour's number: a digit, graded by the math reward.
 - "count":  1..max_count small shapes; "How many shapes are there?" -> a digit.
 - "bigger": two shapes, left and right; "Which shape is bigger, left or right?" -> left/right.
 - "more":   TWO images of 1..max_count small shapes each (different counts); "Which image has more
@@ -61,9 +63,10 @@ QUESTIONS = {
     "count": "How many shapes are there?",
     "bigger": "Which shape is bigger, left or right?",
     "more": "Which image has more shapes, the first or the second? Answer 1 or 2.",
+    "code": "Each colour stands for a number: {legend}. Which number does the shape's colour stand for?",
 }
 MIXED = ("colour", "count", "bigger")
-SyntheticTask = Literal["colour", "count", "bigger", "more", "mixed"]
+SyntheticTask = Literal["colour", "code", "count", "bigger", "more", "mixed"]
 """Question types; "mixed" draws one of MIXED per example."""
 """The question types "mixed" draws from (one image each)."""
 
@@ -75,7 +78,8 @@ class SyntheticConfig:
     out: Path = Path("data/synthetic")
     """Task directory to write (records, images, manifest)."""
     task: SyntheticTask = "colour"
-    """colour | count | bigger | more (two images per prompt) | mixed."""
+    """colour | code (the colour's number from a legend in the question: a numeric answer) | count | bigger |
+    more (two images per prompt) | mixed."""
     train: int = 2000
     """Number of training prompts."""
     test: int = 64
@@ -103,7 +107,7 @@ class SyntheticConfig:
     """Appended to each question."""
 
     def validate(self) -> None:
-        low_colours = 2 if self.task in ("colour", "mixed") else 1
+        low_colours = 2 if self.task in ("colour", "code", "mixed") else 1
         if not low_colours <= self.n_colours <= len(PALETTE):
             raise ValueError(
                 f"n_colours must be in {low_colours}..{len(PALETTE)} for task {self.task}, "
@@ -148,7 +152,14 @@ def make_example(config: SyntheticConfig, split: str, index: int) -> Example:
     images, answer = _SCENES[task](rng, config)
     if config.shuffle_images:
         images, _ = _SCENES[task](random.Random(f"{config.seed}/{split}/{index}/decoy"), config)
-    return Example(images=images, question=QUESTIONS[task], answer=answer, task=task)
+    return Example(images=images, question=_question(task, config), answer=answer, task=task)
+
+
+def _question(task: str, config: SyntheticConfig) -> str:
+    if task != "code":
+        return QUESTIONS[task]
+    legend = ", ".join(f"{name} {i + 1}" for i, (name, _) in enumerate(PALETTE[: config.n_colours]))
+    return QUESTIONS["code"].format(legend=legend)
 
 
 def generate(
@@ -265,6 +276,12 @@ def _scene_colour(rng: random.Random, config: SyntheticConfig) -> tuple[list[Ima
     return [image], name
 
 
+def _scene_code(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
+    """The colour scene; the answer is the colour's 1-based place in the palette (the question's legend)."""
+    images, name = _scene_colour(rng, config)
+    return images, str([n for n, _ in PALETTE].index(name) + 1)
+
+
 def _scene_count(rng: random.Random, config: SyntheticConfig) -> tuple[list[Image.Image], str]:
     image, k = _count_image(rng, config)
     return [image], str(k)
@@ -321,4 +338,10 @@ def _scene_bigger(rng: random.Random, config: SyntheticConfig) -> tuple[list[Ima
     return [image], "left" if left_is_big else "right"
 
 
-_SCENES = {"colour": _scene_colour, "count": _scene_count, "bigger": _scene_bigger, "more": _scene_more}
+_SCENES = {
+    "colour": _scene_colour,
+    "code": _scene_code,
+    "count": _scene_count,
+    "bigger": _scene_bigger,
+    "more": _scene_more,
+}

@@ -171,6 +171,22 @@ def test_one_colour_count_scenes_make_the_count_a_linear_image_feature():
         SyntheticConfig(task="colour", n_colours=1).validate()
 
 
+def test_code_answer_is_the_drawn_colours_number_in_the_legend():
+    from tasks.synthetic import PALETTE, SyntheticConfig, make_example, verify
+
+    config = SyntheticConfig(task="code", n_colours=4)
+    for i in range(20):
+        colour = make_example(SyntheticConfig(task="colour", n_colours=4), "train", i)
+        code = make_example(config, "train", i)
+        assert code.images[0].tobytes() == colour.images[0].tobytes()  # the same scene
+        assert PALETTE[int(code.answer) - 1][0] == colour.answer
+        assert "red 1, green 2, blue 3, yellow 4" in code.question and "purple" not in code.question
+        assert verify(f"<think> x </think> \\boxed{{{code.answer}}}", code.answer) == 1.0
+    assert {make_example(config, "test", i).answer for i in range(40)} == {"1", "2", "3", "4"}
+    with pytest.raises(ValueError, match="n_colours must be in 2..10 for task code"):
+        SyntheticConfig(task="code", n_colours=1).validate()
+
+
 def _shapes(image) -> int:
     """Connected foreground blobs of a scene (its shapes: one per grid cell, so they never touch)."""
     import numpy as np
