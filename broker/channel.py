@@ -52,13 +52,13 @@ class Publisher:
         """Publish one message; blocks while the stream is full (BackpressureTimeout after `timeout`)."""
         return self.transport.publish(self.stream, codec.encode(msg), timeout=timeout)
 
-    def publish_many(self, msgs: Iterable[Message], *, timeout: float | None = 30.0) -> list[str]:
-        """Publish several messages in order, in as few round trips as the transport allows."""
+    def publish_many(
+        self, msgs: Iterable[Message], *, timeout: float | None = 30.0, keys: Sequence[str] | None = None
+    ) -> list[str]:
+        """Publish several messages in order, in as few round trips as the transport allows;
+        `keys` makes it idempotent per message (`Transport.publish_many`)."""
         payloads = [codec.encode(m) for m in msgs]
-        many = getattr(self.transport, "publish_many", None)
-        if many is not None:
-            return many(self.stream, payloads, timeout=timeout)
-        return [self.transport.publish(self.stream, p, timeout=timeout) for p in payloads]
+        return self.transport.publish_many(self.stream, payloads, timeout=timeout, keys=keys)
 
 
 class Subscriber:

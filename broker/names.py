@@ -66,6 +66,10 @@ class Names:
         """The learner's prompt feeder cursor (JSON), updated after every publish."""
         return f"{self.namespace}:feeder:cursor"
 
+    def feeder_publish(self, position: int) -> str:
+        """Idempotency key of the feeder's `position`-th training prompt publish (0-based, over the run)."""
+        return f"{self.namespace}:feeder:publish:{position}"
+
     def reward_scored(self, group_id: str) -> str:
         """Publish-once state of one group in the reward service (claim / done / free)."""
         return f"{self.namespace}:reward:scored:{group_id}"

@@ -5,6 +5,10 @@
   has not acked yet). Grants are leased, so a dead producer's credits come back. The producer then
   spends them in a MULTI/EXEC of XADDs plus an HINCRBY of -n, which keeps XLEN + credits <= max_len
   without passing 64 KB payloads through Lua (that doubled the server's CPU per entry).
+* PUBLISH_KEYED: `publish_many` with keys: per entry, GET its key; if absent XADD the entry and
+  SET the key to its id (with expiry); then HINCRBY the producer's credits by minus the entries
+  appended. A crash never leaves an entry appended without its key, so a repeat under the same
+  keys appends nothing twice. Only keyed publishes (the feeder's prompts, small) pass through Lua.
 * ACK: XACK, then trim the acked prefix: XTRIM MINID below the first entry that any group still
   needs (its oldest pending entry, or the one after its last-delivered id). Unconsumed entries
   are never trimmed; entries acked out of order behind an older pending one stay until it goes.
@@ -50,6 +54,25 @@ if room > 0 and tonumber(ARGV[2]) > 0 then
 end
 if mine > 0 then redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[1]) end
 return mine
+"""
+
+PUBLISH_KEYED = """
+-- KEYS[1] stream; KEYS[2] credits hash; KEYS[3..] one key per entry.
+-- ARGV: token, key ttl ms, then one payload per entry (ARGV[i] goes with KEYS[i]).
+-- Returns {credits this producer holds now, {id, ...}}.
+local ids, added = {}, 0
+for i = 3, #KEYS do
+  local id = redis.call('GET', KEYS[i])
+  if not id then
+    id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
+    redis.call('SET', KEYS[i], id, 'PX', ARGV[2])
+    added = added + 1
+  end
+  ids[#ids + 1] = id
+end
+local held = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if added > 0 then held = redis.call('HINCRBY', KEYS[2], ARGV[1], 0 - added) end
+return {held, ids}
 """
 
 _TRIM = (

@@ -9,7 +9,9 @@
   entry any group still needs), so the stream length is the backlog and unconsumed work is
   never trimmed. `publish` needs credits, granted (atomically, by a script) only while backlog +
   credits already granted < `max_len`; without any it polls with short sleeps, and raises
-  `BackpressureTimeout` when that outlasts `timeout`. Credits are spent in MULTI/EXEC batches.
+  `BackpressureTimeout` when that outlasts `timeout`. Credits are spent in MULTI/EXEC batches;
+  a keyed publish (`keys=`, idempotent) spends them in one script that appends only the entries
+  whose key is new (`redis_scripts.PUBLISH_KEYED`).
 * Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
 * Restarts: the first `consume` of a (stream, group, consumer) in a process re-reads that
   consumer's own pending entries (XREADGROUP from id 0, page by page) before anything new, so a
@@ -18,7 +20,7 @@
 * Connection errors (server restarting or still loading its AOF, network blip): every call
   reconnects and retries with redis-py's `ExponentialBackoff` for up to `reconnect_s`, then
   raises `TransportError`. A retried publish whose MULTI/EXEC reached the server but whose
-  reply was lost appears twice; every stage downstream is idempotent by group id.
+  reply was lost appears twice (once with keys); every stage downstream is idempotent by group id.
 Password and user come from the URL: redis://[user]:password@host:port/db.
 """
 
@@ -36,7 +38,14 @@ from redis.backoff import ExponentialBackoff
 from broker import redis_scripts
 from broker.names import Names
 from broker.stream_options import Backoff, DeadLetter, StreamOptions
-from broker.transport import BackpressureTimeout, Deliveries, Delivery, Transport, TransportError
+from broker.transport import (
+    PUBLISH_KEY_TTL_S,
+    BackpressureTimeout,
+    Deliveries,
+    Delivery,
+    Transport,
+    TransportError,
+)
 
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
@@ -85,6 +94,7 @@ class RedisTransport(Transport):
         self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
         self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
         self._read_own = self._redis.register_script(redis_scripts.READ_OWN)
+        self._publish_keyed = self._redis.register_script(redis_scripts.PUBLISH_KEYED)
         self._groups: set[tuple[str, str]] = set()
         self._last_reclaim: dict[tuple[str, str], float] = {}  # when a reclaim scan last completed
         self._reclaim_cursor: dict[tuple[str, str], str] = {}
@@ -137,14 +147,21 @@ class RedisTransport(Transport):
         return self.publish_many(stream, [payload], timeout=timeout)[0]
 
     def publish_many(
-        self, stream: str, payloads: Sequence[bytes], *, timeout: float | None = 30.0
+        self,
+        stream: str,
+        payloads: Sequence[bytes],
+        *,
+        timeout: float | None = 30.0,
+        keys: Sequence[str] | None = None,
     ) -> list[str]:
-        """Publish in order, blocking while the stream is full; all ids, or BackpressureTimeout
-        (whose `published` attribute lists the ids that did go out)."""
+        if keys is not None and len(keys) != len(payloads):
+            raise ValueError(f"{len(payloads)} payloads with {len(keys)} keys")
         with self._publish_lock:  # threads sharing this transport share its credits
-            return self._publish_locked(stream, payloads, timeout)
+            return self._publish_locked(stream, payloads, timeout, keys)
 
-    def _publish_locked(self, stream: str, payloads: Sequence[bytes], timeout: float | None) -> list[str]:
+    def _publish_locked(
+        self, stream: str, payloads: Sequence[bytes], timeout: float | None, keys: Sequence[str] | None
+    ) -> list[str]:
         deadline = None if timeout is None else time.monotonic() + timeout
         ids: list[str] = []
         backoff = Backoff()
@@ -162,8 +179,12 @@ class RedisTransport(Transport):
                 time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
                 continue
             backoff.reset()
-            chunk = payloads[len(ids) : len(ids) + min(self._credits_left(stream), PUBLISH_CHUNK)]
-            ids.extend(self._spend(stream, chunk))
+            end = len(ids) + min(self._credits_left(stream), PUBLISH_CHUNK)
+            chunk = payloads[len(ids) : end]
+            if keys is None:
+                ids.extend(self._spend(stream, chunk))
+            else:
+                ids.extend(self._spend_keyed(stream, chunk, keys[len(ids) : end]))
         return ids
 
     def _credits_left(self, stream: str) -> int:
@@ -201,6 +222,18 @@ class RedisTransport(Transport):
 
         valid_until = self._credits[stream][1]
         *added, held = self._call("publish", spend)
+        self._credits[stream] = (int(held), valid_until)
+        return [i.decode() for i in added]
+
+    def _spend_keyed(self, stream: str, payloads: Sequence[bytes], keys: Sequence[str]) -> list[str]:
+        """XADD the entries whose key is new, SET their keys, give back as many credits: one script."""
+        valid_until = self._credits[stream][1]
+        held, added = self._call(
+            "publish",
+            self._publish_keyed,
+            keys=[stream, f"{stream}:credits", *keys],
+            args=[self._token, int(PUBLISH_KEY_TTL_S * 1000), *payloads],
+        )
         self._credits[stream] = (int(held), valid_until)
         return [i.decode() for i in added]
 

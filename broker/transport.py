@@ -1,6 +1,6 @@
 """The one small transport interface that every Parallax process talks through.
 
-A transport offers three things:
+A transport offers four things:
   * durable streams with consumer groups: `publish`, `consume`, `ack`, `dead_letter`;
     a delivery is acked only after it was processed, entries pending on a dead consumer are
     reclaimed by live ones, and an entry delivered more than `max_deliveries` times is moved
@@ -10,6 +10,11 @@ A transport offers three things:
     unconsumed work is never trimmed silently.
   * a content-addressed blob store for image bytes (`put_blob` / `get_blob`), with expiry.
   * a tiny latest-value store (`set_value` / `get_value`) for version announcements.
+  * idempotent publishing: `publish_many(..., keys=[...])` gives each entry a key, and an entry
+    whose key was published before (within `PUBLISH_KEY_TTL_S`) is not appended again: the call
+    returns the id it got the first time, in the same atomic step as the appends. A producer that
+    died after a publish and before recording its ids publishes the same entries again under the
+    same keys and gets the original ids back (the learner's prompt feeder does).
 
 Implementations: `broker.redis_transport.RedisTransport` (Redis Streams) and
 `broker.zmq_transport.ZmqTransport` (a small ZeroMQ broker process with credit-based flow
@@ -22,6 +27,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+PUBLISH_KEY_TTL_S = 7 * 24 * 3600.0
+"""How long the broker remembers the id of an entry published with a key."""
 
 
 class TransportError(RuntimeError):
@@ -58,6 +66,20 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
         """Append `payload` to `stream` and return its entry id; block while the stream is full."""
+
+    @abc.abstractmethod
+    def publish_many(
+        self,
+        stream: str,
+        payloads: Sequence[bytes],
+        *,
+        timeout: float | None = 30.0,
+        keys: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Publish in order, blocking while the stream is full; all ids, or BackpressureTimeout
+        (whose `published` attribute lists the ids that did go out). With `keys` (one per
+        payload), an entry whose key was published before is not appended again: its first id is
+        returned (see the module docstring)."""
 
     @abc.abstractmethod
     def consume(

@@ -37,7 +37,7 @@ from broker.zmq_state import BrokerState
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05
-"""Longest wait between timer checks (parked deadlines, lease expiry, blob expiry)."""
+"""Longest wait between timer checks (parked deadlines, lease expiry, blob and key expiry)."""
 
 
 @dataclass
@@ -178,8 +178,8 @@ class ZmqBroker:
             waiters.popleft()
             self._reply(client, rid, "ok", count, [stream, count, lease])
 
-    def _publish(self, client, rid, frames, stream):
-        ids = self.state.publish(client, stream, frames)  # entries keep the received frames
+    def _publish(self, client, rid, frames, stream, keys=None):
+        ids = self.state.publish(client, stream, frames, keys)  # entries keep the received frames
         credits = [stream, *self.state.credits_of(client, stream)]
         if ids is None:
             return "nocredit", f"{stream}: publish of {len(frames)} entries needs credits", credits
@@ -256,7 +256,7 @@ class ZmqBroker:
             self._serve_consumers(stream, now)
         for stream in list(self._waiting_credit):
             self._serve_credit_waiters(stream, now)  # leases may have expired, deadlines passed
-        self.state.expire_blobs()
+        self.state.expire()
 
 
 def _deliveries_reply(out: list, capped: int) -> tuple:

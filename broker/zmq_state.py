@@ -5,7 +5,9 @@ transport: a consumer group starts at the stream's oldest retained entry; an ent
 to one consumer of each group, stays pending until acked, is reclaimed by another consumer once
 idle for `claim_idle_s`, and goes to the dead-letter list after `max_deliveries` deliveries. An
 entry is dropped once every group acked it, so `len(entries)` is the backlog. `read_own` hands
-a consumer its own pending entries again (what a restarted process asks for first).
+a consumer its own pending entries again (what a restarted process asks for first). An entry
+published with a key is appended once: a later publish under the same key returns its first id
+(kept `PUBLISH_KEY_TTL_S`). Everything lives in this process's memory: a broker restart loses it.
 
 Credit-based flow control: a producer may only publish with credits, and credits are granted
 only while backlog + outstanding credits < max_len. Grants are leased (`CREDIT_LEASE_S`), so a
@@ -18,6 +20,8 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from broker.transport import PUBLISH_KEY_TTL_S
 
 CREDIT_LEASE_S = 10.0
 """Unused credits return to the pool this long after their last grant."""
@@ -53,6 +57,9 @@ class BrokerState:
         self.blobs: dict[str, tuple[bytes, float | None]] = {}
         self._blob_expiry: list[tuple[float, str]] = []
         self.values: dict[str, bytes] = {}
+        self.published_keys: dict[str, tuple[str, float]] = {}
+        """Publish key -> (entry id, expires at)."""
+        self._key_expiry: deque[tuple[float, str]] = deque()  # (expires at, key), oldest first
 
     def stream(self, name: str) -> Stream:
         s = self.streams.get(name)
@@ -87,19 +94,38 @@ class BrokerState:
         if name in self.streams:
             self.streams[name].credits.pop(client, None)
 
-    def publish(self, client: bytes, name: str, payloads: list[bytes]) -> list[str] | None:
-        """Append with the client's credits; None (nothing appended) when it has too few."""
+    def publish(
+        self, client: bytes, name: str, payloads: list[bytes], keys: list[str] | None = None
+    ) -> list[str] | None:
+        """Append with the client's credits, skipping entries whose key was published before (their
+        first id is returned); None (nothing appended) when it has too few credits for the rest."""
         s = self.stream(name)
+        known = [self.published_id(k) for k in keys] if keys else [None] * len(payloads)
+        if len(known) != len(payloads):
+            raise ValueError(f"{len(payloads)} payloads with {len(known)} keys")
+        new = sum(1 for id_ in known if id_ is None)
         have, _ = self.credits_of(client, name)
-        if have < len(payloads):
+        if have < new:
             return None
-        s.credits[client][0] -= len(payloads)
+        if new:
+            s.credits[client][0] -= new
+        expires = self.clock() + PUBLISH_KEY_TTL_S
         ids = []
-        for payload in payloads:
-            s.entries[s.next_seq] = [payload, 0]
-            ids.append(str(s.next_seq))
-            s.next_seq += 1
+        for i, (payload, id_) in enumerate(zip(payloads, known, strict=True)):
+            if id_ is None:
+                id_ = str(s.next_seq)
+                s.entries[s.next_seq] = [payload, 0]
+                s.next_seq += 1
+                if keys:
+                    self.published_keys[keys[i]] = (id_, expires)
+                    self._key_expiry.append((expires, keys[i]))
+            ids.append(id_)
         return ids
+
+    def published_id(self, key: str) -> str | None:
+        """The id of the entry published under `key` (None when none, or expired)."""
+        item = self.published_keys.get(key)
+        return item[0] if item is not None and item[1] > self.clock() else None
 
     # ---- consuming -------------------------------------------------------------------------------
     def ensure_group(self, name: str, group: str) -> Group:
@@ -221,10 +247,16 @@ class BrokerState:
             return None
         return item[0]
 
-    def expire_blobs(self) -> None:
+    def expire(self) -> None:
+        """Drop expired blobs and publish keys."""
         now = self.clock()
         while self._blob_expiry and self._blob_expiry[0][0] <= now:
             _, key = heapq.heappop(self._blob_expiry)
             item = self.blobs.get(key)
             if item is not None and item[1] is not None and item[1] <= now:
                 del self.blobs[key]
+        while self._key_expiry and self._key_expiry[0][0] <= now:  # one fixed ttl: expiry order
+            _, key = self._key_expiry.popleft()
+            item = self.published_keys.get(key)
+            if item is not None and item[1] <= now:
+                del self.published_keys[key]

@@ -143,10 +143,15 @@ class ZmqTransport(Transport):
         return self.publish_many(stream, [payload], timeout=timeout)[0]
 
     def publish_many(
-        self, stream: str, payloads: Sequence[bytes], *, timeout: float | None = 30.0
+        self,
+        stream: str,
+        payloads: Sequence[bytes],
+        *,
+        timeout: float | None = 30.0,
+        keys: Sequence[str] | None = None,
     ) -> list[str]:
-        """Publish in order, waiting for credits; all ids, or BackpressureTimeout (whose
-        `published` attribute lists the ids that did go out)."""
+        if keys is not None and len(keys) != len(payloads):
+            raise ValueError(f"{len(payloads)} payloads with {len(keys)} keys")
         deadline = None if timeout is None else time.monotonic() + timeout
         ids: list[str] = []
         while len(ids) < len(payloads):
@@ -154,8 +159,12 @@ class ZmqTransport(Transport):
             if have == 0:
                 self._wait_for_credit(stream, deadline, timeout, ids, len(payloads))
                 continue
-            chunk = list(payloads[len(ids) : len(ids) + min(have, PUBLISH_CHUNK)])
-            status, result, _ = self._request("publish", stream, frames=chunk, status_ok=("ok", "nocredit"))
+            end = len(ids) + min(have, PUBLISH_CHUNK)
+            chunk = list(payloads[len(ids) : end])
+            chunk_keys = None if keys is None else list(keys[len(ids) : end])
+            status, result, _ = self._request(
+                "publish", stream, chunk_keys, frames=chunk, status_ok=("ok", "nocredit")
+            )
             if status == "ok":
                 ids.extend(result)
         return ids

@@ -12,9 +12,16 @@ v, so a generator never starts it on weights more than K versions behind the ste
 it, and never waits for a version the learner has not reached (no deadlock when dynamic
 sampling drops groups). With ahead = B·(K+1) the cap never binds; K = 0 is synchronous.
 
-The cursor (epoch, index in the epoch, published count) goes into every checkpoint and, after
-every publish, to the broker (`names.feeder_cursor`): published prompts are durable in the
+The cursor (epoch, index in the epoch, published count) goes into every checkpoint and to the
+broker (`names.feeder_cursor`) around every publish: published prompts are durable in the
 stream, so a restart continues after the last one published and never publishes one twice.
+A publish and the cursor write after it are two broker calls, and the learner can die between
+them: so the cursor is written first with the batch about to go out (`publishing`, the count,
+from the position before it), the batch is published with one idempotency key per position in
+the run (`names.feeder_publish`, `Transport.publish_many(keys=...)`), then the cursor is written
+again without it. A restart that finds `publishing` in the cursor publishes those positions
+again, first thing, under the same keys: the broker appends the ones that never went out and
+returns the original entry ids of the others, so the feeder again knows every group in flight.
 
 Prompts in flight are tracked by id: each publish returns the entries' ids, and the group a
 generator makes of a delivery has the id `broker.names.group_id(prompt_id, entry_id)`, so the
@@ -97,6 +104,9 @@ class PromptFeeder:
         """Group ids come back since the last checkpoint (`settle`)."""
         self.tracking = True
         """False after resuming from a cursor without in-flight ids (then every group is accepted)."""
+        self.replay = 0
+        """Positions a crash may have published without recording them: the next `top_up` publishes
+        them again (under their keys) whatever the window."""
         self.publisher = Publisher(transport, names.prompts)
         self.images = ImageStore(transport, names)
         self._order = self._epoch_order(0)
@@ -108,15 +118,17 @@ class PromptFeeder:
 
     def load_state(self, checkpointed: dict | None, consumed: set[str] = frozenset()) -> None:
         """Resume from the newer of the checkpoint's cursor and the broker's (published prompts are
-        durable); in flight: the ids either one lists, minus the checkpoint's `consumed` ids."""
+        durable; on a tie the broker's, which may list a publish in progress); in flight: the ids
+        either one lists, minus the checkpoint's `consumed` ids."""
         sources = [checkpointed] if checkpointed else []
         stored = self.transport.get_value(self.names.feeder_cursor)
         if stored:
-            sources.append(json.loads(stored))
+            sources.insert(0, json.loads(stored))
         if sources:
             fields = ("epoch", "index", "published")
-            states = [FeederState(**{k: src[k] for k in fields if k in src}) for src in sources]
-            self.state = max(states, key=lambda s: s.published)
+            newest = max(sources, key=lambda src: src.get("published", 0))  # the first of equals
+            self.state = FeederState(**{k: newest[k] for k in fields if k in newest})
+            self.replay = int(newest.get("publishing", 0))
             self.tracking = self.state.published == 0 or any("in_flight" in src for src in sources)
             ids = {i for src in sources for i in src.get("in_flight", [])}
             self.in_flight = ids - set(consumed)
@@ -124,11 +136,12 @@ class PromptFeeder:
                 log.warning("the feeder cursor lists no prompts in flight (older run): accepting every group")
         self._order = self._epoch_order(self.state.epoch)
         log.info(
-            "feeder cursor: epoch %d, index %d, %d published, %d in flight",
+            "feeder cursor: epoch %d, index %d, %d published, %d in flight, %d to publish again",
             self.state.epoch,
             self.state.index,
             self.state.published,
             len(self.in_flight),
+            self.replay,
         )
 
     def cursor(self) -> dict:
@@ -157,22 +170,37 @@ class PromptFeeder:
         `taken` groups came back into the step being collected and still hold its slots, so that
         queue position 0 is the first slot of the step the learner at `version` is collecting.
         """
+        before = FeederState(**self.state.to_dict())
         batch: list[PromptRecord] = []
         held = len(self.in_flight) + taken
-        while not self.exhausted and held + len(batch) < self.ahead:
+        while not self.exhausted and (len(batch) < self.replay or held + len(batch) < self.ahead):
             position = held + len(batch)
             record = self._next_record()
             min_version = admission_min_version(version, position, self.groups_per_step, self.max_staleness)
             batch.append(msgspec.structs.replace(record, min_version=min_version, split="train"))
         if batch:
-            for record in batch:
-                self._store_images(record)
-            ids = self.publisher.publish_many(batch)
-            self.in_flight.update(group_id(r.prompt_id, i) for r, i in zip(batch, ids, strict=True))
-            self.state.published += len(batch)
-            broker_cursor = {**self.state.to_dict(), "in_flight": sorted(self.in_flight | self.unsettled)}
-            self.transport.set_value(self.names.feeder_cursor, json.dumps(broker_cursor).encode())
+            self._publish(before, batch)
+        self.replay = 0
         return len(batch)
+
+    def _publish(self, before: FeederState, batch: list[PromptRecord]) -> None:
+        """Publish `batch` (the positions after `before`) so that a crash at any point loses nothing
+        and duplicates nothing (see the module docstring)."""
+        for record in batch:
+            self._store_images(record)
+        self._write_cursor(before, publishing=len(batch))
+        keys = [self.names.feeder_publish(before.published + i) for i in range(len(batch))]
+        ids = self.publisher.publish_many(batch, keys=keys)
+        self.in_flight.update(group_id(r.prompt_id, i) for r, i in zip(batch, ids, strict=True))
+        self.state.published = before.published + len(batch)
+        self._write_cursor(self.state)
+
+    def _write_cursor(self, state: FeederState, publishing: int = 0) -> None:
+        """The broker's copy of the cursor: every id published and not yet durably back."""
+        cursor = {**state.to_dict(), "in_flight": sorted(self.in_flight | self.unsettled)}
+        if publishing:
+            cursor["publishing"] = publishing
+        self.transport.set_value(self.names.feeder_cursor, json.dumps(cursor).encode())
 
     def publish_eval(self, records: Sequence[PromptRecord], round_id: int, version: int) -> list[str]:
         """Publish test prompts for one evaluation round; returns their (round-tagged) prompt ids."""

@@ -52,6 +52,19 @@ def test_publish_consume_ack(connect, names):
     assert t.backlog(names.rollouts) == 0
 
 
+def test_a_keyed_publish_appends_each_key_once_and_returns_its_first_id(connect, names):
+    t, again = connect(), connect()  # the repeat comes from another producer (a restarted process)
+    t.ensure_group(names.prompts, "g")
+    first = t.publish_many(names.prompts, [b"a", b"b"], keys=["k0", "k1"])
+    repeat = again.publish_many(names.prompts, [b"a", b"b", b"c"], keys=["k0", "k1", "k2"])
+    assert repeat[:2] == first and repeat[2] not in first
+    got = t.consume(names.prompts, "g", "c1", count=10, block_s=0.5)
+    assert [d.payload for d in got] == [b"a", b"b", b"c"] and [d.id for d in got] == repeat
+    assert t.publish_many(names.prompts, [b"d"]) != t.publish_many(names.prompts, [b"d"])  # unkeyed: twice
+    with pytest.raises(ValueError, match="keys"):
+        t.publish_many(names.prompts, [b"e"], keys=["k3", "k4"])
+
+
 def test_blocking_consume_wakes_on_publish(connect, names):
     consumer, producer = connect(), connect()
     consumer.ensure_group(names.rollouts, "g")

@@ -1,4 +1,5 @@
-"""ZeroMQ-only parts: credit leases, a broker that survives bad requests, clear errors."""
+"""ZeroMQ-only parts: credit leases, publish keys (no credit spent on a repeat, expiry), a broker
+that survives bad requests, clear errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import zmq
 
 import broker
 from broker.redis_server import free_port
-from broker.transport import TransportError
+from broker.transport import PUBLISH_KEY_TTL_S, TransportError
 from broker.zmq_state import CREDIT_LEASE_S, BrokerState
 from broker.zmq_transport import endpoint_of
 
@@ -43,6 +44,20 @@ def test_acks_free_room_for_credits():
     ids = [i for i, _, _ in state.consume("s", "g", "c", 2, claim_idle_s=30, max_deliveries=3)[0]]
     state.ack("s", "g", ids[:1])
     assert state.grant(b"A", "s", want=2, max_len=2)[0] == 1
+
+
+def test_a_repeated_publish_key_spends_no_credit_and_is_forgotten_after_its_ttl():
+    clock = FakeClock()
+    state = BrokerState(clock=clock)
+    state.grant(b"A", "s", want=2, max_len=10)
+    assert state.publish(b"A", "s", [b"a"], ["k"]) == ["1"]
+    assert state.credits_of(b"A", "s")[0] == 1
+    assert state.publish(b"A", "s", [b"a", b"b"], ["k", "j"]) == ["1", "2"]  # only "j" needed a credit
+    assert state.publish(b"A", "s", [b"a"], ["k"]) == ["1"]  # no credit left, none needed
+    assert state.backlog("s") == 2
+    clock.now += PUBLISH_KEY_TTL_S + 1
+    state.expire()
+    assert state.published_keys == {} and state.publish(b"A", "s", [b"a"], ["k"]) is None  # new again
 
 
 def test_broker_survives_garbage_and_unknown_requests(zmq_broker, names):

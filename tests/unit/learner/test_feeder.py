@@ -139,6 +139,61 @@ def test_resume_expects_what_the_checkpoint_did_not_consume(transport, names, da
     assert restarted.tracking and not restarted.expects(first)
 
 
+class _Killed(Exception):
+    """kill -9 of the learner, at the point the test chooses."""
+
+
+@pytest.mark.parametrize("dies", ["after the publish", "before the publish"])
+def test_a_learner_killed_around_a_publish_publishes_nothing_twice(
+    broker_url, names, data, monkeypatch, dies
+):
+    # The race of the roles-zmq fault case (issue 17): the learner dies after a top-up's publish
+    # returned and before its cursor reached the broker, with the last step's groups back but not
+    # checkpointed (they are redelivered, so the restarted feeder's window is already full).
+    # Dying just before the publish must not lose the batch either.
+    first, second = broker.connect(broker_url), broker.connect(broker_url)
+    try:
+        audit = Subscriber(first, names.prompts, "audit", "a0", expect=PromptRecord)
+        feeder = _feeder(first, names, data)  # 5 prompts x 2 epochs, 4 in flight
+        feeder.load_state(None)
+        feeder.top_up(taken=0, version=0)
+        checkpointed = feeder.cursor()
+        for gid in sorted(feeder.in_flight)[:2]:
+            feeder.returned(gid)  # step 1 trained; no checkpoint yet
+
+        publish = feeder.publisher.publish_many
+
+        def killed(*args, **kwargs):
+            if dies == "after the publish":
+                publish(*args, **kwargs)
+            raise _Killed
+
+        monkeypatch.setattr(feeder.publisher, "publish_many", killed)
+        with pytest.raises(_Killed):
+            feeder.top_up(taken=0, version=1)
+
+        restarted = _feeder(second, names, data)
+        restarted.load_state(checkpointed)
+        generator = Subscriber(second, names.prompts, "generators", "g0", expect=PromptRecord)
+        unexpected, version = [], 1
+        while not (restarted.exhausted and not restarted.in_flight):
+            restarted.top_up(taken=0, version=version)
+            got = generator.poll(count=10, block_s=0.5)
+            assert got, f"stalled with {sorted(restarted.in_flight)} in flight"
+            for delivery, record in got:
+                gid = group_id(record.prompt_id, delivery.id)
+                if not restarted.returned(gid):
+                    unexpected.append(gid)  # the learner would dead-letter it: never trained
+            generator.ack([d for d, _ in got])
+            version += 1
+        published = [r.prompt_id for _, r in audit.poll(count=100, block_s=0.5)]
+        assert unexpected == []
+        assert sorted(published) == sorted(r.prompt_id for r in data[0] for _ in range(2))
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_cursor_without_in_flight_ids_accepts_every_group(transport, names, data):
     restarted = _feeder(transport, names, data)
     restarted.load_state({"epoch": 0, "index": 3, "published": 3})
