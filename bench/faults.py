@@ -1,6 +1,6 @@
 """The fault-injection table: runs tests/integration/test_faults.py and prints what each fault did.
 
-    python -m bench.faults                     # run the suite (~6 min on 2 cores), table, JSON
+    python -m bench.faults                     # run the suite (~6-14 min on 2 cores), table, JSON
     python -m bench.faults --from-json bench/results/faults.json   # only print the table
 
 Each row is one case of the suite: a role or the redis-server SIGKILLed mid-run on the real CPU
