@@ -137,7 +137,7 @@ if [ "$COLLECT" = 2 ]; then  # seq, in its own session: the learning run alone o
   wait
   exit 0
 fi
-if [ "$MODE" = seq ]; then  # the same sequence, in the foreground or (BACKGROUND=1) in its own session
+if [ "$MODE" = seq ] && [ "$COLLECT" = 0 ]; then  # the same sequence, in the foreground or (BACKGROUND=1) in its own session
   if [ "$BACKGROUND" = 1 ]; then
     setsid nohup env RUNS_BG="$RUNS" bash "$0" seq-run > "$RUNS/seq.log" 2>&1 < /dev/null &
   else
