@@ -46,6 +46,7 @@ from broker.transport import (
     Transport,
     TransportError,
 )
+from runtime.redact import redact
 
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
@@ -53,15 +54,6 @@ MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
 RECONNECT_BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)
 """Sleep before the n-th retry after a connection error: 0.05 s doubling up to 2 s."""
-
-
-def redact(url: str) -> str:
-    """`url` with any password replaced by ***."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"
 
 
 class RedisTransport(Transport):
