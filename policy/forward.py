@@ -277,9 +277,10 @@ class PackedPolicy(nn.Module):
         pixels = batch.pixel_values.to(embeds.device, inner.visual.dtype)
         features = inner.get_image_features(pixels, batch.image_grid_thw.to(embeds.device), return_dict=True)
         index = batch.image_index.tolist() if batch.image_index is not None else None
+        sizes = (batch.image_grid_thw.prod(-1) // inner.visual.spatial_merge_size**2).tolist()
 
-        def in_row_order(per_image) -> torch.Tensor:
-            per_image = list(per_image)
+        def in_row_order(features) -> torch.Tensor:
+            per_image = split_per_image(features, sizes)
             if index is not None:  # distinct images encoded once, reused for every occurrence
                 per_image = [per_image[i] for i in index]
             return torch.cat(per_image, dim=0).to(embeds.dtype)
@@ -301,8 +302,16 @@ class PackedPolicy(nn.Module):
         out = self.model.model.get_image_features(pixels, grid, return_dict=True)
         total = torch.cat(out.pooler_output).sum()
         for layer in getattr(out, "deepstack_features", None) or []:  # Qwen3-VL: its mergers take part too
-            total = total + torch.cat(layer).sum()
+            total = total + torch.cat(split_per_image(layer, [1])).sum()  # one image, one merged token
         return total.to(embeds.dtype)
+
+
+def split_per_image(features, sizes: list[int]) -> list[torch.Tensor]:
+    """Per-image feature blocks: transformers >= 5.19 splits Qwen3-VL's DeepStack features per image as it
+    does the pooled ones; 5.17 returns them as one tensor of every image's tokens (split here by `sizes`)."""
+    if isinstance(features, torch.Tensor):
+        return list(torch.split(features, sizes))
+    return list(features)
 
 
 def chunked_logprobs(

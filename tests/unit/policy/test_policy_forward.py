@@ -208,3 +208,19 @@ def test_qwen3_deepstack_features_are_needed_to_match(family_processor, sharp_mo
     with torch.no_grad():
         without, _ = packed_logprobs(model, pack(samples, image_token))
     assert (without - ref).abs().max().item() > 1e-3
+
+
+def test_split_per_image_takes_both_transformers_layouts_of_deepstack_features():
+    """transformers 5.17 (the GPU image) returns Qwen3-VL's DeepStack features as one tensor of every image's
+    tokens, 5.19 as per-image blocks: both become the same per-image blocks (the 5.17 layout once reached the
+    decoder flattened: "size of tensor a (2560) must match ... (51200)")."""
+    import torch
+
+    from policy.forward import split_per_image
+
+    whole = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    split = split_per_image(whole, [4, 3])
+    assert [tuple(t.shape) for t in split] == [(4, 3), (3, 3)]
+    assert torch.equal(torch.cat(split), whole)
+    already = split_per_image(torch.split(whole, [4, 3]), [4, 3])
+    assert all(torch.equal(a, b) for a, b in zip(already, split))
