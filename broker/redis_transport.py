@@ -45,6 +45,7 @@ from broker.transport import (
     Delivery,
     Transport,
     TransportError,
+    check_keys,
 )
 from runtime.redact import redact
 
@@ -135,9 +136,6 @@ class RedisTransport(Transport):
                 raise TransportError(f"cannot create group {group!r} on {stream!r}: {exc}") from exc
         self._groups.add((stream, group))
 
-    def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
-        return self.publish_many(stream, [payload], timeout=timeout)[0]
-
     def publish_many(
         self,
         stream: str,
@@ -146,8 +144,7 @@ class RedisTransport(Transport):
         timeout: float | None = 30.0,
         keys: Sequence[str] | None = None,
     ) -> list[str]:
-        if keys is not None and len(keys) != len(payloads):
-            raise ValueError(f"{len(payloads)} payloads with {len(keys)} keys")
+        check_keys(payloads, keys)
         with self._publish_lock:  # threads sharing this transport share its credits
             return self._publish_locked(stream, payloads, timeout, keys)
 

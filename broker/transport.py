@@ -60,12 +60,18 @@ class Deliveries(list):
         self.capped = capped
 
 
+def check_keys(payloads: Sequence[bytes], keys: Sequence[str] | None) -> None:
+    """`publish_many`'s contract on `keys`: none, or one per payload."""
+    if keys is not None and len(keys) != len(payloads):
+        raise ValueError(f"{len(payloads)} payloads with {len(keys)} keys")
+
+
 class Transport(abc.ABC):
     """Byte-level streams, blobs and values; see the module docstring for the guarantees."""
 
-    @abc.abstractmethod
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
         """Append `payload` to `stream` and return its entry id; block while the stream is full."""
+        return self.publish_many(stream, [payload], timeout=timeout)[0]
 
     @abc.abstractmethod
     def publish_many(

@@ -29,7 +29,14 @@ import msgspec
 import zmq
 
 from broker.stream_options import DeadLetter, StreamOptions
-from broker.transport import BackpressureTimeout, Deliveries, Delivery, Transport, TransportError
+from broker.transport import (
+    BackpressureTimeout,
+    Deliveries,
+    Delivery,
+    Transport,
+    TransportError,
+    check_keys,
+)
 
 CREDIT_WAIT_S = 1.0
 """Longest single credit request parked at the broker (the client re-asks until its timeout)."""
@@ -139,9 +146,6 @@ class ZmqTransport(Transport):
         """Create `group` on `stream` (from its oldest retained entry) unless it exists."""
         self._request("ensure_group", stream, group)
 
-    def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
-        return self.publish_many(stream, [payload], timeout=timeout)[0]
-
     def publish_many(
         self,
         stream: str,
@@ -150,8 +154,7 @@ class ZmqTransport(Transport):
         timeout: float | None = 30.0,
         keys: Sequence[str] | None = None,
     ) -> list[str]:
-        if keys is not None and len(keys) != len(payloads):
-            raise ValueError(f"{len(payloads)} payloads with {len(keys)} keys")
+        check_keys(payloads, keys)
         deadline = None if timeout is None else time.monotonic() + timeout
         ids: list[str] = []
         while len(ids) < len(payloads):

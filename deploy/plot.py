@@ -107,18 +107,21 @@ def summarize(curve: Curve, outcome: str, target: float) -> dict:
         "minutes_to_target": hit,
         "evals": [{"minutes": round(t, 2), "step": s, "accuracy": a} for t, s, a in evals],
         "mismatch_kl": {
-            "mean": _finite(sum(kl) / len(kl), 6) if kl else None,
-            "max": _finite(max(kl), 6) if kl else None,
+            **_mean_max(kl),
             "every_10_steps": [_finite(k, 6) for k in kl[::10]],
             "steps_measured": len(kl),
         },
-        "behaviour_kl_with_staleness": {
-            "mean": _finite(sum(stale_kl) / len(stale_kl), 6) if stale_kl else None,
-            "max": _finite(max(stale_kl), 6) if stale_kl else None,
-        },
+        "behaviour_kl_with_staleness": _mean_max(stale_kl),
         "stages": {k: [_finite(v[0]), _finite(v[1])] for k, v in curve.stages.items()},
         "chance": _finite(curve.chance, 4),
     }
+
+
+def _mean_max(values: list[float]) -> dict[str, float | None]:
+    """Mean and maximum of finite values, rounded (None for an empty list)."""
+    if not values:
+        return {"mean": None, "max": None}
+    return {"mean": _finite(sum(values) / len(values), 6), "max": _finite(max(values), 6)}
 
 
 def _finite(value: float, digits: int = 2) -> float | None:

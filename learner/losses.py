@@ -85,6 +85,13 @@ def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
+def behaviour_kl(logprobs: Tensor, behaviour_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(μ || π_θ) per token on the behaviour policy's samples, r = π_θ/μ: r - 1 - log r
+    (a metric of how far learner and generator disagree; no gradient)."""
+    log_r = (logprobs.detach() - behaviour_logprobs).clamp(-20.0, 20.0)
+    return log_r.exp() - log_r - 1.0
+
+
 def seq_mean(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
     """Mean of `values` over the tokens of each sequence, shape (num_seqs,); empty sequences give 0."""
     sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_index, values)
@@ -222,7 +229,7 @@ def _metrics(batch, logp, behav, ratio, clipped, dual_active, weight, kl) -> dic
         masked = weight == 0
         out = {
             "num_tokens": float(logp.numel()),
-            "mismatch_kl": (log_r.exp() - log_r - 1.0).mean().item(),
+            "mismatch_kl": behaviour_kl(logp, behav).mean().item(),
             "mismatch_kl_k1": (-log_r).mean().item(),
             "mismatch_abs_logprob_diff": log_r.abs().mean().item(),
             "clipped_frac": clipped.float().mean().item(),

@@ -50,7 +50,7 @@ from learner.batching import (
 )
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
-from learner.losses import TokenBatch, loss_denominator, policy_loss
+from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
 from learner.metrics import LearnerMetrics, lm_param_count, mfu, train_flops
 from learner.parallel import (
     all_reduce_sum,
@@ -300,7 +300,7 @@ class Learner:
                     setattr(mb, attr, logprobs.float().cpu())
 
     def _micro_step(
-        self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool = True
+        self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool
     ) -> None:
         real = mb is not None
         mb = mb if real else self._dummy()
@@ -333,9 +333,9 @@ class Learner:
             for key in _SUMMED:
                 weights[key] += m.get(key, 0.0) * n
             if first_update:
-                self._fresh_mismatch(mb, logprobs, weights)
+                self._fresh_mismatch(mb, batch, weights)
 
-    def _fresh_mismatch(self, mb: PackedMicroBatch, logprobs, weights: dict[str, float]) -> None:
+    def _fresh_mismatch(self, mb: PackedMicroBatch, batch: TokenBatch, weights: dict[str, float]) -> None:
         """k3 KL between the generator's and the learner's logprobs over the tokens of samples sampled by
         exactly the weights this forward runs (version_start == version_end == the current version): the
         engine mismatch alone, without the policy change that staleness adds to `mismatch_kl`."""
@@ -344,11 +344,10 @@ class Learner:
         if not any(fresh):
             return
         with torch.no_grad():
-            mask = torch.tensor(fresh, device=logprobs.device)[mb.seq_index.to(logprobs.device)]
-            log_r = (logprobs.detach().float() - mb.behaviour_logprobs.to(logprobs.device))[mask]
-            log_r = log_r.clamp(-20.0, 20.0)
-            weights["fresh_tokens"] += float(log_r.numel())
-            weights["fresh_kl"] += (log_r.exp() - log_r - 1.0).sum().item()
+            mask = torch.tensor(fresh, device=batch.seq_index.device)[batch.seq_index]
+            kl = behaviour_kl(batch.logprobs.float(), batch.behaviour_logprobs)[mask]
+            weights["fresh_tokens"] += float(kl.numel())
+            weights["fresh_kl"] += kl.sum().item()
 
     def _dummy(self) -> PackedMicroBatch:
         """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""

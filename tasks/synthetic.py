@@ -66,9 +66,9 @@ QUESTIONS = {
     "code": "Each colour stands for a number: {legend}. Which number does the shape's colour stand for?",
 }
 MIXED = ("colour", "count", "bigger")
+"""The question types "mixed" draws from (one image each)."""
 SyntheticTask = Literal["colour", "code", "count", "bigger", "more", "mixed"]
 """Question types; "mixed" draws one of MIXED per example."""
-"""The question types "mixed" draws from (one image each)."""
 
 
 @dataclasses.dataclass

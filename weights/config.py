@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Transport = Literal["broadcast", "cuda-ipc"]
+WeightTransport = Literal["broadcast", "cuda-ipc"]
 """The two ways weights travel; the same names in config, code, bench flags, docs and metrics labels."""
-TRANSPORTS: tuple[str, ...] = get_args(Transport)
+TRANSPORTS: tuple[str, ...] = get_args(WeightTransport)
 RPC_BYTES_LIMIT = 2**32 - 2**24
 """Largest safetensors blob one collective_rpc to vLLM's worker may carry: msgpack refuses a bytes object
 of 2**32 bytes or more; 16 MiB are left for the safetensors header (`EngineConfig.rpc_chunk_bytes`)."""
@@ -27,7 +27,7 @@ class WeightSyncConfig:
 
     enabled: bool = True
     """Learner: send weights after optimizer steps (False trains offline). Generator: receive them."""
-    transport: Transport = "broadcast"
+    transport: WeightTransport = "broadcast"
     """"broadcast": bucketed collectives on a weights-only process group per generator (NCCL between
     GPUs, gloo on CPU or on a shared GPU), any number of generators on any hosts. "cuda-ipc": the
     learner shares one packed buffer that generators on its GPU's host read in place (needs a one-rank
