@@ -10,7 +10,9 @@ Shared by both: the wire (weights/protocol.py), packed layouts and views (weight
 token-checked rendezvous (weights/rendezvous.py, weights/membership.py), the broker announcement
 (weights/follow.py) and applying a version to vLLM (weights/vllm_apply.py). Nothing is imported
 until a factory is called. The factories take a checked `WeightSyncConfig`: each process validates
-its config once, where it loads it (runtime.config.load_config / from_dict).
+its config once, where it loads it (runtime.config.load_config / from_dict). How this compares with
+vLLM's own weight-transfer engines (`vllm.distributed.weight_transfer`), and why both transports are
+ours: docs/weights.md.
 
     sender = weights.sender(cfg.weight_sync, publish=broker_publisher(transport, names), device=device)
     sender.start()
