@@ -8,6 +8,7 @@
 #   bash deploy/gpu_learn.sh learn         # the learning run (correction decoupled) + its control (shuffled images)
 #   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
 #   bash deploy/gpu_learn.sh all           # learn + control + none / tis / icepop: five runs side by side, one call
+#   bash deploy/gpu_learn.sh lr            # learn (the config's lr) + learn at lr 5e-5 + the control, side by side
 #   bash deploy/gpu_learn.sh seq           # the learning run alone on the GPU until 0.9 held out, then the control
 #   bash deploy/gpu_learn.sh cpu [SET]     # a set (default learn) on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
@@ -113,7 +114,7 @@ PY
 }
 
 declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop"
-                [seq]="learn control")
+                [seq]="learn control" [lr]="learn lr5e-5 control")
 COLLECT=0
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
@@ -121,7 +122,7 @@ case "$MODE" in
   collect) COLLECT=1; MODE=${2:-learn}; export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy ;;
   seq-run) COLLECT=2; MODE=seq
     if [ "${GL_CPU:-0}" = 1 ]; then setup_cpu; else export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy; fi ;;
-  learn|corrections|all|seq) setup_gpu ;;
+  learn|corrections|all|seq|lr) setup_gpu ;;
   *) echo "usage: $0 learn|corrections|all|cpu|wheels|collect SET"; exit 2 ;;
 esac
 [ -n "${SET[$MODE]:-}" ] || { echo "unknown set $MODE (learn | corrections | all)"; exit 2; }
@@ -149,6 +150,7 @@ elif [ "$COLLECT" = 0 ]; then
     case "$n" in
       learn) launch learn $i ;;
       control) launch control $i --task.shuffle-images ;;
+      lr*) launch "$n" $i --learner.optim.lr "${n#lr}" ;;  # the "lr" set: the learning run at another rate
       *) launch "$n" $i --learner.loss.correction "$n" ;;  # the corrections; "learn" is the decoupled one in "all"
     esac
     i=$((i + 1))
