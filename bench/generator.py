@@ -182,6 +182,7 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
     are published, read the groups back: (worker, seconds, groups). The worker stays open (its close()
     would close the shared engine); its preparation pool is shut down."""
     from broker.channel import Publisher, Subscriber
+    from broker.config import BrokerConfig
     from broker.images import ImageStore
     from broker.names import Names
     from broker.schemas import PromptRecord, RolloutGroup
@@ -191,7 +192,7 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
 
     names = Names(f"bench-{tag}-{time.time_ns()}")
     gen_cfg = GeneratorConfig(
-        namespace=names.namespace,
+        broker=BrokerConfig(namespace=names.namespace),
         generator_id=f"gen-{tag}",
         weight_sync=WeightSyncConfig(enabled=False),
         **settings,
