@@ -9,6 +9,7 @@
 #   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
 #   bash deploy/gpu_learn.sh all           # learn + control + none / tis / icepop: five runs side by side, one call
 #   bash deploy/gpu_learn.sh lr            # learn (the config's lr) + learn at lr 5e-5 + the control, side by side
+#   bash deploy/gpu_learn.sh sweep         # learn + learn at lr 1e-4 with KL 0.3 + the control, side by side
 #   bash deploy/gpu_learn.sh seq           # the learning run alone on the GPU until 0.9 held out, then the control
 #   bash deploy/gpu_learn.sh cpu [SET]     # a set (default learn) on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
@@ -113,8 +114,22 @@ for label, s in json.load(open(sys.argv[1])).items():
 PY
 }
 
+run_flags() {  # run_flags NAME: the flags a run name stands for, "_" between parts (e.g. lr1e-4_kl0.3)
+  local part
+  for part in ${1//_/ }; do
+    case "$part" in
+      learn) ;;                                              # the config as it is
+      control) echo --task.shuffle-images ;;                 # the same with images shuffled among prompts
+      lr*) echo --learner.optim.lr "${part#lr}" ;;           # another learning rate
+      kl*) echo --learner.loss.kl-coef "${part#kl}" ;;       # another KL coefficient
+      *) echo --learner.loss.correction "$part" ;;           # none | decoupled | tis | icepop
+    esac
+  done
+}
+
 declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop"
-                [seq]="learn control" [lr]="learn lr5e-5 control")
+                [seq]="learn control" [lr]="learn lr5e-5 control"
+                [sweep]="learn lr1e-4_kl0.3 control")
 COLLECT=0
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
@@ -122,10 +137,10 @@ case "$MODE" in
   collect) COLLECT=1; MODE=${2:-learn}; export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy ;;
   seq-run) COLLECT=2; MODE=seq
     if [ "${GL_CPU:-0}" = 1 ]; then setup_cpu; else export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy; fi ;;
-  learn|corrections|all|seq|lr) setup_gpu ;;
-  *) echo "usage: $0 learn|corrections|all|cpu|wheels|collect SET"; exit 2 ;;
+  learn|corrections|all|seq|lr|sweep) setup_gpu ;;
+  *) echo "usage: $0 learn|corrections|all|seq|lr|sweep|cpu SET|wheels|collect SET"; exit 2 ;;
 esac
-[ -n "${SET[$MODE]:-}" ] || { echo "unknown set $MODE (learn | corrections | all)"; exit 2; }
+[ -n "${SET[$MODE]:-}" ] || { echo "unknown set $MODE (${!SET[*]})"; exit 2; }
 read -ra NAMES <<< "${SET[$MODE]}"
 if [ "$COLLECT" = 2 ]; then  # seq, in its own session: the learning run alone on the GPU until it reaches
   # STOP_ACCURACY (or MINUTES), then the control for what is left of MINUTES (at least CONTROL_MIN minutes)
@@ -147,12 +162,7 @@ if [ "$MODE" = seq ] && [ "$COLLECT" = 0 ]; then  # the same sequence, in the fo
 elif [ "$COLLECT" = 0 ]; then
   i=0
   for n in "${NAMES[@]}"; do
-    case "$n" in
-      learn) launch learn $i ;;
-      control) launch control $i --task.shuffle-images ;;
-      lr*) launch "$n" $i --learner.optim.lr "${n#lr}" ;;  # the "lr" set: the learning run at another rate
-      *) launch "$n" $i --learner.loss.correction "$n" ;;  # the corrections; "learn" is the decoupled one in "all"
-    esac
+    launch "$n" $i $(run_flags "$n")
     i=$((i + 1))
   done
 fi
