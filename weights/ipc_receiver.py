@@ -74,9 +74,10 @@ class IpcReceiver(WeightReceiver):
         if got != Keys.READER:
             return None  # the learner is packing: try again next step
         self._holding = True
-        version = self._latest(store, session)  # stable while we hold the lock
+        version, layout_id = map(  # stable while we hold the lock
+            int, store.multi_get([Keys.version(session), Keys.layout_id(session)])
+        )
         self._taken = version
-        layout_id = int(store.get(Keys.layout_id(session)))
         if self._layout is None or self._layout.layout_id != layout_id:
             self._layout = msgspec.msgpack.decode(store.get(Keys.layout(session)), type=ipc.IpcLayout)
         layout = self._layout

@@ -25,6 +25,7 @@ import torch
 
 from weights import ipc
 from weights.config import WeightSyncConfig
+from weights.inplace import copy_all
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, full, one_buffer, tensor_view
 from weights.membership import Member, Publish
@@ -73,9 +74,8 @@ class IpcSender(WeightSender):
                 torch.cuda.current_stream(self._buffer.device).synchronize()
             self._version = version
             store = self._membership.store
-            for m in locked:
-                store.set(Keys.version(m.session), str(version))
-                store.set(Keys.lock(m.session), Keys.FREE)
+            for m in locked:  # one request: a reader never sees the lock free before the version
+                store.multi_set([Keys.version(m.session), Keys.lock(m.session)], [str(version), Keys.FREE])
             t2 = time.perf_counter()
         return SyncReport(
             version,
@@ -117,16 +117,19 @@ class IpcSender(WeightSender):
         store.set(Keys.layout_id(session), str(self._layout.layout_id))
 
     def _pack(self, tensors: list[torch.Tensor]) -> None:
-        """Copy (and cast) every tensor into its view: plain same-dtype tensors in one foreach copy,
+        """Copy (and cast) every tensor into its view: plain same-dtype tensors together (`copy_all`),
         FSDP2 shards gathered and copied one at a time (never a second full copy of the model)."""
         from torch.distributed.tensor import DTensor
 
-        pairs = list(zip(self._views, tensors))
-        same = [(v, t) for v, t in pairs if v.dtype == t.dtype and not isinstance(t, DTensor)]
-        rest = [(v, t) for v, t in pairs if v.dtype != t.dtype or isinstance(t, DTensor)]
+        plain_v, plain_t, rest = [], [], []
+        for v, t in zip(self._views, tensors, strict=True):
+            if v.dtype == t.dtype and not isinstance(t, DTensor):
+                plain_v.append(v)
+                plain_t.append(t)
+            else:
+                rest.append((v, t))
+        copy_all(plain_v, plain_t)
         with torch.no_grad():
-            if same:
-                torch._foreach_copy_([v for v, _ in same], [t.detach() for _, t in same])
             for v, t in rest:
                 v.copy_(full(t.detach()))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weights.inplace import Slots
 from weights.protocol import Manifest, TensorSpec, WeightSyncError, dtype_from_name, dtype_name
 
 ALIGN = 16
@@ -187,6 +188,7 @@ class WireTensors:
         self.layout = layout
         names = checkpoint_names(model)
         tensors = list(named_tensors(model))
+        self._slots = Slots(model, [n for n, _ in tensors])
         cast = wire_dtype(send_dtype, tensors[0][1].device if tensors else torch.device("cpu"))
         entries = [
             (names[n], cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
@@ -208,8 +210,9 @@ class WireTensors:
         """Model tensors of each wire tensor, in stacking order."""
 
     def tensors(self) -> list[torch.Tensor]:
-        """The model's current tensors (DTensor shards of an FSDP2 model: `full` gathers each)."""
-        return [t for _, t in named_tensors(self.model)]
+        """The model's current tensors (DTensor shards of an FSDP2 model: `full` gathers each), read from
+        their places in the module tree (`weights.inplace.Slots`, resolved once per model)."""
+        return self._slots.read()
 
     def gather(self, tensors: list[torch.Tensor], i: int) -> torch.Tensor:
         """Wire tensor `i`, whole (its parts gathered and, for a stack, concatenated)."""
