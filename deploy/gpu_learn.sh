@@ -9,7 +9,7 @@
 #   bash deploy/gpu_learn.sh corrections   # correction none / decoupled / tis / icepop, four runs side by side
 #   bash deploy/gpu_learn.sh all           # learn + control + none / tis / icepop: five runs side by side, one call
 #   bash deploy/gpu_learn.sh lr            # learn (the config's lr) + learn at lr 5e-5 + the control, side by side
-#   bash deploy/gpu_learn.sh sweep         # learn + learn at lr 1e-4 with KL 0.3 + the control, side by side
+#   bash deploy/gpu_learn.sh sweep         # learn + learn at lr 1e-4 + the control, side by side
 #   bash deploy/gpu_learn.sh seq           # the learning run alone on the GPU until 0.9 held out, then the control
 #   bash deploy/gpu_learn.sh cpu [SET]     # a set (default learn) on CPU with the tiny override (for testing here)
 #   bash deploy/gpu_learn.sh wheels        # (here, with network) download the wheels into .whl/
@@ -129,7 +129,7 @@ run_flags() {  # run_flags NAME: the flags a run name stands for, "_" between pa
 
 declare -A SET=([learn]="learn control" [corrections]="none decoupled tis icepop" [all]="learn control none tis icepop"
                 [seq]="learn control" [lr]="learn lr5e-5 control"
-                [sweep]="learn lr1e-4_kl0.3 control")
+                [sweep]="learn lr1e-4 control")
 COLLECT=0
 case "$MODE" in
   wheels) wheels_here; exit 0 ;;
