@@ -28,6 +28,8 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from broker.stream_options import StreamOptions
+
 PUBLISH_KEY_TTL_S = 7 * 24 * 3600.0
 """How long the broker remembers the id of an entry published with a key."""
 
@@ -68,6 +70,9 @@ def check_keys(payloads: Sequence[bytes], keys: Sequence[str] | None) -> None:
 
 class Transport(abc.ABC):
     """Byte-level streams, blobs and values; see the module docstring for the guarantees."""
+
+    options: StreamOptions
+    """The stream options this transport was connected with (max_len, max_deliveries, ...)."""
 
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
         """Append `payload` to `stream` and return its entry id; block while the stream is full."""

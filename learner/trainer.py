@@ -119,6 +119,7 @@ class Learner:
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
         self.nonfinite_steps = 0
         self._last_ckpt_step = 0
+        self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
         self._resume()
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,6 +212,7 @@ class Learner:
         if samples:
             self._optimize(samples, values)
         self._record_consumed(groups)
+        self._held_groups += len(groups)
         self.state.step += 1
         self.metrics.log_trained(self.state.step, [g.group.group_id for g in groups])
         values.update(self._rollout_stats(groups, samples, n_stale))
@@ -222,7 +224,7 @@ class Learner:
         flops = values.pop("flops", 0.0)
         values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
         self._evaluate(values)
-        if cfg.checkpoint.every > 0 and self.state.step % cfg.checkpoint.every == 0:
+        if cfg.checkpoint.every > 0 and (self.state.step % cfg.checkpoint.every == 0 or self._acks_due()):
             values["checkpoint_s"] = self._checkpoint()
         elif cfg.checkpoint.every < 0 and self.inbox is not None:
             self.inbox.ack_durable()  # nothing is ever saved: nothing to redeliver after a crash either
@@ -418,10 +420,23 @@ class Learner:
             )
             self.transport.set_value(self.names.learner_version, codec.encode(msg))
 
+    def _acks_due(self) -> bool:
+        """The groups held unacked for the next checkpoint fill half the scored stream's `max_len`.
+
+        The broker counts unacked entries against `max_len` (a publish blocks while a stream holds that
+        many), so a learner holding its acks for `checkpoint.every` steps of more groups than that would
+        block the reward service that feeds it and then wait for data forever: it checkpoints early.
+        """
+        if self._held_groups < self.transport.options.max_len // 2:  # every rank counts the same groups
+            return False
+        log.info("checkpoint at step %d: %d groups await their ack", self.state.step, self._held_groups)
+        return True
+
     def _checkpoint(self) -> float:
         t0 = time.perf_counter()
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
         self._last_ckpt_step = self.state.step
+        self._held_groups = 0
         if self.inbox is not None:
             self.inbox.ack_durable()
         return time.perf_counter() - t0

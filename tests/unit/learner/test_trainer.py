@@ -1,5 +1,6 @@
 """The Learner end to end on the tiny model with a real Redis: steps, filters, acks, metrics."""
 
+import dataclasses
 import json
 import math
 import time
@@ -122,6 +123,27 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     hist = learner.registry.get_sample_value("parallax_learner_staleness_count")
     assert hist == 9.0  # every sample of the trained groups observed once (3 + 2, then 2 + 2)
+
+
+def test_learner_checkpoints_before_its_held_acks_fill_the_scored_stream(
+    tiny_model_dir, redis_server, names, publish, tmp_path
+):
+    """Acks wait for a checkpoint, and the broker counts unacked entries against max_len: a learner
+    holding them for `checkpoint.every` steps would block its reward service and then starve (a GPU
+    run stopped at step 312 of 32 groups, 10,000 unacked). It checkpoints once half of max_len waits."""
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"checkpoint.every": 100})
+    for seed in range(4):
+        publish([1.0, 0.0], seed=seed)
+    learner = Learner(cfg, sender=NullSender())
+    learner.transport.options = dataclasses.replace(learner.transport.options, max_len=4)
+    learner.train()
+    assert learner.state.step == 2
+    assert [x.get("checkpoint_s", 0.0) > 0 for x in _lines(tmp_path)] == [
+        True,
+        True,
+    ]  # 2 groups each: half of 4
+    assert learner.transport.pending(names.scored, Names.LEARNER) == 0
+    learner.close()
 
 
 def test_samples_beyond_the_staleness_bound_are_dropped(
