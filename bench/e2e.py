@@ -189,6 +189,7 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--learner.algo.proximal", "detached", "--learner.algo.no-dynamic-sampling"),
         *("--learner.algo.max-staleness", str(k), "--learner.eval.every", "0", "--learner.eval.no-at-start"),
         *("--learner.checkpoint.every", "-1", "--learner.feeder.epochs", "1"),
+        *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),
         *("--generator.engine.gpu-memory-utilization", str(cfg.gpu_memory_utilization)),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
