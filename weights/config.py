@@ -51,10 +51,11 @@ class WeightSyncConfig:
     send_dtype: Literal["auto", "keep", "float32", "bfloat16", "float16"] = "auto"
     """dtype of floating-point tensors on the wire: "auto" (bfloat16 from a CUDA learner, each tensor's
     own dtype on CPU), "keep" (each tensor's own), or a dtype name ("bfloat16", "float32", "float16")."""
-    layout: Literal["checkpoint", "vllm"] = "checkpoint"
+    layout: Literal["auto", "checkpoint", "vllm"] = "auto"
     """Learner: "checkpoint" sends the tensors under the names `save_pretrained` writes (any engine);
     "vllm" packs them as vLLM's Qwen2.5-VL holds them (stacked qkv_proj, gate_up_proj), so that applying
-    a version inside vLLM's worker is one copy per parameter (weights/vllm_layout.py)."""
+    a version inside vLLM's worker is one copy per parameter (weights/vllm_layout.py); "auto" is "vllm"
+    for a Qwen2.5-VL model over cuda-ipc (where it halves the sync) and "checkpoint" otherwise."""
     checksums: bool = True
     """broadcast: a checksum per bucket; a receiver rejects a version that does not match."""
     keep_last: bool = True

@@ -47,6 +47,15 @@ class Part:
     rows: int
 
 
+def resolve(layout: str, model: torch.nn.Module, transport: str) -> str:
+    """The layout a sender packs `model` in: `layout`, or for "auto" this module's layout where it is
+    built and measured (a Qwen2.5-VL model over cuda-ipc), else the checkpoint's."""
+    if layout != "auto":
+        return layout
+    family = getattr(getattr(model, "config", None), "model_type", "")
+    return "vllm" if transport == "cuda-ipc" and family == "qwen2_5_vl" else "checkpoint"
+
+
 def vllm_name(name: str) -> tuple[str, int | None]:
     """(vLLM parameter name, index of the part in its stack or None) of a checkpoint name."""
     for old, new in PREFIXES:

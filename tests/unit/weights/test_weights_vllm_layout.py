@@ -8,12 +8,15 @@ same weights in checkpoint layout serve.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from weights_procs import announced_config, digest, perturb, wait_until
 
 import weights
 from policy.loading import load_model
+from weights import vllm_layout
 from weights.config import WeightSyncConfig
 from weights.ipc_sender import IpcSender
 from weights.manifest import WireTensors, module_loader
@@ -82,12 +85,15 @@ def _parameter_names_in_worker(worker) -> list[str]:
 
 
 @pytest.mark.vllm
-def test_vllm_serves_the_learners_weights_after_the_vllm_layout_path(tiny_model_dir, tmp_path, fake_ipc):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-fullvocab"])  # the second ties lm_head to the embedding
+def test_vllm_serves_the_learners_weights_after_the_vllm_layout_path(preset, tmp_path, fake_ipc):
     from generator.config import EngineConfig, SamplingConfig
     from generator.engine import Engine
     from generator.inputs import Request
+    from policy.builder import build_checkpoint
     from tasks.prompt import render_prompt_ids
 
+    tiny_model_dir = build_checkpoint(preset)
     model = load_model(tiny_model_dir)
     perturb(model, 0.05)
     engine = Engine(
@@ -122,3 +128,15 @@ def test_vllm_serves_the_learners_weights_after_the_vllm_layout_path(tiny_model_
         receiver.close()
         sender.close()
         engine.close()
+
+
+def test_auto_layout_is_vllms_for_qwen2_5_vl_over_cuda_ipc_only():
+    qwen2_5 = torch.nn.Linear(1, 1)
+    qwen2_5.config = SimpleNamespace(model_type="qwen2_5_vl")
+    qwen3 = torch.nn.Linear(1, 1)
+    qwen3.config = SimpleNamespace(model_type="qwen3_vl")
+    assert vllm_layout.resolve("auto", qwen2_5, "cuda-ipc") == "vllm"
+    assert vllm_layout.resolve("auto", qwen2_5, "broadcast") == "checkpoint"
+    assert vllm_layout.resolve("auto", qwen3, "cuda-ipc") == "checkpoint"  # no vLLM plan for Qwen3-VL
+    assert vllm_layout.resolve("checkpoint", qwen2_5, "cuda-ipc") == "checkpoint"
+    assert vllm_layout.resolve("vllm", qwen3, "broadcast") == "vllm"  # an explicit choice is kept
