@@ -23,7 +23,8 @@ geometric, as long-tailed as RL answers, and a batch call lasts as long as its l
 `--mode prep`: the worker's step on P prompts with an instant fake engine (no vLLM), columns
 serial (prepare_threads=0) and pool (prepare_threads=--threads): what preparing a batch costs.
 Columns alternate over --repeats after one warm-up pass each; medians and ratios to the first
-column are reported. Writes bench/results/generator.json (or --out).
+column are reported. Writes bench/results/generator.json (or --out) after every prompt count
+("complete": false until the last), so that a run cut short keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -345,6 +346,8 @@ def run(cfg: GeneratorBench) -> dict:
                     for name, fn in cols.items():
                         runs[name].append(fn(engine, transport, prompts, cfg, f"{name}{count}r{rep}"))
                 rows.append(summarise(count, runs))
+                partial = {"config": dataclasses.asdict(cfg), "rows": rows, "complete": False}
+                write_result(partial, cfg.out)  # a run cut short by a timeout keeps its finished rows
                 print(
                     f"{count} prompts: " + ", ".join(f"{n} {rows[-1][n]['seconds']} s" for n in cols),
                     flush=True,
@@ -352,7 +355,7 @@ def run(cfg: GeneratorBench) -> dict:
             transport.close()
     finally:
         engine.close()
-    return {"config": dataclasses.asdict(cfg), "rows": rows}
+    return {"config": dataclasses.asdict(cfg), "rows": rows, "complete": True}
 
 
 def summarise(count: int, runs: dict[str, list[dict]]) -> dict:

@@ -26,6 +26,7 @@ def test_generator_bench_runs_and_checks_its_output(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
+    assert result["complete"] is True
     assert [row["prompts"] for row in rows] == [2]
     modes = ("bare", "batch", "continuous")
     assert all(row[mode]["checked"] and row[mode]["tokens_per_s"] > 0 for row in rows for mode in modes), rows
