@@ -11,7 +11,8 @@ One `train_step(groups)` (every rank, same groups):
   2. per PPO mini-batch: token-budget packed micro-batches spread over the ranks (the same
      plan on every rank; ranks with fewer micro-batches run zero-weighted dummies so FSDP's
      collectives line up);
-  3. optionally a no-grad pass for π_prox (proximal = recompute) and for π_ref (KL);
+  3. optionally a no-grad pass for π_prox (proximal = recompute; over the mini-batches after the first,
+     which trains at π_prox's weights and takes it from its own forward) and for π_ref (KL);
   4. loss per micro-batch with the step's global denominator, gradient accumulation, clipping,
      AdamW; a non-finite gradient norm skips the update (counted);
   5. every `sync_every` steps the weights go to the generators and the new version is announced;
@@ -240,8 +241,8 @@ class Learner:
         chunks = _split(len(samples), cfg.algo.mini_batches)
         plans = [self._plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
         t0 = time.perf_counter()  # the no-grad passes end in host copies of their logprobs: synchronised
-        if cfg.algo.proximal == "recompute":
-            self._no_grad_pass(plans, self.model, "proximal_logprobs")
+        if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
+            self._no_grad_pass(plans[1:], self.model, "proximal_logprobs")  # gives them (`_micro_step`)
         t1 = time.perf_counter()
         if self.ref is not None:
             self._no_grad_pass(plans, self.ref, "ref_logprobs")
@@ -309,7 +310,7 @@ class Learner:
         logprobs, entropy = self._forward(self.model, mb)
         dev = logprobs.device
         prox = mb.proximal_logprobs
-        if self.cfg.algo.proximal == "detached":
+        if self.cfg.algo.proximal == "detached" or (self.cfg.algo.proximal == "recompute" and first_update):
             prox = logprobs.detach()
         batch = TokenBatch(
             logprobs=logprobs,

@@ -146,6 +146,49 @@ def test_learner_checkpoints_before_its_held_acks_fill_the_scored_stream(
     learner.close()
 
 
+def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
+    tiny_model_dir, redis_server, names, publish, tmp_path, monkeypatch
+):
+    """proximal = recompute: the no-grad pass runs over the mini-batches after the first; the first trains
+    at the weights that define pi_prox, so its proximal logprobs are its own forward's, which equal a
+    no-grad recompute at those weights (fp32)."""
+    import learner.trainer as trainer
+
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, max_steps=1)
+    cfg.algo.mini_batches, cfg.algo.proximal, cfg.algo.groups_per_step = 2, "recompute", 4
+    for seed in range(4):
+        publish([1.0, 0.0], seed=seed)
+    learner = Learner(cfg, sender=NullSender())
+    passes, pending, compared = [], [], []
+    no_grad_pass, micro_step, loss = learner._no_grad_pass, learner._micro_step, trainer.policy_loss
+
+    def record_pass(plans, module, attr):
+        passes.append((attr, len(plans)))
+        no_grad_pass(plans, module, attr)
+
+    def check_micro_step(mb, denom, weights, first_update):
+        if first_update and mb is not None:
+            assert mb.proximal_logprobs is None  # no recompute for the first mini-batch
+            with torch.no_grad():
+                pending.append(learner._forward(learner.model, mb)[0])
+        micro_step(mb, denom, weights, first_update)
+
+    def capture_loss(config, batch, denom):
+        if pending:  # the loss of a first-update micro-batch: its pi_prox against the recompute
+            torch.testing.assert_close(batch.proximal_logprobs, pending.pop(), rtol=0, atol=1e-6)
+            compared.append(True)
+        return loss(config, batch, denom)
+
+    monkeypatch.setattr(learner, "_no_grad_pass", record_pass)
+    monkeypatch.setattr(learner, "_micro_step", check_micro_step)
+    monkeypatch.setattr(trainer, "policy_loss", capture_loss)
+    learner.train()
+    assert learner.state.step == 1
+    assert passes == [("proximal_logprobs", 1)]  # the second of two mini-batches only
+    assert compared and not pending  # every first-update micro-batch was compared
+    learner.close()
+
+
 def test_samples_beyond_the_staleness_bound_are_dropped(
     tiny_model_dir, redis_server, names, publish, tmp_path
 ):
