@@ -58,3 +58,9 @@ def test_nccl_learner_serves_a_same_gpu_generator_through_gloo(tmp_path, caplog)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gloo_carries_cuda_buffers_through_host(tmp_path):
     _run(tmp_path, "cpu", "cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_broadcast_reaches_a_generator_on_another_gpu(tmp_path):
+    """The split layout's path (learner GPUs 0-5, generators 6-7): NCCL between two GPUs, bit-exact."""
+    _run(tmp_path, "cuda", "cuda:1")
