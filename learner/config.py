@@ -212,7 +212,8 @@ class CheckpointConfig:
 
     every: int = 50
     """Save every this many optimizer steps (0 = only at the end; -1 = never, nor a Hugging Face export at
-    the end: benchmarks, whose consumed groups are then acked after every step)."""
+    the end: benchmarks, whose consumed groups are then acked after every step). Acks wait for a checkpoint,
+    so one is also made whenever half the scored stream's `max_len` awaits them (learner/trainer.py)."""
     keep: int = 2
     """Number of most recent checkpoints kept on disk."""
     export_hf_every: int = 0

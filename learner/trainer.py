@@ -225,9 +225,10 @@ class Learner:
         flops = values.pop("flops", 0.0)
         values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
         self._evaluate(values)
-        if cfg.checkpoint.every > 0 and (self.state.step % cfg.checkpoint.every == 0 or self._acks_due()):
+        every = cfg.checkpoint.every
+        if every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due()):
             values["checkpoint_s"] = self._checkpoint()
-        elif cfg.checkpoint.every < 0 and self.inbox is not None:
+        elif every < 0 and self.inbox is not None:
             self.inbox.ack_durable()  # nothing is ever saved: nothing to redeliver after a crash either
         if cfg.checkpoint.export_hf_every > 0 and self.state.step % cfg.checkpoint.export_hf_every == 0:
             export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)

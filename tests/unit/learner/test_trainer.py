@@ -125,13 +125,14 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     assert hist == 9.0  # every sample of the trained groups observed once (3 + 2, then 2 + 2)
 
 
+@pytest.mark.parametrize("every", [100, 0])  # 0: only at the end
 def test_learner_checkpoints_before_its_held_acks_fill_the_scored_stream(
-    tiny_model_dir, redis_server, names, publish, tmp_path
+    tiny_model_dir, redis_server, names, publish, tmp_path, every
 ):
     """Acks wait for a checkpoint, and the broker counts unacked entries against max_len: a learner
     holding them for `checkpoint.every` steps would block its reward service and then starve (a GPU
     run stopped at step 312 of 32 groups, 10,000 unacked). It checkpoints once half of max_len waits."""
-    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"checkpoint.every": 100})
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"checkpoint.every": every})
     for seed in range(4):
         publish([1.0, 0.0], seed=seed)
     learner = Learner(cfg, sender=NullSender())
