@@ -31,7 +31,6 @@ from weights.manifest import WireTensors, checksum, pack_bucket, plan_layout, tr
 from weights.membership import Member, Publish
 from weights.protocol import JoinAccept, JoinRequest, Keys, Manifest, encode
 from weights.rendezvous import abort, device_uuid, pair_group, wait_work
-from weights.vllm_layout import resolve
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +73,7 @@ class BroadcastSender(WeightSender):
         applied it. Collective over the training ranks when the model is FSDP2-sharded."""
         t0 = time.perf_counter()
         if self._wire is None or self._wire.model is not model:
-            self._wire = WireTensors(
-                model, self.config.send_dtype, resolve(self.config.layout, model, self.transport)
-            )
+            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout, self.transport)
         tensors = self._wire.tensors()
         layout = plan_layout(self._wire.entries, self.config.bucket_bytes)
         if self._rank != 0:

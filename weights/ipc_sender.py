@@ -30,7 +30,7 @@ from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, full, one_buffer, tensor_view
 from weights.membership import Member, Publish
 from weights.protocol import JoinAccept, JoinRequest, Keys, WeightSyncError, encode
-from weights.vllm_layout import resolve, row_slices
+from weights.vllm_layout import row_slices
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,7 @@ class IpcSender(WeightSender):
         """Pack the weights into the shared buffer as `version`; returns when generators can read it."""
         t0 = time.perf_counter()
         if self._wire is None or self._wire.model is not model:
-            self._wire = WireTensors(
-                model, self.config.send_dtype, resolve(self.config.layout, model, self.transport)
-            )
+            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout, self.transport)
             self._allocate(self._wire)
         tensors = self._wire.tensors()
         with self._membership.lock:

@@ -183,8 +183,13 @@ class WireTensors:
     shapes (`entries`), in checkpoint layout or vLLM's (weights/vllm_layout.py: `parts` says which
     checkpoint tensors each wire tensor stacks, `slots` where each model tensor goes)."""
 
-    def __init__(self, model: torch.nn.Module, send_dtype: str, layout: str = "checkpoint"):
+    def __init__(
+        self, model: torch.nn.Module, send_dtype: str, layout: str = "checkpoint", transport: str = ""
+    ):
+        from weights import vllm_layout
+
         self.model = model
+        layout = vllm_layout.resolve(layout, model, transport)  # "auto": the layout `transport` takes
         self.layout = layout
         names = checkpoint_names(model)
         tensors = list(named_tensors(model))
@@ -195,8 +200,6 @@ class WireTensors:
             for n, t in tensors
         ]
         if layout == "vllm":
-            from weights import vllm_layout
-
             self.entries, parts, owner = vllm_layout.plan(entries)
             self.parts = {e[0]: [(p.name, p.rows) for p in ps] for e, ps in zip(self.entries, parts)}
             place = {p.name: k for ps in parts for k, p in enumerate(ps)}
