@@ -41,9 +41,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def free_ports(count: int) -> int:
-    """A base port such that base .. base+count-1 are all free on loopback."""
+    """A base port such that base .. base+count-1 are all free on loopback, drawn below the kernel's
+    ephemeral range: a port in it can be handed to any socket of the run (a rendezvous, a client
+    connection) between this check and the bind, and a fault test's resumed learner lost its metrics
+    port that way."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        base = random.randint(20000, 40000)
+        base = random.randint(min(20000, low - 2000), low - count - 1)
         socks = []
         try:
             for port in range(base, base + count):
