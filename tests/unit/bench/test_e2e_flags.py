@@ -1,0 +1,65 @@
+"""bench.e2e's GPU runs, checked on CPU: their launcher flags parse into the launcher's config, plan a shared
+H200 that fits at 3B and 7B, and the per-step metrics give the reported row.
+
+CPU only: the GPU is described, never used.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.e2e import BenchConfig, gpu_args, measure
+from deploy.plan import GpuInfo, LaunchConfig, learner_memory_gib, plan_gpus
+from runtime.config import load_config
+
+H200 = [GpuInfo(0, 0, 139.8, "NVIDIA H200")]
+N_PARAMS = {"3b": 3_754_622_976, "7b": 8_292_166_656}  # Qwen2.5-VL-3B / -7B, vision tower included
+
+
+def launch_config(model: str, k: int, **bench) -> LaunchConfig:
+    cfg = BenchConfig(device="cuda", model=model, **bench)
+    return load_config(LaunchConfig, gpu_args(cfg, k, model="/models/" + model))
+
+
+@pytest.mark.parametrize("model", ["3b", "7b"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_gpu_flags_parse_into_the_reference_shapes(model, k):
+    cfg = launch_config(model, k)
+    assert cfg.broker == "zmq" and cfg.learner.gpus == cfg.generator.gpus == "0"
+    assert cfg.learner.algo.max_staleness == k and cfg.learner.algo.groups_per_step == 128
+    assert cfg.learner.algo.mini_batches == 1 and cfg.learner.algo.proximal == "detached"
+    assert not cfg.learner.algo.dynamic_sampling and cfg.learner.loss.kl_coef > 0
+    sampling = cfg.generator.sampling
+    assert sampling.n == 5 and sampling.max_tokens == sampling.min_tokens == 512
+    assert cfg.task.task == "colour" and cfg.task.image_size == 448
+    assert cfg.task.train >= 128 * (cfg.learner.max_steps + k)  # enough prompts for every step and the lead
+    assert cfg.learner.metrics.port == cfg.generator.metrics.port == cfg.reward.metrics.port == 0
+
+
+@pytest.mark.parametrize("model", ["3b", "7b"])
+def test_gpu_flags_plan_one_shared_h200_that_fits(model):
+    cfg = launch_config(model, 1)
+    plan = plan_gpus(
+        cfg.learner.gpus,
+        cfg.generator.gpus,
+        H200,
+        n_params=N_PARAMS[model],
+        kl=cfg.learner.loss.kl_coef > 0,
+        master_weights=cfg.learner.optim.master_weights,
+        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+    )
+    assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
+    # one GPU: the fp32 master weights and AdamW states live in host memory (bf16 weights + grads + reference)
+    assert plan.learner_gib == pytest.approx(learner_memory_gib(N_PARAMS[model], 1, True, "host"))
+    assert plan.learner_gib + plan.generator_gib < 139.8
+
+
+def test_measure_times_the_steps_after_the_warmup():
+    lines = [{"step": 0, "time": 0.0}]  # a metrics line without groups (e.g. an evaluation) is not a step
+    for i in range(1, 4):
+        lines.append({"groups": 128, "time": 10.0 * i, "tokens": 1000.0, "train_s": 6.0, "wait_s": 4.0})
+    row = measure(lines, k=1, warmup=1, gpus=1)
+    assert row["steps"] == 2 and row["wall_s"] == pytest.approx(20.0)
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0) and row["train_s"] == pytest.approx(6.0)
+    with pytest.raises(RuntimeError, match="only 0 measured steps"):
+        measure(lines[:2], k=1, warmup=1)
