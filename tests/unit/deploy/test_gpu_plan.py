@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from deploy.launcher import gpu_env, task_shorthand
-from deploy.plan import GpuInfo, GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs
+from deploy.plan import CPU_KV_CACHE_GB, GpuInfo, GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs
 from deploy.preflight import (
     PreflightError,
     explain_failure,
@@ -19,6 +19,7 @@ from deploy.preflight import (
     parse_nvidia_smi,
     restrict_visible,
 )
+from runtime.config import load_config
 
 
 def h200s(n: int, gib: float = 139.8) -> list[GpuInfo]:
@@ -222,3 +223,21 @@ def _with_transport(learner, name):
     if dataclasses.is_dataclass(section):
         return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=name))
     return dataclasses.replace(learner, weight_transport=name)
+
+
+def test_the_kv_cache_is_cpu_sized_only_on_cpu():
+    """The demo's 0.25 GiB KV cache leaked into GPU runs (the reference config does not set it): vLLM
+    then held 7,280 tokens, 8 of the reference workload's sequences at once. A GPU layout derives it
+    from gpu_memory_utilization; a size the config sets is kept."""
+    gpu = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc")
+    engines = {}
+    for name, plan in (("cpu", GpuPlan("cpu", "", "", (), "broadcast")), ("gpu", gpu)):
+        configs = role_configs(LaunchConfig(), _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)
+        engines[name] = configs["generator"].engine
+    assert engines["cpu"].kv_cache_gb == CPU_KV_CACHE_GB and engines["gpu"].kv_cache_gb == 0.0
+    reference = load_config(LaunchConfig, ["--config", "deploy/configs/qwen2_5_vl_7b_geometry3k.toml"])
+    configs = role_configs(reference, _p("/r"), _p("/m"), _p("/d"), "redis://x:1", "ns", gpus=gpu)
+    assert configs["generator"].engine.kv_cache_gb == 0.0
+    reference.generator.engine.kv_cache_gb = 4.0
+    configs = role_configs(reference, _p("/r"), _p("/m"), _p("/d"), "redis://x:1", "ns", gpus=gpu)
+    assert configs["generator"].engine.kv_cache_gb == 4.0
