@@ -173,7 +173,8 @@ for n in "${NAMES[@]}"; do  # what comes back: the small files of each run direc
   cp -r "$RUNS/$n" "$OUT/runs/" 2>/dev/null
 done
 for d in "$OUT"/runs/*/; do  # what does not come back: weights, images, caches
-  rm -rf "$d"learner/checkpoints "$d"learner/hf "$d"warmstart/model "$d"data/images "$d"data/*/images "$d"generator/vllm-cache
+  rm -rf "$d"learner/checkpoints "$d"learner/hf "$d"warmstart/model "$d"data/images "$d"data/*/images "$d"generator/vllm-cache "$d"redis
 done
+find "$OUT/runs" -type f -size +16M -printf 'not returned (size): %p %s\n' -delete  # session 9's runs were 446 MB
 tar czf "$OUT/runs.tar.gz" -C "$OUT" runs && rm -rf "$OUT/runs"  # at most 8 files come back, 2 folders deep
 du -sh "$OUT"/*
