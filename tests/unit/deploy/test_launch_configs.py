@@ -62,3 +62,22 @@ def test_reference_config_holds_the_role_files_values(role, cls):
     ours, theirs = _flat(dataclasses.asdict(getattr(launch, role))), _flat(dataclasses.asdict(shipped))
     differ = {k: (ours[k], theirs[k]) for k in sorted(keys) if ours[k] != theirs[k]}
     assert not differ, f"{role}: reference config differs from {role}.toml (ours, theirs): {differ}"
+
+
+ROLE_CLASSES = {"learner": LearnerConfig, "generator": GeneratorConfig, "reward": RewardConfig}
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_7b_geometry3k.toml", "gpu_learn.toml"])
+def test_gpu_configs_set_every_value_the_cpu_demo_changes(name):
+    """A launch config starts from the CPU demo's embedded default (LaunchConfig()), so a setting the demo
+    changes from the role's own default and a GPU config leaves out runs the demo's CPU value on the GPU
+    (a 0.25 GiB KV cache did, session 9). Each such setting is written in the GPU config."""
+    with open(CONFIGS / name, "rb") as f:
+        written = _flat(tomllib.load(f))
+    demo = LaunchConfig()
+    leaked = []
+    for role, cls in ROLE_CLASSES.items():
+        ours, own = _flat(dataclasses.asdict(getattr(demo, role))), _flat(dataclasses.asdict(cls()))
+        changed = {k for k in ours if ours[k] != own[k]} - PER_RUN
+        leaked += [f"{role}.{k} = {ours[k]!r}" for k in sorted(changed) if f"{role}.{k}" not in written]
+    assert not leaked, f"{name} inherits the CPU demo's values: {leaked}"
