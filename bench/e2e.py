@@ -4,6 +4,7 @@ and the split of a step; the generator's loop modes side by side.
     python -m bench.e2e [--preset small] [--steps 12] [--warmup 3] [--ks 0 1 2]     # CPU: the demo pipeline
     python -m bench.e2e --ks 1 --modes batch drain inflight --out bench/results/e2e_modes.json
     python -m bench.e2e --device cuda --model 7b --ks 0 --warmup 1 --steps 2       # one GPU, reference shapes
+    python -m bench.e2e --device cuda --model 3b --ks 1 --mps                      # the same under CUDA MPS
 
 --device cuda runs the reference workload on ONE GPU shared by the learner and one vLLM generator
 (CUDA-IPC weight sync, the ZeroMQ broker, no redis-server): `python -m deploy --config
@@ -80,6 +81,9 @@ class BenchConfig:
     """cuda: image width and height (448 -> 256 image tokens)."""
     gpu_memory_utilization: float = 0.3
     """cuda: the vLLM engine's share of the GPU; the learner has the rest."""
+    mps: bool = False
+    """cuda: the runs share the GPU under CUDA MPS (`python -m deploy --mps`, deploy/mps.py) instead of
+    time slices; rows say so (`mps`), and K = 0 without MPS stays the reference."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
@@ -194,6 +198,7 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--learner.checkpoint.every", "-1", "--learner.feeder.epochs", "1"),
         *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),
         *("--generator.engine.gpu-memory-utilization", str(cfg.gpu_memory_utilization)),
+        *(("--mps",) if cfg.mps else ()),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
         *(
@@ -208,7 +213,8 @@ def run_k(
     cfg: BenchConfig, k: int, model: Path, work: Path, mode: str = "batch", started: float = 0.0
 ) -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
-    run_dir = work / f"k{k}-{mode}"
+    mps = cfg.device == "cuda" and cfg.mps
+    run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}"
     flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
     args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
     args += [*MODE_FLAGS[mode], *cfg.extra]
@@ -220,7 +226,7 @@ def run_k(
             cfg.timeout_s - (time.time() - started) if cfg.device == "cuda" and started else cfg.timeout_s
         )
         env = {"VLLM_CACHE_ROOT": str(work / "vllm-cache")} if cfg.device == "cuda" else {}
-        run([sys.executable, "-m", "deploy", *args], work / f"k{k}-{mode}.log", max(budget, 60.0), env)
+        run([sys.executable, "-m", "deploy", *args], run_dir.with_suffix(".log"), max(budget, 60.0), env)
     except RuntimeError as e:  # a run cut short still reports the steps it finished
         error = str(e)[:500]
         print(f"K={k}: {error}", flush=True)
@@ -235,6 +241,7 @@ def run_k(
     return row | {
         "error": error,
         "mode": mode,
+        "mps": mps,
         "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,
@@ -284,7 +291,8 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
 def reference(rows: list[dict]) -> dict:
     """The row every speedup is against: K = 0 with the batch loop if it ran, else the first row."""
     timed = [r for r in rows if r.get("steps_per_s")] or rows
-    return next((r for r in timed if r["k"] == 0 and r.get("mode", "batch") == "batch"), timed[0])
+    first = (r for r in timed if r["k"] == 0 and r.get("mode", "batch") == "batch" and not r.get("mps"))
+    return next(first, timed[0])
 
 
 def format_table(rows: list[dict]) -> str:
@@ -295,12 +303,13 @@ def format_table(rows: list[dict]) -> str:
     )
     out = [head, "-" * len(head)]
     for r in rows:
+        mode = r.get("mode", "batch") + ("+mps" if r.get("mps") else "")
         if not r.get("steps_per_s"):
-            out.append(f"{r['k']:>2} {r.get('mode', 'batch'):>8} not timed: {r.get('error')}")
+            out.append(f"{r['k']:>2} {mode:>8} not timed: {r.get('error')}")
             continue
         speedup = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else 0.0
         out.append(
-            f"{r['k']:>2} {r.get('mode', 'batch'):>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
+            f"{r['k']:>2} {mode:>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
             f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
             f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r['sync_s']:>6.3f} {r['generate_s']:>8.2f} "

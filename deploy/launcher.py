@@ -5,6 +5,7 @@
     python -m deploy --task.shuffle-images   # control: images unrelated to the questions
     python -m deploy --config deploy/configs/demo.toml --learner.optim.lr 1e-4
     python -m deploy --learner.gpus 0 --generator.gpus 0 ...          # one GPU shared (CUDA-IPC weights)
+    python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...    # the same, under CUDA MPS (mps.py)
     python -m deploy --learner.gpus 0-5 --generator.gpus 6-7 ...      # split GPUs (NCCL broadcast)
     python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \
         --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
@@ -48,6 +49,7 @@ import uuid
 from pathlib import Path
 
 from broker.redis_server import redis_server_argv
+from deploy.mps import MpsDaemon, check_layout
 from deploy.plan import GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs, write_role_configs
 from deploy.preflight import PreflightError, explain_failure, inspect_model, require_vllm, visible_gpus
 from deploy.processes import Child, ChildDied, ProcessGroup, child_env, free_port, port_open, tail
@@ -77,6 +79,7 @@ class Launcher:
         self.progress: Progress | None = None
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"
+        self.mps: MpsDaemon | None = None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
@@ -113,6 +116,9 @@ class Launcher:
         self._plan(n_params=0)  # indices and overlaps, before anything is built
         model_dir = self._build_model()
         gpus = self._plan(n_params=inspect_model(model_dir).n_params)
+        if cfg.mps:  # before any role touches the GPU: a client that finds no daemon runs without MPS
+            self.mps = MpsDaemon(self.run_dir)
+            self.roles.env.update(self.mps.start(self.infra, gpus))
         task_dir, test_dir = self._write_task(model_dir)
         broker_url = self._start_broker()
         self._stage("reward")
@@ -160,6 +166,7 @@ class Launcher:
             master_weights=cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
         )
+        check_layout(cfg.mps, gpus)
         if gpus.kind != "cpu":
             require_vllm()
             for group in (self.infra, self.roles):
@@ -270,30 +277,15 @@ class Launcher:
             self._stage("warm-start", "done before (resumed run)")
             return out
         self._stage("warm-start", f"{ws.steps} supervised steps on random answers")
+        args = ["--model", str(model_dir), "--task-dir", str(task_dir), "--out", str(out)]
+        args += ["--steps", str(ws.steps), "--batch", str(ws.batch), "--lr", str(ws.lr)]
+        args += ["--seed", str(self.cfg.learner.seed), "--thought", ws.thought]
+        args += ["--device", "cpu" if gpus.kind == "cpu" else "cuda"]
         child = self._start(
             self.roles,
             "warmstart",
             "deploy.warmstart",
-            [
-                "--model",
-                str(model_dir),
-                "--task-dir",
-                str(task_dir),
-                "--out",
-                str(out),
-                "--steps",
-                str(ws.steps),
-                "--batch",
-                str(ws.batch),
-                "--lr",
-                str(ws.lr),
-                "--seed",
-                str(self.cfg.learner.seed),
-                "--thought",
-                ws.thought,
-                "--device",
-                "cpu" if gpus.kind == "cpu" else "cuda",
-            ],
+            args,
             critical=False,
             env={"CUDA_VISIBLE_DEVICES": gpus.learner_gpus.split(",")[0]} if gpus.kind != "cpu" else None,
         )
@@ -428,6 +420,8 @@ class Launcher:
         try:
             self._event("stopping", outcome=self.outcome)
             self.roles.stop()
+            if self.mps is not None:
+                self.mps.stop()
             self.infra.stop()
             self._event("stopped")
         finally:

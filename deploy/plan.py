@@ -156,6 +156,9 @@ class LaunchConfig:
     """Stop once a held-out evaluation reaches this accuracy (0 = never)."""
     generator_start_s: float = 900.0
     """On a GPU: the generator's vLLM engine must be up (its metrics port open) within this many seconds."""
+    mps: bool = False
+    """On one shared GPU: run the learner and the generator under CUDA MPS, so that their kernels share the
+    GPU instead of taking turns in time slices (deploy/mps.py; needs nvidia-cuda-mps-control)."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

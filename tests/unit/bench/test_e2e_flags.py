@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.e2e import BenchConfig, gpu_args, measure
+from bench.e2e import BenchConfig, format_table, gpu_args, measure, reference
 from deploy.plan import GpuInfo, LaunchConfig, learner_memory_gib, plan_gpus
 from runtime.config import load_config
 
@@ -63,3 +63,14 @@ def test_measure_times_the_steps_after_the_warmup():
     assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0) and row["train_s"] == pytest.approx(6.0)
     with pytest.raises(RuntimeError, match="only 0 measured steps"):
         measure(lines[:2], k=1, warmup=1)
+
+
+def test_mps_runs_are_marked_and_never_the_reference():
+    assert launch_config("3b", 1, mps=True).mps and not launch_config("3b", 1).mps
+    rows = [
+        {"k": 0, "mode": "batch", "mps": True, "steps_per_s": 2.0},
+        {"k": 0, "mode": "batch", "mps": False, "steps_per_s": 1.0},
+        {"k": 1, "mode": "batch", "mps": True, "steps_per_s": 3.0},
+    ]
+    assert reference(rows) is rows[1]
+    assert "batch+mps" in format_table([{**r, "error": "cut"} | {"steps_per_s": 0} for r in rows])

@@ -1,0 +1,91 @@
+"""CUDA MPS on a shared GPU: the learner's and the generator's kernels run side by side.
+
+    python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...
+
+Without MPS, CUDA gives the GPU to one process at a time (time slices): with K >= 1 the learner and the
+generator both have work, but only one of them runs at any moment, so the asynchronous pipeline overlaps
+little more than each one's idle gaps (host-memory AdamW, packing, scheduling). Under NVIDIA's
+Multi-Process Service both processes are clients of one MPS server and their kernels share the
+multiprocessors, the way a compute-bound training step and memory-bound decoding can.
+
+With `--mps` the launcher starts the MPS control daemon (`nvidia-cuda-mps-control -f`, installed with
+the driver) on the shared GPU before the roles and gives every role its pipe and log directories
+(CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY). The pipe directory is a short path under /tmp (the
+daemon's Unix sockets must fit 108 bytes), the log directory is `<run_dir>/mps/`. At the end the
+daemon gets `quit` after the roles have stopped. A client that cannot reach the daemon silently runs
+without MPS (the driver's rule), so the launcher waits for the daemon's control socket before it starts
+anything that uses the GPU. Whether CUDA-IPC weight sync and vLLM's start-up memory check behave under
+MPS on a given driver is what the first GPU run with `--mps` shows (bench/results/GPU.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from deploy.plan import GpuPlan, LayoutError
+from deploy.processes import ChildDied, ProcessGroup
+
+CONTROL = "nvidia-cuda-mps-control"
+
+
+def check_layout(enabled: bool, gpus: GpuPlan) -> None:
+    """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error."""
+    if enabled and gpus.kind != "shared":
+        raise LayoutError(
+            f"--mps lets the learner and the generator share one GPU, but this layout is {gpus.kind}: "
+            "use it with --learner.gpus 0 --generator.gpus 0, or drop --mps"
+        )
+
+
+class MpsDaemon:
+    """The run's MPS control daemon: `start` it in a process group, hand `env` to the roles, `stop` it."""
+
+    def __init__(self, run_dir: Path, control: str = CONTROL):
+        self.control = control
+        self.pipe_dir = Path(tempfile.mkdtemp(prefix="parallax-mps-"))
+        self.log_dir = run_dir / "mps"
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+        self.binary = ""
+
+    def start(self, group: ProcessGroup, gpus: GpuPlan, timeout_s: float = 20.0) -> dict[str, str]:
+        """Start the daemon on the plan's shared GPU, wait for its control socket; returns the roles' env."""
+        self.binary = shutil.which(self.control) or ""
+        if not self.binary:
+            raise LayoutError(
+                f"--mps needs NVIDIA's MPS control daemon ({self.control}, installed with the driver) on "
+                "PATH; install the driver's utilities or drop --mps (the GPU is then shared in time slices)"
+            )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**self.env, "CUDA_VISIBLE_DEVICES": gpus.learner_gpus}
+        child = group.start("mps", [self.binary, "-f"], env=env)
+        deadline = time.monotonic() + timeout_s
+        while not (self.pipe_dir / "control").exists():
+            if child.popen.poll() is not None:
+                raise ChildDied(
+                    f"the MPS control daemon exited ({child.popen.returncode}); see {child.log_path}"
+                )
+            if time.monotonic() > deadline:
+                raise ChildDied(f"the MPS control daemon opened no control socket in {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return dict(self.env)
+
+    def stop(self) -> None:
+        """Ask the daemon to quit (its server goes with it); the process group then stops what is left."""
+        if self.binary:
+            env = {**os.environ, **self.env}
+            try:
+                subprocess.run(
+                    [self.binary], input=b"quit\n", env=env, timeout=10, check=False, capture_output=True
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # the process group's signals stop it
+            self.binary = ""
+        shutil.rmtree(self.pipe_dir, ignore_errors=True)

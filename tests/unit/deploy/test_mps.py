@@ -1,0 +1,102 @@
+"""deploy/mps.py: the launcher's CUDA MPS daemon for a shared GPU, with a stand-in control program.
+
+CPU only: the stand-in `nvidia-cuda-mps-control` opens the control socket path the real one would,
+records its environment and the commands it is sent, and stays up until it is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+
+from deploy.mps import MpsDaemon, check_layout
+from deploy.plan import GpuPlan, LaunchConfig, LayoutError
+from deploy.processes import ChildDied, ProcessGroup
+from runtime.config import load_config
+
+SHARED = GpuPlan("shared", "3", "3", ((3,),), "cuda-ipc")
+
+FAKE = """#!/bin/sh
+if [ "$1" = "-f" ]; then
+  echo "visible=$CUDA_VISIBLE_DEVICES log=$CUDA_MPS_LOG_DIRECTORY" > "$RECORD/started"
+  [ -n "$FAKE_EXIT" ] && exit 7
+  : > "$CUDA_MPS_PIPE_DIRECTORY/control"
+  exec sleep 60
+fi
+cat > "$RECORD/command"
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch):
+    bin_dir, record = tmp_path / "bin", tmp_path / "record"
+    bin_dir.mkdir()
+    record.mkdir()
+    script = bin_dir / "nvidia-cuda-mps-control"
+    script.write_text(FAKE)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("RECORD", str(record))
+    return record
+
+
+def test_the_daemon_starts_on_the_shared_gpu_and_quits_at_the_end(fake_control, tmp_path):
+    run_dir = tmp_path / "run"
+    with ProcessGroup(run_dir) as group:
+        mps = MpsDaemon(run_dir)
+        env = mps.start(group, SHARED)
+        assert (fake_control / "started").read_text().split() == [
+            "visible=3",
+            f"log={run_dir / 'mps'}",
+        ]
+        assert env["CUDA_MPS_LOG_DIRECTORY"] == str(run_dir / "mps")
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert len(os.path.join(pipe, "control")) < 108  # a Unix socket path
+        mps.stop()
+        assert (fake_control / "command").read_text() == "quit\n"
+        assert not os.path.exists(pipe)
+        daemon = group.children[0]
+    assert daemon.popen.poll() is not None  # the group stopped what the quit left
+
+
+def test_a_daemon_that_exits_at_start_is_a_clear_error(fake_control, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_EXIT", "1")
+    with ProcessGroup(tmp_path) as group, pytest.raises(ChildDied, match="MPS control daemon exited"):
+        MpsDaemon(tmp_path).start(group, SHARED, timeout_s=5)
+
+
+def test_no_control_program_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with ProcessGroup(tmp_path) as group, pytest.raises(LayoutError, match="drop --mps"):
+        MpsDaemon(tmp_path).start(group, SHARED)
+    assert not group.children
+
+
+def test_mps_is_for_a_shared_gpu_only():
+    check_layout(True, SHARED)
+    check_layout(False, GpuPlan("split", "0", "1", ((1,),), "broadcast"))
+    for kind in ("split", "cpu"):
+        with pytest.raises(LayoutError, match="--learner.gpus 0 --generator.gpus 0"):
+            check_layout(True, GpuPlan(kind, "", "", (), "broadcast"))
+
+
+def test_the_flag_parses():
+    assert load_config(LaunchConfig, ["--mps"]).mps and not LaunchConfig().mps
+
+
+def test_the_group_env_reaches_a_role(fake_control, tmp_path):
+    """What the launcher does with the returned env: every role started afterwards sees the pipe."""
+    roles = ProcessGroup(tmp_path)
+    with ProcessGroup(tmp_path) as infra:
+        mps = MpsDaemon(tmp_path)
+        roles.env.update(mps.start(infra, SHARED))
+        child = roles.start("probe", ["sh", "-c", 'echo "$CUDA_MPS_PIPE_DIRECTORY" > "$RECORD/probe"'])
+        child.popen.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while not (fake_control / "probe").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (fake_control / "probe").read_text().strip() == str(mps.pipe_dir)
+        mps.stop()
