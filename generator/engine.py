@@ -78,6 +78,10 @@ class Engine:
         self.weight_failures = 0
         self._lock = threading.Lock()
         self._llm = self._build(Path(run_dir))
+        self.kv_cache_tokens = kv_cache_tokens(self._llm)
+        warning = kv_cache_warning(self.kv_cache_tokens, engine.max_num_seqs, sampling.max_tokens)
+        if warning:
+            log.warning(warning)
         hf = self._llm.llm_engine.model_config.hf_config
         self.image_token_id = hf.image_token_id
         self.video_token_id = hf.video_token_id
@@ -360,3 +364,25 @@ def _reset_encoder_cache_in_worker(worker) -> None:
         runner.reset_encoder_cache()
     elif hasattr(runner, "encoder_cache"):
         runner.encoder_cache.clear()
+
+
+def kv_cache_tokens(llm) -> int:
+    """Tokens vLLM's KV cache holds: blocks x block size, as the engine core reported them (0 if unknown)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+
+
+def kv_cache_warning(tokens: int, max_num_seqs: int, max_tokens: int) -> str:
+    """A warning when the KV cache cannot hold `max_num_seqs` responses of `max_tokens` (prompts not even
+    counted): vLLM then runs fewer sequences at once than configured, and generation slows down as much.
+    A CPU-sized cache on a GPU did that: 7,280 tokens, 8 of the reference workload's sequences at a time."""
+    need = max_num_seqs * max_tokens
+    if tokens <= 0 or tokens >= need:
+        return ""
+    at_once = max(tokens // max(max_tokens, 1), 1)
+    return (
+        f"vLLM's KV cache holds {tokens:,} tokens, less than max_num_seqs {max_num_seqs} x max_tokens "
+        f"{max_tokens} = {need:,}: at most {at_once} full-length responses run at once; raise "
+        "--generator.engine.gpu-memory-utilization (or --generator.engine.kv-cache-gb) or lower "
+        "--generator.engine.max-num-seqs"
+    )

@@ -380,3 +380,15 @@ def test_two_image_prompt_logprobs_equal_the_learners_packed_forward(engine, fam
         family_model, family_processor, ids, pngs[::-1], responses, TEMPERATURE, engine.banned_token_ids
     )
     assert (swapped - theirs).abs().max().item() > 1e-4  # the images' order matters
+
+
+def test_the_engine_reports_its_kv_cache_size(engine, family_model_dir):
+    """0.25 GiB of KV cache in tokens: 2 (K, V) x layers x KV heads x head dim x 4 bytes (fp32) a token."""
+    import json
+
+    config = json.loads((Path(family_model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+    expected = 0.25 * 2**30 / per_token
+    assert 0.9 * expected <= engine.kv_cache_tokens <= 1.01 * expected
