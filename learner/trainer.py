@@ -64,7 +64,7 @@ from learner.parallel import (
     param_dtype,
     resolve_master_weights,
 )
-from learner.wiring import build_inbox, build_sender, guess_peak_flops
+from learner.wiring import build_inbox, build_reference, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
 from runtime.config import write_resolved
@@ -105,7 +105,7 @@ class Learner:
         self.image_token_id = self.hf.config.image_token_id
         self.n_lm_params = lm_param_count(self.hf)
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
-        self.ref = self._reference() if cfg.loss.kl_coef > 0 else None
+        self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
@@ -461,19 +461,6 @@ class Learner:
             for reason, count in self.inbox.skipped.items():
                 out[f"skipped/{reason}"] = float(count)
         return out
-
-    def _reference(self):
-        from learner.config import ParallelConfig
-
-        # frozen: bf16 on the GPU whatever the master weights (FSDP2 would cast fp32 ones to bf16 for compute)
-        bf16 = self.info.device.type == "cuda" and self.cfg.parallel.mixed_precision
-        dtype = torch.bfloat16 if bf16 else self.param_dtype
-        ref = load_model(self.cfg.model, dtype=dtype, device=self.info.device)
-        ref.eval().requires_grad_(False)
-        pcfg = ParallelConfig(
-            activation_checkpointing=False, mixed_precision=self.cfg.parallel.mixed_precision
-        )
-        return apply_parallelism(ref, pcfg, self.info.device)
 
 
 def _split(n: int, parts: int) -> list[list[int]]:
