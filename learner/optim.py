@@ -20,6 +20,11 @@ are the same memory. Only the staging ring is pinned (a few hundred MB):
 torch's pinned allocator rounds every block up to a power of two, which would turn ~100 GB of
 fp32 states for 7B into far more pinned memory than the host has.
 
+`step_beside(optimizer, work)` runs a host-memory step in a thread while `work` (GPU work that reads none
+of the parameters, e.g. the KL reference pass of the next mini-batch) runs in the calling thread on the
+same stream: the GPU computes while the CPU updates. The step's copies wait for an event recorded before
+`work` starts, not for the stream's tail, so they do not wait for `work`.
+
 State per parameter (what checkpoints hold): "step", "master", "exp_avg", "exp_avg_sq", fp32,
 shaped like the parameter. `load_state_dict` keeps them fp32 on their location (torch's default
 would cast them to the parameter's bf16); a checkpoint without "master" (saved by fp32-parameter
@@ -29,6 +34,9 @@ training) starts the master copy from the loaded parameters.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +70,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._ring_size = max(int(staging), 2)
         self.host_threads = int(host_threads) or len(os.sched_getaffinity(0))
         self._pending: dict = {}
+        self.grads_ready: torch.cuda.Event | None = None
+        """Set by step_beside: the streamed copies wait for this event instead of the compute stream."""
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(p)
@@ -101,6 +111,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ready, self.grads_ready = self.grads_ready, None
         for group in self.param_groups:
             items = []
             for p in group["params"]:
@@ -119,7 +130,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 previous = torch.get_num_threads()
                 torch.set_num_threads(self.host_threads)  # the process may run with fewer (OMP_NUM_THREADS)
                 try:
-                    self._update_streamed(streamed, group)
+                    self._update_streamed(streamed, group, ready)
                 finally:
                     torch.set_num_threads(previous)
         return loss
@@ -151,7 +162,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self._adamw(master, grad[a:b].float(), state, group, a, b)
             param[a:b].copy_(master.view(-1)[a:b])
 
-    def _update_streamed(self, items, group) -> None:
+    def _update_streamed(self, items, group, ready: torch.cuda.Event | None = None) -> None:
         """Master weights in host memory: a pipeline of pinned chunks (see the module docstring)."""
         work = [
             (p, state, a, min(a + self.chunk, p.numel()))
@@ -162,7 +173,10 @@ class MasterAdamW(torch.optim.Optimizer):
         ring = self._staging(device)
         n_ring = len(ring["buf"])
         compute = torch.cuda.current_stream(device)
-        ring["d2h"].wait_stream(compute)  # gradients are final
+        if ready is not None:  # gradients are final (step_beside: later work on the stream is not waited for)
+            ring["d2h"].wait_event(ready)
+        else:
+            ring["d2h"].wait_stream(compute)  # gradients are final
         copied: list = [None] * n_ring
         written: list = [None] * n_ring
         fp32 = ring["fp32"]
@@ -212,6 +226,42 @@ class MasterAdamW(torch.optim.Optimizer):
                 "h2d": torch.cuda.Stream(device),
             }
         return self._ring
+
+
+def step_beside(optimizer, work: Callable[[], None] | None = None) -> tuple[float, float]:
+    """optimizer.step() with `work` running meanwhile (module docstring); returns the seconds of each.
+    `work` must not read or write the optimizer's parameters or gradients."""
+    if work is None:
+        t0 = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - t0, 0.0
+    device = _local(optimizer.param_groups[0]["params"][0]).device
+    if device.type == "cuda" and isinstance(optimizer, MasterAdamW):
+        optimizer.grads_ready = torch.cuda.Event()
+        optimizer.grads_ready.record(torch.cuda.current_stream(device))
+    result: dict = {}
+
+    def update() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            t0 = time.perf_counter()
+            optimizer.step()
+            result["seconds"] = time.perf_counter() - t0
+        except BaseException as exc:  # re-raised in the calling thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=update, name="optimizer-step", daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    try:
+        work()
+    finally:
+        work_s = time.perf_counter() - t0
+        thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["seconds"], work_s
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

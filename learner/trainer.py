@@ -12,7 +12,8 @@ One `train_step(groups)` (every rank, same groups):
      plan on every rank; ranks with fewer micro-batches run zero-weighted dummies so FSDP's
      collectives line up);
   3. optionally a no-grad pass for π_prox (proximal = recompute; over the mini-batches after the first,
-     which trains at π_prox's weights and takes it from its own forward) and for π_ref (KL);
+     which trains at π_prox's weights and takes it from its own forward) and for π_ref (KL; with AdamW in
+     host memory, each later mini-batch's π_ref pass runs on the GPU during the previous update);
   4. loss per micro-batch with the step's global denominator, gradient accumulation, clipping,
      AdamW; a non-finite gradient norm skips the update (counted);
   5. every `sync_every` steps the weights go to the generators and the new version is announced;
@@ -53,6 +54,7 @@ from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
 from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
 from learner.metrics import LearnerMetrics, lm_param_count, mfu, train_flops
+from learner.optim import step_beside
 from learner.parallel import (
     all_reduce_sum,
     apply_parallelism,
@@ -107,6 +109,8 @@ class Learner:
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
         self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
+        # AdamW in host memory is CPU work: the next mini-batch's KL reference pass runs on the GPU meanwhile
+        self.overlap_ref = self.master_weights == "host" and self.info.device.type == "cuda"
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
         self.images = ImageStore(self.transport, self.names)
@@ -245,8 +249,10 @@ class Learner:
         if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
             self._no_grad_pass(plans[1:], self.model, "proximal_logprobs")  # gives them (`_micro_step`)
         t1 = time.perf_counter()
+        # overlap_ref: the KL pass of update u + 1 runs beside update u's AdamW (also counted in ref_pass_s)
+        beside = self.overlap_ref and self.ref is not None
         if self.ref is not None:
-            self._no_grad_pass(plans, self.ref, "ref_logprobs")
+            self._no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
         weights = defaultdict(float)
         for update, (mine, n_micro, denom) in enumerate(plans):
@@ -254,13 +260,17 @@ class Learner:
                 mb = mine[i] if i < len(mine) else None
                 self._micro_step(mb, denom, weights, first_update=update == 0)
             norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if math.isfinite(norm):
-                t0 = time.perf_counter()  # host time (torch's AdamW on CUDA returns before its kernels end)
-                self.optimizer.step()
-                values["optimizer_s"] += time.perf_counter() - t0
+            later = plans[update + 1 : update + 2] if beside else []
+            work = (lambda p=later: self._no_grad_pass(p, self.ref, "ref_logprobs")) if later else None
+            if math.isfinite(norm):  # host time (torch's AdamW on CUDA returns before its kernels end)
+                optimizer_s, ref_s = step_beside(self.optimizer, work)
+                values["optimizer_s"] += optimizer_s
+                values["ref_pass_s"] += ref_s
             else:
                 self.nonfinite_steps += 1
                 log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
+                if work is not None:
+                    work()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             values["grad_norm"] = norm

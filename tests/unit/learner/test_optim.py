@@ -153,3 +153,43 @@ def test_loss_curve_matches_fp32_master_weights(tiny_model_dir):
 
     assert deviation(host) <= TOLERANCE, (deviation(host), host[-1], ref[-1])
     assert deviation(plain) > 5 * TOLERANCE, (deviation(plain), plain[-1], ref[-1])
+
+
+def test_step_beside_runs_the_work_and_the_same_update():
+    """step_beside: the update equals a plain step; the work runs in the calling thread; both are timed."""
+    import threading
+
+    from learner.optim import step_beside
+
+    torch.manual_seed(0)
+    init, grad = torch.randn(500), torch.randn(500)
+    plain, beside = _param(init), _param(init)
+    a, b = MasterAdamW([plain], lr=1e-2, location="host"), MasterAdamW([beside], lr=1e-2, location="host")
+    plain.grad, beside.grad = grad.clone(), grad.clone()
+    a.step()
+    ran = []
+    step_s, work_s = step_beside(b, lambda: ran.append(threading.current_thread() is threading.main_thread()))
+    assert ran == [True] and step_s >= 0 and work_s >= 0
+    torch.testing.assert_close(beside.detach(), plain.detach(), rtol=0, atol=0)
+
+
+def test_step_beside_raises_either_sides_error_after_both_ended():
+    from learner.optim import step_beside
+
+    p = _param(torch.randn(10))
+    p.grad = torch.randn(10)
+    opt = MasterAdamW([p], lr=1e-2, location="host")
+
+    def broken_work():
+        raise RuntimeError("work failed")
+
+    with pytest.raises(RuntimeError, match="work failed"):
+        step_beside(opt, broken_work)
+    assert int(opt.state[p]["step"]) == 1  # the update still ran to its end
+
+    def broken_step():
+        raise ValueError("update failed")
+
+    opt.step = broken_step  # fails in its thread: raised here
+    with pytest.raises(ValueError, match="update failed"):
+        step_beside(opt, lambda: None)

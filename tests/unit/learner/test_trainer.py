@@ -388,3 +388,42 @@ def test_host_master_weights_train_bf16_parameters_and_resume(
     again = [resumed.optimizer.state[p]["master"] for p in resumed.model.parameters() if p.requires_grad]
     assert all(torch.equal(a, b) for a, b in zip(saved, again))
     resumed.close()
+
+
+def test_the_kl_pass_beside_the_host_adamw_changes_nothing(
+    tiny_model_dir, redis_server, names, publish, tmp_path, monkeypatch
+):
+    """overlap_ref (on for host-memory AdamW on a GPU; forced here): each later mini-batch's reference pass
+    runs while the previous update's AdamW runs in a thread. Same groups, same result as the passes one
+    after the other: the fp32 master weights and the step's metrics agree."""
+    import learner.trainer as trainer
+
+    kw = {"optim.master_weights": "host", "loss.kl_coef": 0.1, "algo.mini_batches": 3}
+    kw |= {"algo.groups_per_step": 6, "algo.proximal": "recompute"}
+    for seed in range(6):
+        publish([1.0, 0.0] if seed % 2 else [0.0, 1.0], seed=seed)
+    learners = [
+        Learner(_cfg(tiny_model_dir, redis_server, names, tmp_path / name, **kw), sender=NullSender())
+        for name in ("apart", "beside")
+    ]
+    apart, beside = learners
+    beside.overlap_ref = True
+    assert not apart.overlap_ref  # a CPU learner: off by default
+    groups = apart._next_groups()
+    assert groups and len(groups) == 6
+    works, step_beside = [], trainer.step_beside
+
+    def record(optimizer, work=None):
+        works.append(work is not None)
+        return step_beside(optimizer, work)
+
+    monkeypatch.setattr(trainer, "step_beside", record)
+    values = [learner.train_step(groups) for learner in learners]
+    assert works == [False] * 3 + [True, True, False]  # apart, then beside: updates 0 and 1 carry a KL pass
+    for a, b in zip(apart.model.parameters(), beside.model.parameters()):
+        ma, mb = apart.optimizer.state[a]["master"], beside.optimizer.state[b]["master"]
+        torch.testing.assert_close(mb, ma, rtol=0, atol=1e-6)
+    for key in ("kl_ref", "ratio_mean", "clipped_frac", "grad_norm", "tokens"):
+        assert values[1][key] == pytest.approx(values[0][key], rel=1e-5), key
+    for learner in learners:
+        learner.close()
