@@ -11,9 +11,10 @@ and the split of a step; the generator's loop modes side by side.
 deploy/configs/qwen2_5_vl_7b_geometry3k.toml` (the learner.toml / generator.toml values) with the layout
 and shapes overridden: random weights with the published Qwen2.5-VL-7B or -3B shapes (policy/presets.py),
 the synthetic colour task at 448x448 (256 image tokens), `--prompts` prompts x 5 samples per step,
-512-token responses forced (sampling.min_tokens = max_tokens), one optimizer step per step (mini_batches 1,
-proximal detached: exact there), KL reference pass on (kl_coef 0.01), vLLM at `--gpu-memory-utilization`
-of the GPU, no checkpoints. Random weights earn reward 0, so dynamic sampling is off (every group trains).
+512-token responses forced (sampling.min_tokens = max_tokens), the config's algorithm as a user runs it (4
+PPO mini-batches, the recomputed proximal pass, the KL reference pass at kl_coef 0.01), vLLM at
+`--gpu-memory-utilization` of the GPU, no checkpoints. Random weights earn reward 0, so dynamic sampling is
+off (every group trains: with it on, every group would be skipped).
 On the GPU each K is one launcher run of several minutes: run one K per call and join the files with
 `--merge` (the speedups need the K = 0 row).
 
@@ -192,8 +193,7 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--task.task", "colour", "--task.image-size", str(cfg.image_side), "--task.test", "8"),
         *("--task.train", str(cfg.prompts * (steps + k + 2)), "--warm-start.steps", "0"),
         *("--learner.gpus", "0", "--generator.gpus", "0", "--learner.max-steps", str(steps)),
-        *("--learner.algo.groups-per-step", str(cfg.prompts), "--learner.algo.mini-batches", "1"),
-        *("--learner.algo.proximal", "detached", "--learner.algo.no-dynamic-sampling"),
+        *("--learner.algo.groups-per-step", str(cfg.prompts), "--learner.algo.no-dynamic-sampling"),
         *("--learner.algo.max-staleness", str(k), "--learner.eval.every", "0", "--learner.eval.no-at-start"),
         *("--learner.checkpoint.every", "-1", "--learner.feeder.epochs", "1"),
         *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),

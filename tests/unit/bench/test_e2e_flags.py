@@ -27,7 +27,8 @@ def test_gpu_flags_parse_into_the_reference_shapes(model, k):
     cfg = launch_config(model, k)
     assert cfg.broker == "zmq" and cfg.learner.gpus == cfg.generator.gpus == "0"
     assert cfg.learner.algo.max_staleness == k and cfg.learner.algo.groups_per_step == 128
-    assert cfg.learner.algo.mini_batches == 1 and cfg.learner.algo.proximal == "detached"
+    # the algorithm as the reference config has it (what a user runs): 4 mini-batches, pi_prox recomputed
+    assert cfg.learner.algo.mini_batches == 4 and cfg.learner.algo.proximal == "recompute"
     assert not cfg.learner.algo.dynamic_sampling and cfg.learner.loss.kl_coef > 0
     sampling = cfg.generator.sampling
     assert sampling.n == 5 and sampling.max_tokens == sampling.min_tokens == 512
