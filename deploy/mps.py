@@ -9,13 +9,15 @@ Multi-Process Service both processes are clients of one MPS server and their ker
 multiprocessors, the way a compute-bound training step and memory-bound decoding can.
 
 With `--mps` the launcher starts the MPS control daemon (`nvidia-cuda-mps-control -f`, installed with
-the driver) on the shared GPU before the roles and gives every role its pipe and log directories
-(CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY). The pipe directory is a short path under /tmp (the
-daemon's Unix sockets must fit 108 bytes), the log directory is `<run_dir>/mps/`. At the end the
-daemon gets `quit` after the roles have stopped. A client that cannot reach the daemon silently runs
-without MPS (the driver's rule), so the launcher waits for the daemon's control socket before it starts
-anything that uses the GPU. Whether CUDA-IPC weight sync and vLLM's start-up memory check behave under
-MPS on a given driver is what the first GPU run with `--mps` shows (bench/results/GPU.md).
+the driver) before the roles and gives every role its pipe and log directories (CUDA_MPS_PIPE_DIRECTORY,
+CUDA_MPS_LOG_DIRECTORY). The daemon runs without CUDA_VISIBLE_DEVICES: an MPS client numbers GPUs among
+the server's, so each role keeps the driver index the plan gave it (the shared GPU). The pipe directory
+is a short path under /tmp (the daemon's Unix sockets must fit 108 bytes), the log directory is
+`<run_dir>/mps/`. At the end the daemon gets `quit` after the roles have stopped. A client that cannot
+reach the daemon silently runs without MPS (the driver's rule), so the launcher waits for the daemon's
+control socket before it starts anything that uses the GPU. Whether CUDA-IPC weight sync and vLLM's
+start-up memory check behave under MPS on a given driver is for the first GPU run with `--mps` to show
+(bench/results/GPU.md).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class MpsDaemon:
         self.binary = ""
 
     def start(self, group: ProcessGroup, gpus: GpuPlan, timeout_s: float = 20.0) -> dict[str, str]:
-        """Start the daemon on the plan's shared GPU, wait for its control socket; returns the roles' env."""
+        """Start the daemon for the plan's shared GPU, wait for its control socket; returns the roles' env."""
+        check_layout(True, gpus)
         self.binary = shutil.which(self.control) or ""
         if not self.binary:
             raise LayoutError(
@@ -64,8 +67,10 @@ class MpsDaemon:
                 "PATH; install the driver's utilities or drop --mps (the GPU is then shared in time slices)"
             )
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, "CUDA_VISIBLE_DEVICES": gpus.learner_gpus}
-        child = group.start("mps", [self.binary, "-f"], env=env)
+        # Clients number GPUs among those the server sees: the daemon sees the driver's whole list, so each
+        # role's CUDA_VISIBLE_DEVICES (the plan's driver index) means the same GPU under MPS as without it.
+        argv = ["env", "-u", "CUDA_VISIBLE_DEVICES", self.binary, "-f"]
+        child = group.start("mps", argv, env=self.env)
         deadline = time.monotonic() + timeout_s
         while not (self.pipe_dir / "control").exists():
             if child.popen.poll() is not None:

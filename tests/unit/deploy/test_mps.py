@@ -43,15 +43,14 @@ def fake_control(tmp_path, monkeypatch):
     return record
 
 
-def test_the_daemon_starts_on_the_shared_gpu_and_quits_at_the_end(fake_control, tmp_path):
+def test_the_daemon_starts_on_the_shared_gpu_and_quits_at_the_end(fake_control, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")  # the launcher's own restriction does not reach it
     run_dir = tmp_path / "run"
     with ProcessGroup(run_dir) as group:
         mps = MpsDaemon(run_dir)
         env = mps.start(group, SHARED)
-        assert (fake_control / "started").read_text().split() == [
-            "visible=3",
-            f"log={run_dir / 'mps'}",
-        ]
+        # no CUDA_VISIBLE_DEVICES: clients number GPUs among the server's, so the server sees them all
+        assert (fake_control / "started").read_text().split() == ["visible=", f"log={run_dir / 'mps'}"]
         assert env["CUDA_MPS_LOG_DIRECTORY"] == str(run_dir / "mps")
         pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
         assert len(os.path.join(pipe, "control")) < 108  # a Unix socket path
