@@ -118,7 +118,7 @@ class Launcher:
         gpus = self._plan(n_params=inspect_model(model_dir).n_params)
         if cfg.mps:  # before any role touches the GPU: a client that finds no daemon runs without MPS
             self.mps = MpsDaemon(self.run_dir)
-            self.roles.env.update(self.mps.start(self.infra, gpus))
+            self.roles.env.update(self.mps.start(self.infra))
         task_dir, test_dir = self._write_task(model_dir)
         broker_url = self._start_broker()
         self._stage("reward")

@@ -57,9 +57,8 @@ class MpsDaemon:
         }
         self.binary = ""
 
-    def start(self, group: ProcessGroup, gpus: GpuPlan, timeout_s: float = 20.0) -> dict[str, str]:
-        """Start the daemon for the plan's shared GPU, wait for its control socket; returns the roles' env."""
-        check_layout(True, gpus)
+    def start(self, group: ProcessGroup, timeout_s: float = 20.0) -> dict[str, str]:
+        """Start the daemon (after check_layout), wait for its control socket; returns the roles' env."""
         self.binary = shutil.which(self.control) or ""
         if not self.binary:
             raise LayoutError(

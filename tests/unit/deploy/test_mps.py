@@ -48,7 +48,7 @@ def test_the_daemon_starts_on_the_shared_gpu_and_quits_at_the_end(fake_control, 
     run_dir = tmp_path / "run"
     with ProcessGroup(run_dir) as group:
         mps = MpsDaemon(run_dir)
-        env = mps.start(group, SHARED)
+        env = mps.start(group)
         # no CUDA_VISIBLE_DEVICES: clients number GPUs among the server's, so the server sees them all
         assert (fake_control / "started").read_text().split() == ["visible=", f"log={run_dir / 'mps'}"]
         assert env["CUDA_MPS_LOG_DIRECTORY"] == str(run_dir / "mps")
@@ -64,13 +64,13 @@ def test_the_daemon_starts_on_the_shared_gpu_and_quits_at_the_end(fake_control, 
 def test_a_daemon_that_exits_at_start_is_a_clear_error(fake_control, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_EXIT", "1")
     with ProcessGroup(tmp_path) as group, pytest.raises(ChildDied, match="MPS control daemon exited"):
-        MpsDaemon(tmp_path).start(group, SHARED, timeout_s=5)
+        MpsDaemon(tmp_path).start(group, timeout_s=5)
 
 
 def test_no_control_program_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with ProcessGroup(tmp_path) as group, pytest.raises(LayoutError, match="drop --mps"):
-        MpsDaemon(tmp_path).start(group, SHARED)
+        MpsDaemon(tmp_path).start(group)
     assert not group.children
 
 
@@ -91,7 +91,7 @@ def test_the_group_env_reaches_a_role(fake_control, tmp_path):
     roles = ProcessGroup(tmp_path)
     with ProcessGroup(tmp_path) as infra:
         mps = MpsDaemon(tmp_path)
-        roles.env.update(mps.start(infra, SHARED))
+        roles.env.update(mps.start(infra))
         child = roles.start("probe", ["sh", "-c", 'echo "$CUDA_MPS_PIPE_DIRECTORY" > "$RECORD/probe"'])
         child.popen.wait(timeout=10)
         deadline = time.monotonic() + 5
