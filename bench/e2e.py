@@ -26,8 +26,9 @@ every step) and no evaluation rounds. The runs go one after the other on the sam
 one invocation. From each run's learner/metrics.jsonl, over the steps after the warm-up:
   steps/s    steps / wall time between the first and last measured step;
   wait       learner blocked waiting for a step's scored groups (generation + reward not overlapped);
-  train      the learner's step (forward, backward, AdamW; the reference pass for the KL term), of which
-  ref        the reference model's no-grad pass, and optim the optimizer's update;
+  train      the learner's step (forward, backward, AdamW; the no-grad passes), of which
+  prox       the no-grad pass for pi_prox (proximal = recompute), ref the reference model's no-grad pass
+             (with AdamW in host memory partly beside it), and optim the optimizer's updates;
   tokens/s/GPU  prompt + response tokens trained per wall-clock second per GPU (steps/s x tokens/step / GPUs);
   sync       weight broadcast to the generator until it acknowledged;
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
@@ -278,6 +279,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "wait_s": mean("wait_s"),
         "train_s": mean("train_s"),
         "ref_pass_s": mean("ref_pass_s"),
+        "proximal_pass_s": mean("proximal_pass_s"),
         "optimizer_s": mean("optimizer_s"),
         "sync_s": mean("sync_s"),
         "generate_s": mean("generate_s"),
@@ -299,7 +301,7 @@ def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
         f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
-        f"{'train':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9}"
+        f"{'train':>6} {'prox':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -311,7 +313,8 @@ def format_table(rows: list[dict]) -> str:
         out.append(
             f"{r['k']:>2} {mode:>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
             f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
-            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
+            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('proximal_pass_s', 0):>6.2f} "
+            f"{r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r['sync_s']:>6.3f} {r['generate_s']:>8.2f} "
             f"{r['staleness']:>9.2f}"
         )
