@@ -24,6 +24,7 @@ step's groups to the other ranks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -261,7 +262,7 @@ class Learner:
                 self._micro_step(mb, denom, weights, first_update=update == 0)
             norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             later = plans[update + 1 : update + 2] if beside else []
-            work = (lambda p=later: self._no_grad_pass(p, self.ref, "ref_logprobs")) if later else None
+            work = functools.partial(self._no_grad_pass, later, self.ref, "ref_logprobs") if later else None
             if math.isfinite(norm):  # host time (torch's AdamW on CUDA returns before its kernels end)
                 optimizer_s, ref_s = step_beside(self.optimizer, work)
                 values["optimizer_s"] += optimizer_s
