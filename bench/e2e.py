@@ -33,7 +33,8 @@ one invocation. From each run's learner/metrics.jsonl, over the steps after the 
   sync       weight broadcast to the generator until it acknowledged;
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
              generator's clock: with K >= 1 this overlaps the learner's train time);
-  staleness  mean learner version minus the samples' starting version.
+  staleness  mean learner version minus the samples' starting version;
+  peak GB    the learner's peak GPU memory allocated in a measured step (GPU runs; 0 on CPU).
 Generator modes (`--modes`, each run at every K): batch = one generate call per batch, weights
 applied between calls; drain = continuous batching, a new version waits for the prompts in flight;
 inflight = continuous batching, a new version is applied at once and the running sequences are
@@ -284,6 +285,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "sync_s": mean("sync_s"),
         "generate_s": mean("generate_s"),
         "mfu": mean("mfu"),
+        "learner_gpu_peak_gb": max((x.get("gpu_peak_gb", 0.0) for x in measured), default=0.0),
         "staleness": mean("staleness_mean"),
         "response_len": mean("response_len"),
         "samples_per_step": mean("samples"),
@@ -301,7 +303,8 @@ def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
         f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
-        f"{'train':>6} {'prox':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9}"
+        f"{'train':>6} {'prox':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9} "
+        f"{'peak GB':>7}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -316,7 +319,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('proximal_pass_s', 0):>6.2f} "
             f"{r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r['sync_s']:>6.3f} {r['generate_s']:>8.2f} "
-            f"{r['staleness']:>9.2f}"
+            f"{r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f}"
         )
     return "\n".join(out)
 

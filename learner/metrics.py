@@ -32,6 +32,10 @@ _GAUGES = {
     "entropy": ("parallax_learner_entropy", "mean token entropy, last step"),
     "grad_norm": ("parallax_learner_grad_norm", "global gradient norm before clipping, last step"),
     "mfu": ("parallax_learner_mfu", "model FLOPs utilisation of the last step (0 when unknown)"),
+    "gpu_peak_gb": (
+        "parallax_learner_gpu_peak_gb",
+        "peak GPU memory allocated in the last step, GB (GPU only)",
+    ),
 }
 
 

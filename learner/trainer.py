@@ -199,6 +199,8 @@ class Learner:
         """One optimizer step (or `mini_batches` of them) on these groups; returns the step's metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
+        if self.info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.info.device)
         advantages = batch_advantages(
             [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
         )
@@ -229,6 +231,10 @@ class Learner:
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
         flops = values.pop("flops", 0.0)
         values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
+        if (
+            self.info.device.type == "cuda"
+        ):  # the step's high-water mark on this rank's GPU (the memory split)
+            values["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.info.device) / 1e9
         self._evaluate(values)
         every = cfg.checkpoint.every
         if every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due()):

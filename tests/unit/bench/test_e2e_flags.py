@@ -58,9 +58,20 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
 def test_measure_times_the_steps_after_the_warmup():
     lines = [{"step": 0, "time": 0.0}]  # a metrics line without groups (e.g. an evaluation) is not a step
     for i in range(1, 4):
-        lines.append({"groups": 128, "time": 10.0 * i, "tokens": 1000.0, "train_s": 6.0, "wait_s": 4.0})
+        peak = 50.0 + i if i > 1 else 99.0  # the warm-up step's peak is not the measured steps'
+        lines.append(
+            {
+                "groups": 128,
+                "time": 10.0 * i,
+                "tokens": 1000.0,
+                "train_s": 6.0,
+                "wait_s": 4.0,
+                "gpu_peak_gb": peak,
+            }
+        )
     row = measure(lines, k=1, warmup=1, gpus=1)
     assert row["steps"] == 2 and row["wall_s"] == pytest.approx(20.0)
+    assert row["learner_gpu_peak_gb"] == pytest.approx(53.0)
     assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0) and row["train_s"] == pytest.approx(6.0)
     with pytest.raises(RuntimeError, match="only 0 measured steps"):
         measure(lines[:2], k=1, warmup=1)
