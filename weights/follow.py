@@ -27,17 +27,19 @@ def broker_publisher(transport, names) -> Callable[[Announcement], None]:
 
 
 def broker_resolver(transport, names) -> Resolve:
-    """A `resolve` callback reading the learner's announcement from the broker (None: none, or malformed)."""
+    """A `resolve` callback reading the learner's announcement from the broker (None: none, withdrawn by a
+    learner that closed, or malformed)."""
 
     def resolve() -> Announcement | None:
         value = transport.get_value(names.weight_sync_address)
         if not value:
             return None
         try:
-            return decode(value, Announcement)
+            announced = decode(value, Announcement)
         except WeightSyncError as exc:
             log.error("the learner's weight-sync announcement is unreadable: %s", exc)
             return None
+        return announced if announced.address else None
 
     return resolve
 

@@ -181,17 +181,29 @@ class IpcReceiver(WeightReceiver):
                 self._disconnect(e)
 
     def _disconnect(self, error: Exception) -> None:
-        """Forget the learner's store (caller holds the lock); the thread rejoins."""
+        """Forget the learner's store (caller holds the lock); the thread rejoins an announced learner."""
         self.stats.failures += 1
         self.stats.last_error = f"{type(error).__name__}: {error}"
-        log.warning(
-            "cuda-ipc receiver %s: learner store unreachable (%s); rejoining",
-            self.generator_id,
-            type(error).__name__,
-        )
+        if self._withdrawn():
+            log.info("cuda-ipc receiver %s: the learner closed its weight sync", self.generator_id)
+        else:
+            log.warning(
+                "cuda-ipc receiver %s: learner store unreachable (%s); rejoining",
+                self.generator_id,
+                type(error).__name__,
+            )
         self._session = None
         self._holding = False
         self._layout = None
+
+    def _withdrawn(self) -> bool:
+        """The learner closed on purpose: its announcement is withdrawn (weights.follow.broker_resolver)."""
+        if self.config.address:
+            return False
+        try:
+            return self.target() is None
+        except Exception:  # the broker is unreachable too: say what we know, the store is
+            return False
 
     @staticmethod
     def _latest(store, session: int) -> int | None:

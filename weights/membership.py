@@ -107,9 +107,14 @@ class Membership:
         return {m.generator_id: self.rendezvous.served(m.session) for m in members}
 
     def close(self) -> None:
-        """Stop admitting, end every session, release the store."""
+        """Stop admitting, end every session, withdraw the announcement, release the store."""
         self.rendezvous.close()
         with self.lock:
             for m in list(self._members):
                 self.drop(m, "learner closing", level=logging.INFO)
+        if self._publish is not None and self.store is not None:
+            try:  # generators stop calling this rendezvous; the next learner's announcement replaces it
+                self._publish(self.rendezvous.announcement.withdrawn())
+            except Exception as exc:  # the broker may be gone first: generators then notice the store go
+                log.debug("weight sync: announcement not withdrawn (%s: %s)", type(exc).__name__, exc)
         self.rendezvous.release()

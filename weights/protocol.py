@@ -81,9 +81,14 @@ class Announcement(msgspec.Struct, kw_only=True):
 
     transport: str
     address: str
-    """Rendezvous "host:port"."""
+    """Rendezvous "host:port"; "" once the learner has closed its weight sync (`withdrawn`): generators then
+    wait for the next learner's announcement instead of calling a rendezvous that is gone."""
     token: str
     wire_version: int = WIRE_VERSION
+
+    def withdrawn(self) -> Announcement:
+        """What a closing learner publishes in place of this announcement."""
+        return Announcement(transport=self.transport, address="", token="")
 
 
 class JoinRequest(msgspec.Struct, kw_only=True):

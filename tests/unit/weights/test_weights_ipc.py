@@ -121,3 +121,35 @@ def test_a_vanished_learner_is_not_an_error(fake_ipc):
 def test_a_cuda_ipc_learner_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         weights.sender(WeightSyncConfig(transport="cuda-ipc"), device="cpu")
+
+
+def test_a_learner_that_closes_withdraws_its_announcement_and_is_not_called_again(
+    fake_ipc, monkeypatch, caplog
+):
+    """A learner's normal end: generators log it as such (no warning) and stop calling its rendezvous."""
+    import logging
+
+    from weights import ipc_receiver
+    from weights.follow import broker_publisher, broker_resolver
+
+    values = {}
+    broker = type("Broker", (), {"set_value": values.__setitem__, "get_value": values.get})()
+    names = type("Names", (), {"weight_sync_address": "run:weights:address"})()
+    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc"), publish=broker_publisher(broker, names))
+    sender.start()
+    config = WeightSyncConfig(transport="cuda-ipc", retry_s=0.05)
+    receiver = weights.receiver(config, "gen-w", resolve=broker_resolver(broker, names)).start()
+    wait_until(lambda: "gen-w" in sender.members(), what="gen-w to join")
+    calls = []
+    real_connect = ipc_receiver.connect
+    monkeypatch.setattr(ipc_receiver, "connect", lambda *a, **k: calls.append(a) or real_connect(*a, **k))
+    with caplog.at_level(logging.INFO, logger="weights"):
+        sender.close()
+        assert broker_resolver(broker, names)() is None, "the announcement must be withdrawn"
+        wait_until(lambda: receiver.poll() is None and receiver.stats.failures >= 1, what="the end noticed")
+        threading.Event().wait(0.5)  # ten retry periods
+    assert calls == [], "a withdrawn learner must not be called again"
+    said = [r for r in caplog.records if r.name == "weights.ipc_receiver"]
+    assert any("closed its weight sync" in r.getMessage() for r in said)
+    assert not [r for r in said if r.levelno >= logging.WARNING]
+    receiver.close()
