@@ -3,7 +3,8 @@
 `LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` and
 sets the matching gauges; counters and the staleness histogram are fed where the events
 happen. `flops_per_token` / `mfu` estimate model FLOPs utilisation for the language model
-(6·N per token plus causal attention), given the device's peak FLOP/s.
+(6·N per token plus causal attention), given the device's peak FLOP/s. `track_gpu_peak` / `gpu_peak`
+give a step's high-water mark of GPU memory (what the learner's share of a shared GPU must hold).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -138,3 +140,16 @@ def mfu(flops: float, seconds: float, peak_flops: float, world_size: int = 1) ->
     if peak_flops <= 0 or seconds <= 0:
         return 0.0
     return flops / (seconds * peak_flops * max(world_size, 1))
+
+
+def track_gpu_peak(device: torch.device) -> None:
+    """Start a new high-water mark of the memory allocated on `device` (nothing off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_peak(device: torch.device) -> dict[str, float]:
+    """{"gpu_peak_gb": GB allocated at most since `track_gpu_peak`} on CUDA, {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"gpu_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}

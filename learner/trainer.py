@@ -54,7 +54,7 @@ from learner.batching import (
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
 from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
-from learner.metrics import LearnerMetrics, lm_param_count, mfu, train_flops
+from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak, train_flops
 from learner.optim import step_beside
 from learner.parallel import (
     all_reduce_sum,
@@ -199,8 +199,7 @@ class Learner:
         """One optimizer step (or `mini_batches` of them) on these groups; returns the step's metrics."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        if self.info.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.info.device)
+        track_gpu_peak(self.info.device)
         advantages = batch_advantages(
             [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
         )
@@ -231,10 +230,7 @@ class Learner:
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
         flops = values.pop("flops", 0.0)
         values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
-        if (
-            self.info.device.type == "cuda"
-        ):  # the step's high-water mark on this rank's GPU (the memory split)
-            values["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.info.device) / 1e9
+        values.update(gpu_peak(self.info.device))  # the step's high-water mark on this rank's GPU
         self._evaluate(values)
         every = cfg.checkpoint.every
         if every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due()):

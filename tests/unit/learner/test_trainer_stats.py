@@ -32,3 +32,18 @@ def test_generate_seconds_count_each_generate_call_once():
     assert stats["generate_calls"] == 3.0  # gen-a's call shared by two groups counts once
     assert stats["generate_s"] == 3.5
     assert stats["reward_mean"] == 3 / 8 and stats["groups"] == 4.0
+
+
+def test_the_gpu_peak_is_the_high_water_mark_since_the_step_began(monkeypatch):
+    import torch
+
+    from learner.metrics import gpu_peak, track_gpu_peak
+
+    assert gpu_peak(torch.device("cpu")) == {}  # no key on CPU: a 0 would read as a measurement
+    mark = {"peak": 7e9}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: mark.update(peak=1e9))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: mark["peak"])
+    cuda = torch.device("cuda", 0)
+    assert gpu_peak(cuda) == {"gpu_peak_gb": 7.0}
+    track_gpu_peak(cuda)
+    assert gpu_peak(cuda) == {"gpu_peak_gb": 1.0}
