@@ -316,7 +316,6 @@ def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization
 def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> None:
     import weights
     from weights.config import WeightSyncConfig
-    from weights.fingerprint import layer_sums_in_worker
     from weights.protocol import Announcement, decode
 
     def greedy() -> tuple[list[int], list[float]]:
@@ -340,7 +339,7 @@ def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> Non
                     joined = True
                     ctl.set(f"joined/{i}", "1")
                 if ctl.check([f"check/{i}"]) and not ctl.check([f"checked/{i}"]):
-                    sums = engine.run_in_worker(layer_sums_in_worker)[0]
+                    sums = engine.run_in_worker("parallax_layer_sums")[0]
                     after = greedy()
                     sums["_greedy"] = {"before": before, "after": after, "changed": after != before}
                     ctl.set(f"checked/{i}", json.dumps(sums))

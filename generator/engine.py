@@ -117,9 +117,9 @@ class Engine:
         self.on_cpu = current_platform.is_cpu()
         self.in_process = resolve_in_process(self.config.in_process, self.tp, self.on_cpu)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        if not self.in_process:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our own loader functions, this host only
         from vllm import LLM
+
+        from weights.vllm_worker import EXTENSION
 
         kwargs = dict(
             model=self.model_dir,
@@ -132,6 +132,7 @@ class Engine:
             tensor_parallel_size=self.tp,
             max_num_seqs=self.config.max_num_seqs,
             enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,  # the weight loaders, called by name (no pickled callables)
         )
         kv_gb = self.config.kv_cache_gb or (1.0 if self.on_cpu else 0.0)
         if kv_gb:  # a fixed KV cache: vLLM skips its memory profiling (other processes may share the GPU)
@@ -307,8 +308,14 @@ class Engine:
         return seconds
 
     def run_in_worker(self, fn, *args) -> list:
-        """`fn(worker, *args)` inside every vLLM worker (collective_rpc), e.g. to read the served weights
-        (tests, benches); `fn` must be a module-level function."""
+        """`fn` inside every vLLM worker (collective_rpc), e.g. to read the served weights (tests, benches):
+        the name of a `weights.vllm_worker.WorkerExtension` method (any engine), or a module-level function
+        `fn(worker, *args)` (in-process engines only: a multi-process engine takes no pickled callables)."""
+        if callable(fn) and not self.in_process:
+            raise ValueError(
+                f"{getattr(fn, '__name__', fn)}: an engine core in its own process runs only the methods of "
+                "weights.vllm_worker.WorkerExtension, by name (callables would need pickle)"
+            )
         with self._lock:
             return self._llm.collective_rpc(fn, args=args)
 
@@ -321,7 +328,7 @@ class Engine:
         if reset_encoder is not None:  # scheduler's encoder-cache manager and the model runner's cache
             reset_encoder()
         else:  # older vLLM: drop the model runner's cached embeddings directly
-            self._llm.collective_rpc(_reset_encoder_cache_in_worker)
+            self._llm.collective_rpc("parallax_reset_encoder_cache")
         self._llm.reset_mm_cache()
 
     def close(self) -> None:
@@ -355,15 +362,6 @@ def _completion(output) -> Completion:
         text=output.text,
         finish_reason=str(output.finish_reason or "abort"),
     )
-
-
-def _reset_encoder_cache_in_worker(worker) -> None:
-    """Runs inside vLLM's worker: forget cached image embeddings (for a vLLM without the engine API)."""
-    runner = worker.model_runner
-    if hasattr(runner, "reset_encoder_cache"):
-        runner.reset_encoder_cache()
-    elif hasattr(runner, "encoder_cache"):
-        runner.encoder_cache.clear()
 
 
 def kv_cache_tokens(llm) -> int:

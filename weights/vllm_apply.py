@@ -19,8 +19,8 @@ transport:
      copies before returning (the learner may overwrite the buffer once the generator lets go of its
      lock); what a layout needs is worked out once, in the worker and in `validate_layout` here, and
      each version only copies; with tp > 1 this process maps the buffer and ships bytes.
-     Shipping a function to a multi-process engine needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (it stays
-     inside this host's own engine, never on the network); the worker functions are weights/vllm_worker.py;
+     each call names a method of `weights.vllm_worker.WorkerExtension`, which the engine mixed into vLLM's
+     worker (plain msgpack arguments, no pickled callables);
   3. if the load itself fails half way (in any chunk), roll back: reload the checkpoint from disk, then every
      tensor applied since (kept as a host copy when `keep_rollback_copy`), and raise.
 The caller resets vLLM's prefix and encoder caches afterwards (generator/engine.py).
@@ -43,13 +43,6 @@ from weights.interface import ReceivedVersion
 from weights.manifest import validate_manifest
 from weights.protocol import WeightSyncError, dtype_from_name
 from weights.vllm_layout import part_shapes
-from weights.vllm_worker import (
-    load_bytes_in_worker,
-    load_ipc_in_worker,
-    release_mappings_in_worker,
-    restore_from_disk_in_worker,
-)
-from weights.vllm_worker import load_in_worker as _load_in_worker  # the pairs path (tests replace it)
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +182,7 @@ class WeightLoader:
 
     def rollback(self, llm) -> None:
         """Bring the engine back to the last good weights: the checkpoint, then every applied update."""
-        llm.collective_rpc(restore_from_disk_in_worker, args=(self.model_dir,))
+        llm.collective_rpc("parallax_restore_from_disk", args=(self.model_dir,))
         if self._applied:
             self._load(llm, list(self._applied.items()))
         elif not self.keep_rollback_copy:
@@ -197,13 +190,13 @@ class WeightLoader:
 
     def _load(self, llm, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if self.in_process:
-            llm.collective_rpc(_load_in_worker, args=(pairs, self.method))
+            llm.collective_rpc("parallax_load", args=(pairs, self.method))
             return
         from safetensors.torch import save
 
         for chunk in self.chunks(pairs):
             blob = save({name: t.detach().to("cpu").contiguous() for name, t in chunk})
-            llm.collective_rpc(load_bytes_in_worker, args=(blob, self.method))
+            llm.collective_rpc("parallax_load_bytes", args=(blob, self.method))
 
     def chunks(self, pairs: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
         """The pairs in order, cut at tensor boundaries into chunks of at most `rpc_chunk_bytes` of tensor
@@ -225,11 +218,11 @@ class WeightLoader:
     def _load_ipc(self, llm, layout_msg: bytes) -> None:
         """The reference goes to the worker as msgpack bytes; a worker that cannot map it refuses (nothing
         written: WeightLoadError without a rollback)."""
-        results = llm.collective_rpc(load_ipc_in_worker, args=(layout_msg, self.method))
+        results = llm.collective_rpc("parallax_load_ipc", args=(layout_msg, self.method))
         refused = [r["refused"] for r in results if "refused" in r]
         if refused:
             raise WeightLoadError(refused[0])
 
     def release(self, llm) -> None:
         """Unmap the learner's buffer inside vLLM's worker (before closing an in-process engine)."""
-        llm.collective_rpc(release_mappings_in_worker)
+        llm.collective_rpc("parallax_release_mappings")

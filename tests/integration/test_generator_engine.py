@@ -272,7 +272,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
 ):
     from safetensors.torch import load_file
 
-    import weights.vllm_apply as vllm_apply
+    import weights.vllm_worker as vllm_worker
     from weights.vllm_apply import WeightLoadError, WeightsRolledBack
 
     ids = prompt_ids(engine)
@@ -286,7 +286,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
         engine.apply_weights([], version=version + 1)
     assert engine.version == version and greedy(engine, ids, [red()]) == before
 
-    original, calls = vllm_apply._load_in_worker, []
+    original, calls = vllm_worker.load_in_worker, []  # what WorkerExtension.parallax_load runs
 
     def fails_half_way(worker, pairs, method):
         calls.append(len(pairs))
@@ -295,7 +295,7 @@ def test_refused_or_failed_updates_keep_the_last_good_version(
             raise RuntimeError("simulated failure half way through a load")
         return original(worker, pairs, method)
 
-    monkeypatch.setattr(vllm_apply, "_load_in_worker", fails_half_way)
+    monkeypatch.setattr(vllm_worker, "load_in_worker", fails_half_way)
     other = load_file(str(other_model_dir / "model.safetensors"))
     with pytest.raises(WeightsRolledBack):
         engine.apply_weights(other.items(), version=version + 1)

@@ -8,6 +8,8 @@ crosses msgpack. `shared(tensors)` packs a learner-side cuda-ipc buffer (a CPU t
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import torch
 from safetensors.torch import load
@@ -17,6 +19,7 @@ from weights.interface import ReceivedVersion
 from weights.ipc import IpcHandle, IpcLayout
 from weights.manifest import pack_bucket, plan_layout
 from weights.protocol import Manifest
+from weights.vllm_worker import WorkerExtension
 
 
 class FakeModel:
@@ -45,16 +48,23 @@ class FakeModel:
         self.load_weights(weights_iterator if weights_iterator is not None else iter(self.disk.items()))
 
 
-class FakeLLM:
-    """An in-process engine: collective_rpc calls `fn` on the one worker."""
+class FakeWorker(WorkerExtension):
+    """vLLM's worker with Parallax's extension mixed in (what `worker_extension_cls` makes of it)."""
 
     def __init__(self, model: FakeModel):
-        self.worker = type("Worker", (), {})()
-        self.worker.model_runner = model
+        self.model_runner = model
+
+
+class FakeLLM:
+    """An in-process engine: collective_rpc runs the named worker method (or `fn(worker, ...)`)."""
+
+    def __init__(self, model: FakeModel):
+        self.worker = FakeWorker(model)
         model.model = model
 
     def collective_rpc(self, fn, args=(), kwargs=None):
-        return [fn(self.worker, *args, **(kwargs or {}))]
+        call = getattr(self.worker, fn) if isinstance(fn, str) else functools.partial(fn, self.worker)
+        return [call(*args, **(kwargs or {}))]
 
 
 class ProcessLLM(FakeLLM):
@@ -69,14 +79,15 @@ class ProcessLLM(FakeLLM):
         self.fail_rpc: int | None = None
 
     def collective_rpc(self, fn, args=(), kwargs=None):
+        assert isinstance(fn, str), f"a multi-process engine takes method names, not {fn!r} (pickle)"
         wire = msgspec.msgpack.encode(list(args))
         self.sent.append(len(wire))
         args = msgspec.msgpack.decode(wire)
-        if fn.__name__ == "load_bytes_in_worker":  # a safetensors blob (a cuda-ipc layout is bytes too)
+        if fn == "parallax_load_bytes":  # a safetensors blob (a cuda-ipc layout is bytes too)
             if self.fail_rpc == len(self.chunks):
                 self.worker.model_runner.fail_after = 1
             self.chunks.append({k: v.numel() * v.element_size() for k, v in load(args[0]).items()})
-        return [fn(self.worker, *args, **(kwargs or {}))]
+        return super().collective_rpc(fn, args, kwargs)
 
 
 def shared(tensors: dict[str, torch.Tensor], layout_id: int = 1, handle: bytes = b"h1"):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -107,5 +108,10 @@ def test_a_multi_process_engine_gets_named_tensors_as_bytes(tiny_model_dir, tmp_
         engine._loader.rpc_chunk_bytes = 2**31  # the same version in one RPC serves the same
         engine.apply_weights(_other(base).items(), version=1)
         assert _greedy(engine) == changed
+        # the loaders are worker methods called by name: vLLM's serialization never falls back to pickle
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
+        with pytest.raises(ValueError, match="by name"):
+            engine.run_in_worker(_greedy)
+        assert engine.run_in_worker("parallax_ipc_mappings_opened") == [0]
     finally:
         engine.close()
