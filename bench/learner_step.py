@@ -185,12 +185,12 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
             "compile": lcfg.parallel.compile,
         }
         learner.train_step(make.groups(cfg.warmup_groups, learner.state.version))
-        inputs.reset_peak(learner.info.device)
-        rows = []
+        rows, peaks = [], []
         for _ in range(cfg.steps):
             groups = make.groups(cfg.groups, learner.state.version)
             timers.clear()
             values = learner.train_step(groups)
+            peaks.append(inputs.memory(learner.info.device))  # train_step restarts the peak every step
             if not values.get("tokens"):
                 raise RuntimeError(
                     f"the step trained no tokens ({values.get('stale_samples', 0):.0f} stale samples)"
@@ -198,6 +198,9 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
             rows.append({**timers.totals(), "train_s": values["train_s"], "tokens": values["tokens"]})
         out.update(inputs.summarise(rows, learner.n_lm_params, PEAK_TFLOPS))
         out.update(inputs.memory(learner.info.device, learner.optimizer))
+        out.update(
+            {key: max(p[key] for p in peaks) for key in (peaks[0] if peaks else ())}
+        )  # timed steps' peaks
     finally:
         # rebinding (not del) frees them even while a traceback still holds this frame
         learner = timers = make = hold = None  # noqa: F841
