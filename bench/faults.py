@@ -47,7 +47,7 @@ def rows_of(records: list[dict]) -> list[dict]:
             "lost": r["lost"],
             "trained twice": r["trained_twice"],
             "stale samples": int(r.get("stale_samples", 0)),
-            "recover s": ", ".join(f"{s:.1f}" for s in r["recover_s"]),
+            "recover s": ", ".join("ended" if s is None else f"{s:.1f}" for s in r["recover_s"]),
         }
         for r in records
     ]

@@ -93,7 +93,7 @@ def test_a_killed_process_is_restarted_and_every_prompt_is_trained_exactly_once(
             "scored_entries": audit.entries[audit.streams[2]],
             "stale_samples": sum(m.get("stale_samples", 0) for m in run.metrics_lines()),
             "restarts": restarts,
-            "recover_s": [round(r, 1) for r in recoveries],
+            "recover_s": [None if r is None else round(r, 1) for r in recoveries],
             "run_s": round(run_s, 1),
         }
     )
