@@ -116,7 +116,7 @@ def attach_timers(learner) -> Timers:
     """Time the learner's optimizer steps and no-grad passes (instance attributes; the code is its own)."""
     timers = Timers(learner.info.device)
     learner.optimizer.step = timers.wrap("optimizer", learner.optimizer.step)
-    learner._no_grad_pass = timers.wrap("no_grad", learner._no_grad_pass)
+    learner.updater.no_grad_pass = timers.wrap("no_grad", learner.updater.no_grad_pass)
     return timers
 
 

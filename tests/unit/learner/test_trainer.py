@@ -151,7 +151,7 @@ def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
     """proximal = recompute: the no-grad pass runs over the mini-batches after the first; the first trains
     at the weights that define pi_prox, so its proximal logprobs are its own forward's, which equal a
     no-grad recompute at those weights (fp32)."""
-    import learner.trainer as trainer
+    import learner.update as update
 
     cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, max_steps=1)
     cfg.algo.mini_batches, cfg.algo.proximal, cfg.algo.groups_per_step = 2, "recompute", 4
@@ -159,7 +159,8 @@ def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
         publish([1.0, 0.0], seed=seed)
     learner = Learner(cfg, sender=NullSender())
     passes, pending, compared = [], [], []
-    no_grad_pass, micro_step, loss = learner._no_grad_pass, learner._micro_step, trainer.policy_loss
+    updater = learner.updater
+    no_grad_pass, micro_step, loss = updater.no_grad_pass, updater.micro_step, update.policy_loss
 
     def record_pass(plans, module, attr):
         passes.append((attr, len(plans)))
@@ -169,7 +170,7 @@ def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
         if first_update and mb is not None:
             assert mb.proximal_logprobs is None  # no recompute for the first mini-batch
             with torch.no_grad():
-                pending.append(learner._forward(learner.model, mb)[0])
+                pending.append(updater.forward(learner.model, mb)[0])
         micro_step(mb, denom, weights, first_update)
 
     def capture_loss(config, batch, denom):
@@ -178,9 +179,9 @@ def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
             compared.append(True)
         return loss(config, batch, denom)
 
-    monkeypatch.setattr(learner, "_no_grad_pass", record_pass)
-    monkeypatch.setattr(learner, "_micro_step", check_micro_step)
-    monkeypatch.setattr(trainer, "policy_loss", capture_loss)
+    monkeypatch.setattr(updater, "no_grad_pass", record_pass)
+    monkeypatch.setattr(updater, "micro_step", check_micro_step)
+    monkeypatch.setattr(update, "policy_loss", capture_loss)
     learner.train()
     assert learner.state.step == 1
     assert passes == [("proximal_logprobs", 1)]  # the second of two mini-batches only
@@ -396,7 +397,7 @@ def test_the_kl_pass_beside_the_host_adamw_changes_nothing(
     """overlap_ref (on for host-memory AdamW on a GPU; forced here): each later mini-batch's reference pass
     runs while the previous update's AdamW runs in a thread. Same groups, same result as the passes one
     after the other: the fp32 master weights and the step's metrics agree."""
-    import learner.trainer as trainer
+    import learner.update as update
 
     kw = {"optim.master_weights": "host", "loss.kl_coef": 0.1, "algo.mini_batches": 3}
     kw |= {"algo.groups_per_step": 6, "algo.proximal": "recompute"}
@@ -407,17 +408,17 @@ def test_the_kl_pass_beside_the_host_adamw_changes_nothing(
         for name in ("apart", "beside")
     ]
     apart, beside = learners
-    beside.overlap_ref = True
-    assert not apart.overlap_ref  # a CPU learner: off by default
+    beside.updater.overlap_ref = True
+    assert not apart.updater.overlap_ref  # a CPU learner: off by default
     groups = apart._next_groups()
     assert groups and len(groups) == 6
-    works, step_beside = [], trainer.step_beside
+    works, step_beside = [], update.step_beside
 
     def record(optimizer, work=None):
         works.append(work is not None)
         return step_beside(optimizer, work)
 
-    monkeypatch.setattr(trainer, "step_beside", record)
+    monkeypatch.setattr(update, "step_beside", record)
     values = [learner.train_step(groups) for learner in learners]
     assert works == [False] * 3 + [True, True, False]  # apart, then beside: updates 0 and 1 carry a KL pass
     for a, b in zip(apart.model.parameters(), beside.model.parameters()):

@@ -1,0 +1,229 @@
+"""One step's policy updates: packed micro-batches per PPO mini-batch, the no-grad passes, loss, AdamW.
+
+    updater = Updater(cfg, info, model, ref, optimizer, scheduler, hf_config=..., ...)   # the Learner's
+    updater.run(samples, values, version=7, step=12)     # fills `values` with the step's loss metrics
+
+`run` on one step's samples (every rank, same samples):
+  1. the samples split into `algo.mini_batches` contiguous mini-batches; each is planned into
+     token-budget packed micro-batches spread over the ranks (the same plan on every rank; ranks with
+     fewer micro-batches run zero-weighted dummies so FSDP's collectives line up);
+  2. proximal = recompute: one no-grad pass gives π_prox over the mini-batches after the first (the
+     first trains at π_prox's weights and takes it from its own forward); with a KL term, a no-grad pass
+     of the reference model gives π_ref, for a later mini-batch beside the previous update's host AdamW
+     (`overlap_ref`: the GPU computes while the CPU updates, learner/optim.py `step_beside`);
+  3. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
+     clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`).
+The Learner (learner/trainer.py) owns everything around it: data, versions, sync, checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections import defaultdict
+
+import torch
+
+from learner.batching import PackedMicroBatch, TrainSample, assign_to_ranks, plan_microbatches, sample_length
+from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
+from learner.metrics import train_flops
+from learner.optim import step_beside
+from learner.parallel import all_reduce_sum, clip_grad_norm, distributed
+from tasks.prompt import num_image_tokens
+
+log = logging.getLogger(__name__)
+
+SUMMED = (
+    "mismatch_kl",
+    "mismatch_kl_k1",
+    "mismatch_abs_logprob_diff",
+    "clipped_frac",
+    "dual_clipped_frac",
+    "masked_frac",
+    "is_weight_mean",
+    "ratio_mean",
+    "entropy",
+    "kl_ref",
+)
+"""Per-token loss metrics: token-weighted sums over micro-batches and ranks, divided by the tokens."""
+
+
+class Updater:
+    """See the module docstring. `images` (broker.images.ImageStore) and `pixels` (policy.packing.PixelCache)
+    give the pixels of a sample's images; `overlap_ref` runs each later KL pass beside the host AdamW."""
+
+    def __init__(
+        self, cfg, info, model, ref, optimizer, scheduler, *,
+        hf_config, n_lm_params, processor, images, pixels, overlap_ref: bool = False,
+    ):  # fmt: skip
+        self.cfg, self.info = cfg, info
+        self.model, self.ref, self.optimizer, self.scheduler = model, ref, optimizer, scheduler
+        self.text_config, self.image_token_id = hf_config.text_config, hf_config.image_token_id
+        self.n_lm_params = n_lm_params
+        self.processor, self.images, self.pixels = processor, images, pixels
+        self.overlap_ref = overlap_ref
+        self.nonfinite_steps = 0
+
+    def run(self, samples: list[TrainSample], values: dict[str, float], version: int, step: int) -> None:
+        """Every mini-batch's update on `samples`; `version` is the weights' version (what `fresh` means)."""
+        cfg = self.cfg
+        self.version = version
+        lengths = [sample_length(s, self.image_tokens) for s in samples]
+        chunks = _split(len(samples), cfg.algo.mini_batches)
+        plans = [self.plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+        t0 = time.perf_counter()  # the no-grad passes end in host copies of their logprobs: synchronised
+        if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
+            self.no_grad_pass(plans[1:], self.model, "proximal_logprobs")  # gives them (`micro_step`)
+        t1 = time.perf_counter()
+        beside = self.overlap_ref and self.ref is not None
+        if self.ref is not None:
+            self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
+        values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
+        weights = defaultdict(float)
+        for update, (mine, n_micro, denom) in enumerate(plans):
+            for i in range(n_micro):
+                self.micro_step(mine[i] if i < len(mine) else None, denom, weights, first_update=update == 0)
+            later_ref = plans[update + 1 : update + 2] if beside else []
+            values["grad_norm"] = self.apply_update(later_ref, values, step)
+        self.summarise(weights, values)
+
+    def apply_update(self, later_ref: list, values: dict[str, float], step: int) -> float:
+        """Clip, AdamW (the KL pass of `later_ref` beside it), scheduler; returns the gradient norm."""
+        norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        work = None
+        if later_ref:
+            work = functools.partial(self.no_grad_pass, later_ref, self.ref, "ref_logprobs")
+        if math.isfinite(norm):  # host time (torch's AdamW on CUDA returns before its kernels end)
+            optimizer_s, ref_s = step_beside(self.optimizer, work)
+            values["optimizer_s"] += optimizer_s
+            values["ref_pass_s"] += ref_s
+        else:
+            self.nonfinite_steps += 1
+            log.warning("step %d: non-finite gradient norm, update skipped", step)
+            if work is not None:
+                work()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def summarise(self, weights: dict[str, float], values: dict[str, float]) -> None:
+        """The step's token-weighted loss metrics, summed over the ranks."""
+        head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl")
+        totals = all_reduce_sum([weights[k] for k in (*head, *SUMMED)])
+        n = max(totals[0], 1.0)
+        values["tokens"], values["flops"] = totals[1], totals[2]
+        values["fresh_tokens"] = totals[3]
+        values["mismatch_kl_fresh"] = totals[4] / totals[3] if totals[3] > 0 else math.nan
+        for key, total in zip(SUMMED, totals[len(head) :]):
+            values[key] = total / n
+        values["lr"] = self.scheduler.get_last_lr()[0]
+        values["nonfinite_steps"] = float(self.nonfinite_steps)
+
+    # ------------------------------------------------------------------ micro-batches
+    def plan(self, samples: list[TrainSample], lengths: list[int]):
+        """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
+        bins = plan_microbatches(
+            lengths, self.cfg.batching.max_tokens_per_microbatch, [s.group_id for s in samples]
+        )
+        per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
+        mine = [self.build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
+        n_resp = sum(len(s.response_ids) for s in samples)
+        denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
+        return mine, max(len(r) for r in per_rank), denom
+
+    def build(self, samples: list[TrainSample]) -> PackedMicroBatch:
+        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id)
+
+    def dummy(self) -> PackedMicroBatch:
+        """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
+        tok = int(self.processor.tokenizer.pad_token_id or 0)
+        sample = TrainSample(
+            group_id="",
+            prompt_ids=[tok],
+            response_ids=[tok],
+            behaviour_logprobs=[0.0],
+            advantage=0.0,
+            version_start=0,
+        )
+        return self.build([sample])
+
+    def image_tokens(self, ref) -> int:
+        if ref.width and ref.height:
+            return num_image_tokens(self.processor.image_processor, ref.width, ref.height)
+        pixels, grid = self.pixels.get(ref.sha256, self.images.get(ref))
+        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size**2
+
+    # ------------------------------------------------------------------ forward passes
+    def forward(self, module, mb: PackedMicroBatch):
+        packed = mb.packed.to(self.info.device)
+        return module(
+            packed, temperature=self.cfg.algo.temperature, with_entropy=True, run_vision_always=distributed()
+        )
+
+    def no_grad_pass(self, plans, module, attr: str) -> None:
+        """`attr` (proximal_logprobs / ref_logprobs) of every micro-batch of `plans` from `module`."""
+        with torch.no_grad():
+            for mine, n_micro, _ in plans:
+                for i in range(n_micro):
+                    mb = mine[i] if i < len(mine) else self.dummy()
+                    logprobs, _ = self.forward(module, mb)
+                    setattr(mb, attr, logprobs.float().cpu())
+
+    def micro_step(
+        self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool
+    ) -> None:
+        """Forward, loss and backward of one micro-batch (None: a dummy); its metrics into `weights`."""
+        real = mb is not None
+        mb = mb if real else self.dummy()
+        logprobs, entropy = self.forward(self.model, mb)
+        dev = logprobs.device
+        prox = mb.proximal_logprobs
+        if self.cfg.algo.proximal == "detached" or (self.cfg.algo.proximal == "recompute" and first_update):
+            prox = logprobs.detach()
+        batch = TokenBatch(
+            logprobs=logprobs,
+            behaviour_logprobs=mb.behaviour_logprobs.to(dev),
+            advantages=mb.advantages.to(dev),
+            seq_index=mb.seq_index.to(dev),
+            num_seqs=len(mb.samples),
+            proximal_logprobs=None if prox is None else prox.to(dev),
+            ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+            entropy=entropy,
+        )
+        loss, m = policy_loss(self.cfg.loss, batch, denom)
+        scale = float(self.info.world_size) if real else 0.0
+        (loss * scale).backward()
+        if not real:
+            return
+        n = m["num_tokens"]
+        weights["n"] += n
+        weights["tokens"] += mb.num_tokens
+        seq_lens = (mb.packed.cu_seqlens[1:] - mb.packed.cu_seqlens[:-1]).tolist()
+        layers, hidden = self.text_config.num_hidden_layers, self.text_config.hidden_size
+        weights["flops"] += train_flops(self.n_lm_params, layers, hidden, seq_lens)
+        for key in SUMMED:
+            weights[key] += m.get(key, 0.0) * n
+        if first_update:
+            self.fresh_mismatch(mb, batch, weights)
+
+    def fresh_mismatch(self, mb: PackedMicroBatch, batch: TokenBatch, weights: dict[str, float]) -> None:
+        """k3 KL between the generator's and the learner's logprobs over the tokens of samples sampled by
+        exactly the weights this forward runs (version_start == version_end == the current version): the
+        engine mismatch alone, without the policy change that staleness adds to `mismatch_kl`."""
+        now = self.version
+        fresh = [s.version_start == now and s.version_end in (-1, now) for s in mb.samples]
+        if not any(fresh):
+            return
+        with torch.no_grad():
+            mask = torch.tensor(fresh, device=batch.seq_index.device)[batch.seq_index]
+            kl = behaviour_kl(batch.logprobs.float(), batch.behaviour_logprobs)[mask]
+            weights["fresh_tokens"] += float(kl.numel())
+            weights["fresh_kl"] += kl.sum().item()
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous, nearly equal chunks (empty chunks dropped)."""
+    size = math.ceil(n / max(parts, 1))
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)] if n else []
