@@ -74,11 +74,15 @@ def varlen_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    kv_index: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: attention within each packed sequence (causal unless is_causal=False).
 
-    query (1, H, T, D), key/value (1, Hkv, T, D) -> output (1, T, H, D).
+    query (1, H, T, D), key/value (1, Hkv, T, D) -> output (1, T, H, D). With `kv_index` (shared prompts,
+    policy/packing.py), query piece i attends to the keys at the rows
+    kv_index[cu_seq_lens_k[i]:cu_seq_lens_k[i+1]], causal aligned at the end; the gather's backward adds
+    a shared prompt's key gradients up.
     """
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -99,22 +103,26 @@ def varlen_attention(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
     max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    cu_k, max_k = cu, max_len
+    if kv_index is not None:  # shared prompts (policy/packing.py): each piece's keys, gathered
+        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
+        cu_k, max_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32), int(max_length_k)
     backend = attention_backend(query)
+    if backend == "sdpa_loop":
+        return _sdpa_per_sequence(query, key, value, cu, cu_k, dropout, scaling, causal), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(
-            q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=causal
+            q, k, v, cu, cu_k, max_len, max_k, dropout_p=dropout, softmax_scale=scaling, causal=causal
         )
-    elif backend == "torch_varlen":
-        out = _torch_varlen(q, k, v, cu, max_len, scaling, causal)
     else:
-        return _sdpa_per_sequence(query, key, value, cu, dropout, scaling, causal), None
+        out = _torch_varlen(q, k, v, cu, cu_k, max_len, max_k, scaling, causal)
     return out.unsqueeze(0), None
 
 
-def _torch_varlen(q, k, v, cu, max_len, scaling, causal) -> torch.Tensor:
+def _torch_varlen(q, k, v, cu, cu_k, max_len, max_k, scaling, causal) -> torch.Tensor:
     """torch.nn.attention.varlen.varlen_attn; GQA by repeating heads where the kernel cannot."""
     import inspect
 
@@ -132,27 +140,39 @@ def _torch_varlen(q, k, v, cu, max_len, scaling, causal) -> torch.Tensor:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     else:
         kwargs["is_causal"] = causal
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return varlen_attn(q, k, v, cu, cu_k, max_len, max_k, **kwargs)
 
 
-def _sdpa_per_sequence(query, key, value, cu, dropout, scaling, causal) -> torch.Tensor:
+def _sdpa_per_sequence(query, key, value, cu, cu_k, dropout, scaling, causal) -> torch.Tensor:
+    """(1, heads, T, D) query pieces against their keys with SDPA, one piece at a time -> (1, T, heads, D).
+    A piece with more keys than queries is causal aligned at the end (flash-attn's convention; SDPA's
+    is_causal aligns at the start), so its mask is explicit."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    bounds = cu.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=causal,
+    outs = []
+    for (s, e), (sk, ek) in zip(_pairs(cu), _pairs(cu_k)):
+        mask = None
+        if causal and ek - sk != e - s:
+            mask = torch.ones(e - s, ek - sk, dtype=torch.bool, device=query.device).tril(ek - sk - (e - s))
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, s:e],
+                key[:, :, sk:ek],
+                value[:, :, sk:ek],
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=causal and mask is None,
+            )  # fmt: skip
         )
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _pairs(cu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def register_packed_attention() -> None:
@@ -226,7 +246,8 @@ class PackedPolicy(nn.Module):
         image, so every rank of a sharded model takes part in the same collectives.
         """
         hidden = self.hidden_states(batch, run_vision_always)
-        states = hidden[0, batch.target_index.to(hidden.device) - 1]
+        source = batch.state_index if batch.state_index is not None else batch.target_index - 1
+        states = hidden[0, source.to(hidden.device)]
         targets = batch.input_ids[0, batch.target_index].to(hidden.device)
         return chunked_logprobs(
             self.model.lm_head,
@@ -261,9 +282,8 @@ class PackedPolicy(nn.Module):
             attention_mask={t: None for t in set(layer_types)} if layer_types else None,
             use_cache=False,
             cu_seq_lens_q=batch.cu_seqlens.to(embeds.device),
-            cu_seq_lens_k=batch.cu_seqlens.to(embeds.device),
+            **_keys(batch, embeds.device),
             max_length_q=batch.max_seqlen,
-            max_length_k=batch.max_seqlen,
             **extra,
         )
         return out.last_hidden_state
@@ -304,6 +324,17 @@ class PackedPolicy(nn.Module):
         for layer in getattr(out, "deepstack_features", None) or []:  # Qwen3-VL: its mergers take part too
             total = total + torch.cat(split_per_image(layer, [1])).sum()  # one image, one merged token
         return total.to(embeds.dtype)
+
+
+def _keys(batch: PackedBatch, device) -> dict:
+    """The attention's key arguments: each piece's own tokens, or with shared prompts the gathered keys."""
+    if batch.kv_index is None:
+        return {"cu_seq_lens_k": batch.cu_seqlens.to(device), "max_length_k": batch.max_seqlen}
+    return {
+        "cu_seq_lens_k": batch.cu_seqlens_k.to(device),
+        "max_length_k": batch.max_seqlen_k,
+        "kv_index": batch.kv_index.to(device),
+    }
 
 
 def split_per_image(features, sizes: list[int]) -> list[torch.Tensor]:

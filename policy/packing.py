@@ -16,6 +16,15 @@ each distinct image's pixels once, and `image_index` maps every image occurrence
 to its distinct image. The forward then runs the vision tower once per distinct image and
 reuses its features for every occurrence (autograd sums their gradients): the same result as
 encoding every occurrence, for a fraction of the vision FLOPs.
+
+`share_prompts` goes further: samples with the same prompt (the same ids and image keys: the
+responses of one GRPO group) put that prompt into the row once, followed by each response. The
+row is cut into query pieces (the prompt; each response) and every piece attends to its keys
+through `kv_index`: the prompt to itself, a response to the prompt and then itself, causal and
+aligned at the end (flash-attn's varlen convention when there are more keys than queries). A
+response's positions continue from its prompt's, and its first token is predicted from the
+prompt's last position (`state_index`). Logprobs, entropies and gradients are those of the
+unshared row; its linear layers compute the prompt once instead of once per response.
 """
 
 from __future__ import annotations
@@ -54,9 +63,10 @@ class PackedBatch:
     position_ids: torch.Tensor
     """(3, 1, total) M-RoPE positions, restarted at 0 for each sequence."""
     cu_seqlens: torch.Tensor
-    """(n+1,) int32 cumulative sequence lengths: sequence i spans [cu[i], cu[i+1])."""
+    """(n+1,) int32 boundaries of the row's query pieces: piece i spans [cu[i], cu[i+1]). A piece is a
+    sequence (prompt + response), or with shared prompts a prompt or a response."""
     max_seqlen: int
-    """Longest sequence in the pack."""
+    """Longest query piece in the pack."""
     target_index: torch.Tensor
     """(N,) positions of response tokens in the row; their logits come from position index-1."""
     response_lens: list[int]
@@ -70,6 +80,15 @@ class PackedBatch:
     image_index: torch.Tensor | None = None
     """(n_occurrences,) for each image occurrence in row order, its row in `image_grid_thw` (the distinct
     images); None when every occurrence is its own image."""
+    state_index: torch.Tensor | None = None
+    """(N,) the row position whose hidden state predicts each target (shared prompts); None: target - 1."""
+    kv_index: torch.Tensor | None = None
+    """(T_k,) shared prompts: for each query piece in turn, the row positions of the keys it attends to
+    (its prompt, then itself); None: every piece of `cu_seqlens` attends to itself."""
+    cu_seqlens_k: torch.Tensor | None = None
+    """(n+1,) int32 boundaries of each query piece's keys in `kv_index` (None with it)."""
+    max_seqlen_k: int = 0
+    """Most keys of one query piece (with `kv_index`)."""
 
     @property
     def num_image_occurrences(self) -> int:
@@ -79,7 +98,21 @@ class PackedBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the row (what the model computes)."""
         return int(self.input_ids.shape[1])
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Prompt + response tokens of every sample (the row's length unless prompts are shared)."""
+        return sum(self.prompt_lens) + sum(self.response_lens)
+
+    def causal_area(self) -> int:
+        """Query-key pairs of causal attention, counted as a full square per sequence (what attention FLOP
+        estimates use): a prompt piece P^2, a response piece after it (P+R)^2 - P^2."""
+        q = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        cu_k = self.cu_seqlens_k if self.cu_seqlens_k is not None else self.cu_seqlens
+        k = (cu_k[1:] - cu_k[:-1]).tolist()
+        return sum(kk * kk - (kk - qq) ** 2 for qq, kk in zip(q, k))
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on `device` (pixel values keep their dtype)."""
@@ -95,37 +128,100 @@ class PackedBatch:
 
 
 def pack(
-    samples: Sequence[PackSample], image_token_id: int, merge: int = 2, dedup_images: bool = True
+    samples: Sequence[PackSample],
+    image_token_id: int,
+    merge: int = 2,
+    dedup_images: bool = True,
+    share_prompts: bool = False,
 ) -> PackedBatch:
-    """Pack samples into one row (order kept); with `dedup_images`, images with equal keys are stored once."""
+    """Pack samples into one row (outputs in sample order); with `dedup_images`, images with equal keys are
+    stored once; with `share_prompts`, samples with equal prompts share one copy of it (module docstring)."""
     if not samples:
         raise ValueError("cannot pack zero samples")
-    ids, positions, targets, lens = [], [], [], [0]
+    if any(not s.response_ids for s in samples):
+        raise ValueError("every sample needs at least one response token")
     images = _Images(dedup_images)
-    offset = 0
-    for s in samples:
-        if not s.response_ids:
-            raise ValueError("every sample needs at least one response token")
-        seq = list(s.prompt_ids) + list(s.response_ids)
-        pos, _ = mrope_position_ids(seq, s.image_grid_thw, image_token_id, merge)
-        n_prompt = len(s.prompt_ids)
-        ids.append(torch.as_tensor(seq, dtype=torch.long))
-        positions.append(pos)
-        targets.append(torch.arange(offset + n_prompt, offset + len(seq)))
-        offset += len(seq)
-        lens.append(offset)
-        images.add(s)
-    cu = torch.tensor(lens, dtype=torch.int32)
+    row = _Row()
+    targets: list = [None] * len(samples)
+    states: list = [None] * len(samples)
+    for segment in _segments(samples, share_prompts):
+        first = samples[segment[0]]
+        images.add(first)
+        if len(segment) == 1:  # prompt + response as one piece, attending to itself
+            seq = list(first.prompt_ids) + list(first.response_ids)
+            at = row.piece(seq, mrope_position_ids(seq, first.image_grid_thw, image_token_id, merge)[0])
+            targets[segment[0]] = torch.arange(at + len(first.prompt_ids), row.length)
+            states[segment[0]] = targets[segment[0]] - 1
+            continue
+        positions, start = mrope_position_ids(first.prompt_ids, first.image_grid_thw, image_token_id, merge)
+        prompt = (row.piece(list(first.prompt_ids), positions), row.length)
+        for i in segment:  # responses continue the prompt's positions (text after it: +1 per token)
+            ids = list(samples[i].response_ids)
+            if image_token_id in ids:
+                raise ValueError(f"sample {i}: its response holds image tokens")
+            at = row.piece(ids, torch.arange(start, start + len(ids)).expand(3, -1), keys_before=prompt)
+            targets[i] = torch.arange(at, row.length)
+            states[i] = torch.cat([torch.tensor([prompt[1] - 1]), targets[i][:-1]])
     return PackedBatch(
-        input_ids=torch.cat(ids).unsqueeze(0),
-        position_ids=torch.cat(positions, dim=1).unsqueeze(1),
-        cu_seqlens=cu,
-        max_seqlen=int((cu[1:] - cu[:-1]).max()),
+        input_ids=torch.tensor(row.ids, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.cat(row.positions, dim=1).unsqueeze(1),
+        cu_seqlens=torch.tensor(row.cu_q, dtype=torch.int32),
+        max_seqlen=max(b - a for a, b in zip(row.cu_q, row.cu_q[1:])),
         target_index=torch.cat(targets),
         response_lens=[len(s.response_ids) for s in samples],
         prompt_lens=[len(s.prompt_ids) for s in samples],
         **images.fields(),
+        **(row.shared_fields(torch.cat(states)) if share_prompts else {}),
     )
+
+
+def _segments(samples: Sequence[PackSample], share: bool) -> list[list[int]]:
+    """Sample indices by prompt, in order of first appearance (each its own unless `share`). Images count
+    as equal only by key: a sample with images but no keys shares with nothing."""
+    segments: dict = {}
+    for i, s in enumerate(samples):
+        if not share or (s.image_grid_thw and s.image_keys is None):
+            key = ("own", i)
+        else:
+            key = (tuple(s.prompt_ids), tuple(s.image_keys or ()))
+        segments.setdefault(key, []).append(i)
+    return list(segments.values())
+
+
+class _Row:
+    """The row as it is laid out: ids and positions, query pieces, and each piece's keys."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.positions: list[torch.Tensor] = []
+        self.cu_q, self.cu_k = [0], [0]
+        self.keys: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def piece(
+        self, ids: list[int], positions: torch.Tensor, keys_before: tuple[int, int] | None = None
+    ) -> int:
+        """Append a query piece attending to [keys_before) then itself; returns where it starts."""
+        at = self.length
+        self.ids.extend(ids)
+        self.positions.append(positions)
+        self.cu_q.append(self.length)
+        own = torch.arange(at, self.length)
+        self.keys.append(own if keys_before is None else torch.cat([torch.arange(*keys_before), own]))
+        self.cu_k.append(self.cu_k[-1] + len(self.keys[-1]))
+        return at
+
+    def shared_fields(self, states: torch.Tensor) -> dict:
+        lens = [b - a for a, b in zip(self.cu_k, self.cu_k[1:])]
+        return {
+            "state_index": states,
+            "kv_index": torch.cat(self.keys),
+            "cu_seqlens_k": torch.tensor(self.cu_k, dtype=torch.int32),
+            "max_seqlen_k": max(lens),
+        }
 
 
 class _Images:

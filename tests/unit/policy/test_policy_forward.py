@@ -9,7 +9,7 @@ import torch
 
 from policy.forward import PackedPolicy, chunked_logprobs, packed_logprobs, varlen_attention
 from policy.packing import pack
-from tests.fixtures.models import make_samples, padded_logprobs, sharpen
+from tests.fixtures.models import group_samples, make_samples, padded_logprobs, sharpen
 
 
 @pytest.fixture(scope="module")
@@ -139,33 +139,11 @@ def test_varlen_attention_cpu_path_equals_block_diagonal_sdpa(causal):
     assert torch.allclose(out, ref, atol=1e-6)
 
 
-def _group_samples(processor, image_token):
-    """Two GRPO-like groups: three responses to a prompt with two images, two to a prompt with one."""
-    from policy.packing import PixelCache, make_sample
-    from tasks.prompt import render_prompt_ids
-    from tests.fixtures.models import noisy_png
-
-    cache = PixelCache(processor.image_processor)
-    g = torch.Generator().manual_seed(11)
-    out = []
-    for name, n_images, n_samples in (("a", 2, 3), ("b", 1, 2)):
-        images = [
-            (f"{name}{k}", noisy_png(100 + k + 10 * n_images, (56 + 28 * k, 84))) for k in range(n_images)
-        ]
-        ids = render_prompt_ids(processor, "<image>" * n_images + f"Question {name}?", n_images)
-        for _ in range(n_samples):
-            response = torch.randint(
-                0, len(processor.tokenizer) - 30, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g
-            ).tolist()
-            out.append(make_sample(ids, response, images, cache, image_token))
-    return out
-
-
 def test_shared_images_are_encoded_once_with_the_same_values_and_gradients(
     family_processor, sharp_model, ids
 ):
     _, image_token = ids
-    samples = _group_samples(family_processor, image_token)
+    samples = group_samples(family_processor, image_token)
     dedup, plain = pack(samples, image_token), pack(samples, image_token, dedup_images=False)
     assert plain.image_index is None and plain.image_grid_thw.shape[0] == 8
     assert dedup.image_grid_thw.shape[0] == 3 and dedup.image_index.tolist() == [0, 1, 0, 1, 0, 1, 2, 2]
