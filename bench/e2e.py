@@ -275,6 +275,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "steps_per_s": n / wall,
         "step_s": wall / n,
         "tokens_per_step": tokens,
+        "computed_tokens_per_step": mean("computed_tokens") or tokens,  # fewer with shared prompts
         "tokens_per_s_per_gpu": tokens * n / wall / max(gpus, 1),
         "gpus": gpus,
         "wait_s": mean("wait_s"),

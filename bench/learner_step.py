@@ -21,12 +21,17 @@ responses, 128 groups per train step (one of deploy/configs/learner.toml's mini-
                  training pass alone, what LM-MFU targets count;
   fp32-master    learner-train with optim.master_weights = params (fp32 parameters under FSDP2:
                  the learner's path before learner/optim.py);
-  device-master  learner-train with the fp32 master weights and moments on the GPU.
+  device-master  learner-train with the fp32 master weights and moments on the GPU;
+  learner-shared, learner-train-shared
+                 learner and learner-train with batching.share_prompts (each group's prompt once
+                 in its row: the same samples trained, a third fewer tokens computed).
 `--reserve-frac 0.3` first fills that share of the GPU (what a co-located vLLM generator takes), so
 a variant that runs has fit next to one. Reported per variant: tokens/s (prompt + image + response
-tokens trained), LM-MFU = 6 x N_LM x tokens/s / 989 TFLOP/s (N_LM: learner.metrics.lm_param_count),
-step seconds, the optimizer's and no-grad passes' seconds, peak GPU memory, host optimizer state,
-and the speed-up over padded. Prints a table; writes bench/results/learner_step[_<model>].json.
+tokens trained), computed (the share of them its rows computed), LM-MFU = 6 x N_LM x computed
+tokens/s / 989 TFLOP/s (N_LM: learner.metrics.lm_param_count; computed tokens are those trained
+unless prompts are shared), step seconds, the optimizer's and no-grad passes' seconds, peak GPU
+memory, host optimizer state, and the speed-up over padded. Prints a table; writes
+bench/results/learner_step[_<model>].json.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ VARIANTS = {
     "learner-train": TRAIN_ONLY,
     "fp32-master": [*TRAIN_ONLY, "optim.master_weights=params"],
     "device-master": [*TRAIN_ONLY, "optim.master_weights=device"],
+    "learner-shared": ["batching.share_prompts=true"],
+    "learner-train-shared": [*TRAIN_ONLY, "batching.share_prompts=true"],
 }
 """Variant name -> overrides of the loaded config (None: the padded transformers baseline)."""
 
@@ -195,7 +202,15 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
                 raise RuntimeError(
                     f"the step trained no tokens ({values.get('stale_samples', 0):.0f} stale samples)"
                 )
-            rows.append({**timers.totals(), "train_s": values["train_s"], "tokens": values["tokens"]})
+            computed = values.get("computed_tokens", values["tokens"])
+            rows.append(
+                {
+                    **timers.totals(),
+                    "train_s": values["train_s"],
+                    "tokens": values["tokens"],
+                    "computed_tokens": computed,
+                }
+            )
         out.update(inputs.summarise(rows, learner.n_lm_params, PEAK_TFLOPS))
         out.update(inputs.memory(learner.info.device, learner.optimizer))
         out.update(
@@ -231,8 +246,8 @@ def run_variant(cfg, name, model_dir, transport, broker_url, work) -> dict:
 def format_table(report: dict) -> str:
     w = max([34, *map(len, report["variants"])])
     head = (
-        f"{'variant':<{w}} {'tok/s':>8} {'LM-MFU':>7} {'step s':>7} {'optim s':>7} {'no-grad s':>9} "
-        f"{'peak GB':>8} {'host GB':>8} {'x padded':>8}"
+        f"{'variant':<{w}} {'tok/s':>8} {'computed':>8} {'LM-MFU':>7} {'step s':>7} {'optim s':>7} "
+        f"{'no-grad s':>9} {'peak GB':>8} {'host GB':>8} {'x padded':>8}"
     )
     reserve = (
         f", {report['config']['reserve_frac']:.0%} of the GPU held back"
@@ -244,10 +259,12 @@ def format_table(report: dict) -> str:
         if "error" in r:
             lines.append(f"{name:<{w}} {r['error']}")
             continue
+        computed = r.get("computed_tokens_per_step", 0) / max(r.get("tokens_per_step", 0), 1) or 1.0
         lines.append(
-            f"{name:<{w}} {r['tokens_per_s']:>8.0f} {100 * r['lm_mfu']:>6.1f}% {r['step_s']:>7.2f} "
-            f"{r.get('optimizer_s', 0):>7.2f} {r.get('no_grad_s', 0):>9.2f} {r.get('peak_gb', 0):>8.1f} "
-            f"{r.get('host_state_gb', 0):>8.1f} {r.get('speedup_vs_padded', ''):>8}"
+            f"{name:<{w}} {r['tokens_per_s']:>8.0f} {computed:>8.2f} {100 * r['lm_mfu']:>6.1f}% "
+            f"{r['step_s']:>7.2f} {r.get('optimizer_s', 0):>7.2f} {r.get('no_grad_s', 0):>9.2f} "
+            f"{r.get('peak_gb', 0):>8.1f} {r.get('host_state_gb', 0):>8.1f} "
+            f"{r.get('speedup_vs_padded', ''):>8}"
         )
     return "\n".join(lines)
 

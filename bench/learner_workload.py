@@ -123,14 +123,16 @@ def attach_timers(learner) -> Timers:
 def summarise(rows: list[dict], n_lm: int, peak_tflops: float) -> dict:
     step = statistics.median(r["train_s"] for r in rows)
     tokens = statistics.median(r["tokens"] for r in rows)
+    computed = statistics.median(r.get("computed_tokens", r["tokens"]) for r in rows)  # fewer: shared prompts
     tps = tokens / step
     return {
         "n_lm": n_lm,
         "tokens_per_step": int(tokens),
+        "computed_tokens_per_step": int(computed),
         "step_s": round(step, 3),
         "seconds": [round(r["train_s"], 3) for r in rows],
         "tokens_per_s": round(tps, 1),
-        "lm_mfu": round(6 * n_lm * tps / (peak_tflops * 1e12), 4),
+        "lm_mfu": round(6 * n_lm * computed / step / (peak_tflops * 1e12), 4),
         "optimizer_s": round(statistics.median(r.get("optimizer_s", 0.0) for r in rows), 3),
         "no_grad_s": round(statistics.median(r.get("no_grad_s", 0.0) for r in rows), 3),
     }

@@ -170,6 +170,23 @@ def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) 
     return len(sample.prompt_ids) + extra + len(sample.response_ids)
 
 
+def shared_lengths(samples: Sequence[TrainSample], lengths: Sequence[int], max_tokens: int) -> list[int]:
+    """What each sample adds to a row with shared prompts, for `plan_microbatches`: a group that fits the
+    budget whole (one prompt plus its responses) is planned at exactly what its row computes (the first
+    sample carries the prompt); a larger one is split sample by sample, each piece with its own prompt, so
+    it is planned at the unshared lengths (never over the budget)."""
+    units: dict[Hashable, list[int]] = {}
+    for i, s in enumerate(samples):
+        units.setdefault(s.group_id, []).append(i)
+    out = list(lengths)
+    for unit in units.values():
+        prompt = lengths[unit[0]] - len(samples[unit[0]].response_ids)
+        if prompt + sum(len(samples[i].response_ids) for i in unit) <= max_tokens:
+            for i in unit[1:]:
+                out[i] = len(samples[i].response_ids)
+    return out
+
+
 def plan_microbatches(
     lengths: Sequence[int], max_tokens: int, groups: Sequence[Hashable] | None = None
 ) -> list[list[int]]:
@@ -234,6 +251,7 @@ class PackedMicroBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the row computes (fewer than the samples' own with shared prompts)."""
         return self.packed.num_tokens
 
     @staticmethod
@@ -242,8 +260,10 @@ class PackedMicroBatch:
         image_bytes: Callable[[ImageRef], bytes],
         cache: PixelCache,
         image_token_id: int,
+        share_prompts: bool = False,
     ) -> PackedMicroBatch:
-        """Pack `samples` (fetching and processing each image once per cache)."""
+        """Pack `samples` (fetching and processing each image once per cache; prompts once per group with
+        `share_prompts`)."""
         packed_samples = []
         for s in samples:
             for ref in s.images:
@@ -255,7 +275,9 @@ class PackedMicroBatch:
                 )
             except ValueError as exc:  # e.g. image pads that do not match the images
                 raise ValueError(f"group {s.group_id}: {exc}") from exc
-        packed = pack(packed_samples, image_token_id, cache.image_processor.merge_size)
+        packed = pack(
+            packed_samples, image_token_id, cache.image_processor.merge_size, share_prompts=share_prompts
+        )
         lens = [len(s.response_ids) for s in samples]
         prox = None
         if all(s.proximal_logprobs is not None for s in samples):

@@ -128,11 +128,10 @@ def lm_param_count(hf_model) -> int:
     return total
 
 
-def train_flops(n_params: int, num_layers: int, hidden: int, seq_lens: list[int]) -> float:
-    """Forward + backward model FLOPs of packed sequences: 6·N·T plus causal attention."""
-    tokens = sum(seq_lens)
-    attention = 6.0 * num_layers * hidden * sum(s * s for s in seq_lens)
-    return 6.0 * n_params * tokens + attention
+def train_flops(n_params: int, num_layers: int, hidden: int, tokens: int, causal_area: int) -> float:
+    """Forward + backward model FLOPs of a packed row of `tokens`: 6·N·T plus attention over
+    `causal_area` query-key pairs (policy.packing.PackedBatch.causal_area: s^2 per sequence of s tokens)."""
+    return 6.0 * n_params * tokens + 6.0 * num_layers * hidden * causal_area
 
 
 def mfu(flops: float, seconds: float, peak_flops: float, world_size: int = 1) -> float:

@@ -26,7 +26,14 @@ from collections import defaultdict
 
 import torch
 
-from learner.batching import PackedMicroBatch, TrainSample, assign_to_ranks, plan_microbatches, sample_length
+from learner.batching import (
+    PackedMicroBatch,
+    TrainSample,
+    assign_to_ranks,
+    plan_microbatches,
+    sample_length,
+    shared_lengths,
+)
 from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
 from learner.metrics import train_flops
 from learner.optim import step_beside
@@ -110,10 +117,10 @@ class Updater:
 
     def summarise(self, weights: dict[str, float], values: dict[str, float]) -> None:
         """The step's token-weighted loss metrics, summed over the ranks."""
-        head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl")
+        head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl", "computed_tokens")
         totals = all_reduce_sum([weights[k] for k in (*head, *SUMMED)])
         n = max(totals[0], 1.0)
-        values["tokens"], values["flops"] = totals[1], totals[2]
+        values["tokens"], values["flops"], values["computed_tokens"] = totals[1], totals[2], totals[5]
         values["fresh_tokens"] = totals[3]
         values["mismatch_kl_fresh"] = totals[4] / totals[3] if totals[3] > 0 else math.nan
         for key, total in zip(SUMMED, totals[len(head) :]):
@@ -124,9 +131,10 @@ class Updater:
     # ------------------------------------------------------------------ micro-batches
     def plan(self, samples: list[TrainSample], lengths: list[int]):
         """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
-        bins = plan_microbatches(
-            lengths, self.cfg.batching.max_tokens_per_microbatch, [s.group_id for s in samples]
-        )
+        budget = self.cfg.batching.max_tokens_per_microbatch
+        if self.cfg.batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
+            lengths = shared_lengths(samples, lengths, budget)
+        bins = plan_microbatches(lengths, budget, [s.group_id for s in samples])
         per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
         mine = [self.build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
         n_resp = sum(len(s.response_ids) for s in samples)
@@ -134,7 +142,8 @@ class Updater:
         return mine, max(len(r) for r in per_rank), denom
 
     def build(self, samples: list[TrainSample]) -> PackedMicroBatch:
-        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id)
+        share = self.cfg.batching.share_prompts
+        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id, share)
 
     def dummy(self) -> PackedMicroBatch:
         """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
@@ -199,10 +208,14 @@ class Updater:
             return
         n = m["num_tokens"]
         weights["n"] += n
-        weights["tokens"] += mb.num_tokens
-        seq_lens = (mb.packed.cu_seqlens[1:] - mb.packed.cu_seqlens[:-1]).tolist()
+        weights["tokens"] += (
+            mb.packed.sequence_tokens
+        )  # the samples' tokens, whether prompts are shared or not
+        weights["computed_tokens"] += mb.num_tokens  # what the row computed (the FLOPs count these)
         layers, hidden = self.text_config.num_hidden_layers, self.text_config.hidden_size
-        weights["flops"] += train_flops(self.n_lm_params, layers, hidden, seq_lens)
+        weights["flops"] += train_flops(
+            self.n_lm_params, layers, hidden, mb.num_tokens, mb.packed.causal_area()
+        )
         for key in SUMMED:
             weights[key] += m.get(key, 0.0) * n
         if first_update:

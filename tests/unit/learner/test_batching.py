@@ -8,11 +8,13 @@ from broker.images import ImageStore
 from learner.advantages import batch_advantages
 from learner.batching import (
     PackedMicroBatch,
+    TrainSample,
     assign_to_ranks,
     filter_stale,
     filter_truncated,
     plan_microbatches,
     sample_length,
+    shared_lengths,
     spans_versions,
     to_samples,
     validate_group,
@@ -44,6 +46,22 @@ def test_microbatches_keep_a_group_together_when_it_fits():
     assert where[6] != where[7]  # an over-budget group is split
     plain = {i: k for k, b in enumerate(plan_microbatches(lengths, 100)) for i in b}
     assert len({plain[0], plain[2], plain[4]}) > 1  # without groups, first-fit decreasing scatters group a
+
+
+def test_shared_prompt_lengths_are_what_the_row_computes_and_never_exceed_the_budget():
+    """Groups a (prompt 20, responses 10, 15, 5) and b (prompt 30, responses 40, 50): a fits a budget of 100
+    whole (20 + 30 = 50 tokens with its prompt once), b (120) does not and keeps its unshared lengths."""
+
+    def sample(group, prompt, response):
+        return TrainSample(group, [1] * prompt, [2] * response, [-0.1] * response, 0.0, version_start=0)
+
+    samples = [sample("a", 20, 10), sample("b", 30, 40), sample("a", 20, 15), sample("b", 30, 50)]
+    samples.append(sample("a", 20, 5))
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    shared = shared_lengths(samples, lengths, 100)
+    assert shared == [30, 70, 15, 80, 5]  # a: its first sample carries the prompt; b: unshared
+    bins = plan_microbatches(shared, 100, [s.group_id for s in samples])
+    assert [0, 2, 4] in bins and all(sum(shared[i] for i in b) <= 100 for b in bins)
 
 
 def test_rank_assignment_balances_tokens_and_is_deterministic():

@@ -44,23 +44,6 @@ def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
     return cfg
 
 
-@pytest.fixture
-def publish(redis_server, names, tiny_processor):
-    transport = broker.connect(redis_server.url)
-    pub = Publisher(transport, names.scored)
-    store = ImageStore(transport, names)
-
-    def send(rewards, mutate=None, **kw):
-        group = make_group(tiny_processor, store, rewards, **kw)
-        if mutate is not None:
-            mutate(group)
-        pub.publish(group)
-        return group
-
-    yield send
-    transport.close()
-
-
 def _lose_image(scored):
     from broker.schemas import ImageRef
 
