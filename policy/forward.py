@@ -104,13 +104,16 @@ def varlen_attention(
     cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
     max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
     cu_k, max_k = cu, max_len
-    if kv_index is not None:  # shared prompts (policy/packing.py): each piece's keys, gathered
-        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
+    if kv_index is not None:  # shared prompts (policy/packing.py): each piece's keys, gathered below
         cu_k, max_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32), int(max_length_k)
     backend = attention_backend(query)
     if backend == "sdpa_loop":
+        if kv_index is not None:
+            key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
         return _sdpa_per_sequence(query, key, value, cu, cu_k, dropout, scaling, causal), None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    if kv_index is not None:  # gathered rows come out contiguous, (T_k, heads, D) as the kernels read them
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 

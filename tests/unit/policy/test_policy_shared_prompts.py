@@ -135,3 +135,25 @@ def test_a_response_holding_image_tokens_is_refused(family_processor, ids):
     samples[1].response_ids = [*samples[1].response_ids, image_token]
     with pytest.raises(ValueError, match="image tokens"):
         pack(samples, image_token, share_prompts=True)
+
+
+def test_the_kernel_path_gathers_the_same_keys(family_processor, sharp_model, ids, monkeypatch):
+    """The GPU branch (keys gathered as (T_k, heads, D) rows for a varlen kernel), run on CPU with a
+    stand-in kernel built on the SDPA loop: the same logprobs as the CPU branch."""
+    import policy.forward as forward
+
+    _, image_token = ids
+    batch = pack(group_samples(family_processor, image_token), image_token, share_prompts=True)
+    with torch.no_grad():
+        cpu, _ = PackedPolicy(sharp_model)(batch)
+
+    def kernel(q, k, v, cu, cu_k, max_len, max_k, scaling, causal):
+        assert k.shape[0] == int(cu_k[-1]) and k.is_contiguous()
+        rows = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return forward._sdpa_per_sequence(*rows, cu, cu_k, 0.0, scaling, causal)[0]
+
+    monkeypatch.setenv("PARALLAX_ATTN_BACKEND", "torch_varlen")
+    monkeypatch.setattr(forward, "_torch_varlen", kernel)
+    with torch.no_grad():
+        gpu_branch, _ = PackedPolicy(sharp_model)(batch)
+    torch.testing.assert_close(gpu_branch, cpu, rtol=0, atol=1e-5)
