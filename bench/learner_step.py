@@ -22,9 +22,10 @@ responses, 128 groups per train step (one of deploy/configs/learner.toml's mini-
   fp32-master    learner-train with optim.master_weights = params (fp32 parameters under FSDP2:
                  the learner's path before learner/optim.py);
   device-master  learner-train with the fp32 master weights and moments on the GPU;
-  learner-shared, learner-train-shared
-                 learner and learner-train with batching.share_prompts (each group's prompt once
-                 in its row: the same samples trained, a third fewer tokens computed).
+  learner-unshared, learner-train-unshared
+                 learner and learner-train without batching.share_prompts (every sample packed
+                 whole: the same samples trained on more computed tokens; the config shares each
+                 group's prompt).
 `--reserve-frac 0.3` first fills that share of the GPU (what a co-located vLLM generator takes), so
 a variant that runs has fit next to one. Reported per variant: tokens/s (prompt + image + response
 tokens trained), computed (the share of them its rows computed), LM-MFU = 6 x N_LM x computed
@@ -62,8 +63,8 @@ VARIANTS = {
     "learner-train": TRAIN_ONLY,
     "fp32-master": [*TRAIN_ONLY, "optim.master_weights=params"],
     "device-master": [*TRAIN_ONLY, "optim.master_weights=device"],
-    "learner-shared": ["batching.share_prompts=true"],
-    "learner-train-shared": [*TRAIN_ONLY, "batching.share_prompts=true"],
+    "learner-unshared": ["batching.share_prompts=false"],
+    "learner-train-unshared": [*TRAIN_ONLY, "batching.share_prompts=false"],
 }
 """Variant name -> overrides of the loaded config (None: the padded transformers baseline)."""
 

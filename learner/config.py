@@ -204,10 +204,11 @@ class BatchingConfig:
 
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed micro-batch (the tokens its row computes: prompt + image + response)."""
-    share_prompts: bool = False
+    share_prompts: bool = True
     """Put a group's prompt (text and image tokens) into a micro-batch's row once, each response attending
     to it (policy/packing.py), instead of once per response: the same logprobs and gradients for fewer
-    tokens computed (with 5 responses of 512 tokens to a 352-token prompt, a third fewer)."""
+    tokens computed (with 5 responses of 512 tokens to a 352-token prompt, a third fewer). False packs
+    every sample whole (the layout before shared prompts; tests compare the two)."""
 
 
 @dataclass
