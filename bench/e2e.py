@@ -50,6 +50,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
@@ -57,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
@@ -111,8 +112,9 @@ class BenchConfig:
     """Where the JSON results go."""
     modes: tuple[str, ...] = ("batch",)
     """Generator loop modes to compare at every K: batch | drain | inflight."""
-    extra: list[str] = field(default_factory=list)
-    """More launcher flags for every run (e.g. --generator.sampling.n 4)."""
+    extra: str = ""
+    """More launcher flags for every run, one string split as a shell would; give it with "=" (it starts with
+    dashes), e.g. --extra="--generator.sampling.n 4 --learner.batching.no-share-prompts"."""
 
 
 def warm_start(cfg: BenchConfig, work: Path) -> Path:
@@ -219,7 +221,7 @@ def run_k(
     run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}"
     flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
     args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
-    args += [*MODE_FLAGS[mode], *cfg.extra]
+    args += [*MODE_FLAGS[mode], *shlex.split(cfg.extra)]
     load_before = os.getloadavg()[0]
     t0 = time.time()
     error = None
