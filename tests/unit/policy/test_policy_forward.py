@@ -9,19 +9,7 @@ import torch
 
 from policy.forward import PackedPolicy, chunked_logprobs, packed_logprobs, varlen_attention
 from policy.packing import pack
-from tests.fixtures.models import group_samples, make_samples, padded_logprobs, sharpen
-
-
-@pytest.fixture(scope="module")
-def sharp_model(family_model):
-    """A copy of the family's tiny model whose logits depend strongly on positions and context."""
-    return sharpen(copy.deepcopy(family_model)).eval()
-
-
-@pytest.fixture(scope="module")
-def ids(family_processor):
-    tok = family_processor.tokenizer
-    return tok.pad_token_id, tok.convert_tokens_to_ids("<|image_pad|>")
+from tests.fixtures.models import group_samples, make_samples, padded_logprobs
 
 
 @pytest.mark.parametrize("counts,temperature", [((0, 1, 2, 2, 1, 0), 1.0), ((1, 1), 0.7), ((0, 0), 1.3)])

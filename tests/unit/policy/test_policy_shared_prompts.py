@@ -11,18 +11,7 @@ import torch
 
 from policy.forward import PackedPolicy, varlen_attention
 from policy.packing import pack
-from tests.fixtures.models import group_samples, make_samples, padded_logprobs, sharpen
-
-
-@pytest.fixture(scope="module")
-def sharp_model(family_model):
-    return sharpen(copy.deepcopy(family_model)).eval()
-
-
-@pytest.fixture(scope="module")
-def ids(family_processor):
-    tok = family_processor.tokenizer
-    return tok.pad_token_id, tok.convert_tokens_to_ids("<|image_pad|>")
+from tests.fixtures.models import group_samples, make_samples, padded_logprobs
 
 
 def _mixed(processor, image_token):
