@@ -2,7 +2,7 @@
 
 * `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
 * `validate_group` names what makes a group untrainable (counts that disagree, token ids outside
-  the vocabulary, image pads that do not match the images).
+  the vocabulary, image pads that do not match the images or that a response holds).
 * `nonfinite_problem` rejects a group with a NaN/inf reward or behaviour logprob (the inbox
   dead-letters that group alone, before any step sees it).
 * `filter_stale` drops samples whose `version_start` is more than K versions behind the
@@ -99,6 +99,8 @@ def validate_group(
             return f"sample {i} has no response tokens"
         if len(s.behaviour_logprobs_f32) != len(s.response_token_ids_i32):
             return f"sample {i}: {len(s.behaviour_logprobs_f32) // 4} logprobs for {s.num_tokens} tokens"
+        if image_token_id is not None and (s.token_ids() == image_token_id).any():
+            return f"sample {i}: its response holds image pad tokens (no image stands behind them)"
     if not g.prompt_token_ids:
         return "no prompt tokens"
     if vocab_size is not None:

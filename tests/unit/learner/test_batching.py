@@ -185,6 +185,12 @@ def test_image_pads_that_disagree_with_the_images_are_named_with_both_counts(tin
         ValueError, match=f"group {bad.group.group_id}: 2 image pads in the prompt but 1 images"
     ):
         PackedMicroBatch.build(samples, store.get, cache, image_token)
+    padded = make_group(tiny_processor, store, [1.0, 0.0], seed=8, n_images=2)
+    set_token(padded, sample=1, index=0, token=image_token)  # the generator bans it; a bad peer may not
+    assert validate_group(padded) is None
+    assert validate_group(padded, image_token_id=image_token) == (
+        "sample 1: its response holds image pad tokens (no image stands behind them)"
+    )
 
 
 def test_samples_of_lost_versions_count_as_stale():
