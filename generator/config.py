@@ -9,6 +9,7 @@ engine is built) and `SamplingConfig` (how responses are sampled). Resolved by
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -17,6 +18,10 @@ from typing import Literal
 from broker.config import BrokerConfig
 from runtime.metrics import MetricsConfig
 from weights.config import RPC_BYTES_LIMIT, WeightSyncConfig
+
+MIN_SEQS = 256
+"""The smallest derived `max_num_seqs` (room for evaluation batches and unusual calls)."""
+log = logging.getLogger(__name__)
 
 
 def default_generator_id() -> str:
@@ -38,8 +43,10 @@ class EngineConfig:
     """KV cache size in GiB; 0 = derive from `gpu_memory_utilization` (GPU) or 1 GiB (CPU)."""
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (weights + activations + KV cache), when kv_cache_gb is 0."""
-    max_num_seqs: int = 256
-    """Most sequences vLLM schedules at once."""
+    max_num_seqs: int = 0
+    """Most sequences vLLM schedules at once; 0 = every sequence of one generate call (`batch_prompts` x `n`,
+    with `continuous` `max_inflight_prompts` x `n`), at least MIN_SEQS. Fewer than a call holds run it in
+    waves, each as long as its longest response, the last at a small batch (`validate` warns)."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (fast start; on CPU also disables dynamo, see engine.py)."""
     in_process: bool | None = None
@@ -164,3 +171,16 @@ class GeneratorConfig:
             )
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")
+        if self.engine.max_num_seqs < 0:
+            raise ValueError(
+                f"engine.max_num_seqs must be >= 0 (0 = derived), not {self.engine.max_num_seqs}"
+            )
+        call = (self.max_inflight_prompts if self.continuous else self.batch_prompts) * self.sampling.n
+        if self.engine.max_num_seqs == 0:
+            self.engine.max_num_seqs = max(MIN_SEQS, call)
+        elif self.engine.max_num_seqs < call:
+            log.warning(
+                "engine.max_num_seqs %d is below the %d sequences of one generate call: vLLM runs them in %d "
+                "waves (0 derives a value that runs them at once)",
+                self.engine.max_num_seqs, call, -(-call // self.engine.max_num_seqs),
+            )  # fmt: skip

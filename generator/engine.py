@@ -47,7 +47,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from generator.config import EngineConfig, SamplingConfig
+from generator.config import MIN_SEQS, EngineConfig, SamplingConfig
 from generator.inputs import Completion, PromptChecker, Request, Result
 from weights.vllm_apply import WeightLoader, WeightLoadError, WeightsRolledBack, as_version
 
@@ -79,7 +79,7 @@ class Engine:
         self._lock = threading.Lock()
         self._llm = self._build(Path(run_dir))
         self.kv_cache_tokens = kv_cache_tokens(self._llm)
-        warning = kv_cache_warning(self.kv_cache_tokens, engine.max_num_seqs, sampling.max_tokens)
+        warning = kv_cache_warning(self.kv_cache_tokens, self.max_num_seqs, sampling.max_tokens)
         if warning:
             log.warning(warning)
         hf = self._llm.llm_engine.model_config.hf_config
@@ -130,7 +130,7 @@ class Engine:
             logprobs_mode="processed_logprobs",
             seed=self.config.seed,
             tensor_parallel_size=self.tp,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,  # the weight loaders, called by name (no pickled callables)
         )
@@ -199,6 +199,11 @@ class Engine:
                 f"banned tokens {words} do not each encode to one token id {self.banned_token_ids}"
             )
         return params
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The configured value (GeneratorConfig.validate derives 0); MIN_SEQS for an engine built alone."""
+        return self.config.max_num_seqs or MIN_SEQS
 
     # ------------------------------------------------------------------ generation
     @property
