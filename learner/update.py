@@ -72,6 +72,7 @@ class Updater:
         self.processor, self.images, self.pixels = processor, images, pixels
         self.overlap_ref = overlap_ref
         self.nonfinite_steps = 0
+        self.version = 0  # of the weights the current step starts from (`run`)
 
     def run(self, samples: list[TrainSample], values: dict[str, float], version: int, step: int) -> None:
         """Every mini-batch's update on `samples`; `version` is the weights' version (what `fresh` means)."""
