@@ -168,7 +168,7 @@ def _sdpa_per_sequence(query, key, value, cu, cu_k, dropout, scaling, causal) ->
                 dropout_p=dropout,
                 scale=scaling,
                 is_causal=causal and mask is None,
-            )  # fmt: skip
+            )
         )
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 

@@ -141,7 +141,7 @@ def pack(
     if any(not s.response_ids for s in samples):
         raise ValueError("every sample needs at least one response token")
     images = _Images(dedup_images)
-    row = _Row()
+    row = _Row(share_prompts)
     targets: list = [None] * len(samples)
     states: list = [None] * len(samples)
     for segment in _segments(samples, share_prompts):
@@ -189,9 +189,10 @@ def _segments(samples: Sequence[PackSample], share: bool) -> list[list[int]]:
 
 
 class _Row:
-    """The row as it is laid out: ids and positions, query pieces, and each piece's keys."""
+    """The row as it is laid out: ids and positions, query pieces, and (`with_keys`) each piece's keys."""
 
-    def __init__(self):
+    def __init__(self, with_keys: bool):
+        self.with_keys = with_keys
         self.ids: list[int] = []
         self.positions: list[torch.Tensor] = []
         self.cu_q, self.cu_k = [0], [0]
@@ -209,9 +210,10 @@ class _Row:
         self.ids.extend(ids)
         self.positions.append(positions)
         self.cu_q.append(self.length)
-        own = torch.arange(at, self.length)
-        self.keys.append(own if keys_before is None else torch.cat([torch.arange(*keys_before), own]))
-        self.cu_k.append(self.cu_k[-1] + len(self.keys[-1]))
+        if self.with_keys:
+            own = torch.arange(at, self.length)
+            self.keys.append(own if keys_before is None else torch.cat([torch.arange(*keys_before), own]))
+            self.cu_k.append(self.cu_k[-1] + len(self.keys[-1]))
         return at
 
     def shared_fields(self, states: torch.Tensor) -> dict:
