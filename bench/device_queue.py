@@ -1,0 +1,183 @@
+"""Run a queue of bench commands on the lent GPU machine across several short device calls.
+
+A device call lasts at most 10 minutes and the machine goes back about 30 s after a call returns, while one
+session's GPU measurements take half an hour. So the first call starts the queue in the background and
+returns at once; each following call (made at once after the previous one returns) polls it: it prints each
+command's start and end, the tail of the running command's log, and copies every finished command's log and
+result files to $OUT.
+
+    python3 -m bench.device_queue start bench/queues/h200.txt --dir /tmp/queue     # returns at once
+    python3 -m bench.device_queue poll 540 --dir /tmp/queue --out "$OUT"           # until done or 540 s
+
+A queue file holds one shell command per line (a trailing backslash continues a line; `#` starts a comment
+line). The commands run one after the other in `bash -c`, from the directory `start` ran in, each whatever
+the previous one returned, in the environment `start` ran in (export PYTHONPATH and the like before it).
+Each sees `QUEUE_RESULTS` (write result files there: they come back with the logs) and `QUEUE_DIR`;
+`$QUEUE_DIR/env` is sourced before each command, so a command can set a variable for the later ones by
+appending `NAME=value` to it (bench/queues/h200.txt: a failed GPU test switches the later runs to another
+configuration). `state.json` records every command's exit status and times. Standard library only: it runs
+on the device before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TAIL_EVERY_S = 60.0
+"""How often `poll` prints the tail of the running command's log."""
+
+
+def parse_queue(text: str) -> list[str]:
+    """The commands of a queue file: comment and blank lines dropped, backslash-continued lines joined."""
+    commands, pending = [], ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        commands.append(pending + line)
+        pending = ""
+    if pending:
+        raise ValueError(f"the queue ends inside a continued line: {pending!r}")
+    return commands
+
+
+def start(queue_file: Path, qdir: Path, skip: int = 0) -> int:
+    """Start the queue (less its first `skip` commands) in a detached process that outlives the device call;
+    returns its pid."""
+    commands = parse_queue(queue_file.read_text())[skip:]
+    if not commands:
+        raise SystemExit(f"{queue_file}: no commands")
+    if (qdir / "state.json").exists() and not _read_state(qdir)["done"]:
+        raise SystemExit(f"{qdir}: a queue is already running there")
+    (qdir / "results").mkdir(parents=True, exist_ok=True)
+    _write_state(qdir, {"commands": commands, "steps": [], "done": False, "started": time.time()})
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "bench.device_queue", "run", "--dir", str(qdir)],
+        stdin=subprocess.DEVNULL,
+        stdout=open(qdir / "runner.log", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    print(f"queue started: {len(commands)} commands, pid {runner.pid}, dir {qdir}")
+    return runner.pid
+
+
+def run(qdir: Path) -> None:
+    """The detached runner: every command in turn, its output into NN.log, its status into state.json."""
+    state = _read_state(qdir)
+    env = {**os.environ, "QUEUE_DIR": str(qdir.resolve()), "QUEUE_RESULTS": str((qdir / "results").resolve())}
+    for i, command in enumerate(state["commands"]):
+        step = {"index": i, "command": command, "log": f"{i:02d}.log", "start": time.time(), "rc": None}
+        state["steps"].append(step)
+        _write_state(qdir, state)
+        with open(qdir / step["log"], "wb") as log:
+            script = f'if [ -f "$QUEUE_DIR/env" ]; then set -a; . "$QUEUE_DIR/env"; set +a; fi\n{command}'
+            step["rc"] = subprocess.call(
+                ["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        step["end"] = time.time()
+        _write_state(qdir, state)
+    state["done"] = True
+    _write_state(qdir, state)
+
+
+def poll(qdir: Path, timeout_s: float, out: Path | None) -> bool:
+    """Report until the queue is done or `timeout_s` passes; copy what finished to `out`. True if done."""
+    deadline, seen, last_tail = time.monotonic() + timeout_s, set(), time.monotonic()
+    while True:
+        state = _read_state(qdir)
+        for step in state["steps"]:
+            for event in ("start", "end"):
+                if step.get(event) is not None and (step["index"], event) not in seen:
+                    seen.add((step["index"], event))
+                    print(_describe(step, event, state["started"]), flush=True)
+        running = [s for s in state["steps"] if s["rc"] is None]
+        if state["done"] or time.monotonic() >= deadline:
+            break
+        if running and time.monotonic() - last_tail >= TAIL_EVERY_S:
+            print(_tail(qdir / running[0]["log"]), flush=True)
+            last_tail = time.monotonic()
+        time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+    if running:
+        now = running[0]
+        print(f"still running: [{now['index']}] {now['command']}\n{_tail(qdir / now['log'])}")
+    left = len(state["commands"]) - sum(s["rc"] is not None for s in state["steps"])
+    print(f"queue {'done' if state['done'] else 'running'}: {left} of {len(state['commands'])} commands left")
+    if out is not None:
+        _copy_back(qdir, out)
+    return bool(state["done"])
+
+
+def _describe(step: dict, event: str, t0: float) -> str:
+    at = f"{(step[event] - t0) / 60:5.1f} min"
+    if event == "start":
+        return f"{at} start [{step['index']}] {step['command']}"
+    return f"{at} end   [{step['index']}] rc={step['rc']} after {step['end'] - step['start']:.0f} s"
+
+
+def _tail(log: Path, lines: int = 8) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join("    | " + line[-200:] for line in text[-lines:])
+
+
+def _copy_back(qdir: Path, out: Path) -> None:
+    """The state, every log and the results directory into `out` (what a device call brings back)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in [qdir / "state.json", qdir / "runner.log", *sorted(qdir.glob("[0-9][0-9].log"))]:
+        if path.exists():
+            shutil.copy2(path, out / path.name)
+    if (qdir / "results").is_dir():
+        shutil.copytree(qdir / "results", out / "results", dirs_exist_ok=True)
+
+
+def _read_state(qdir: Path) -> dict:
+    path = qdir / "state.json"
+    if not path.exists():
+        raise SystemExit(
+            f"{qdir}: no queue there (start one with `python3 -m bench.device_queue start FILE`)"
+        )
+    return json.loads(path.read_text())
+
+
+def _write_state(qdir: Path, state: dict) -> None:
+    """Atomically: a poll never reads half a file."""
+    tmp = qdir / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(qdir / "state.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.device_queue", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    p_start = sub.add_parser("start", help="start a queue file's commands in the background")
+    p_start.add_argument("queue", type=Path)
+    p_start.add_argument(
+        "--skip", type=int, default=0, help="leave out the first SKIP commands (done before)"
+    )
+    p_poll = sub.add_parser("poll", help="report until the queue is done or TIMEOUT_S passes")
+    p_poll.add_argument("timeout_s", type=float)
+    p_poll.add_argument("--out", type=Path, default=None, help="copy logs and results here (the call's $OUT)")
+    p_run = sub.add_parser("run", help="(internal) the detached runner")
+    for p in (p_start, p_poll, p_run):
+        p.add_argument("--dir", type=Path, default=Path("/tmp/queue"), help="the queue's working directory")
+    args = parser.parse_args(argv)
+    if args.action == "start":
+        start(args.queue, args.dir, args.skip)
+    elif args.action == "poll":
+        poll(args.dir, args.timeout_s, args.out)
+    else:
+        run(args.dir)
+
+
+if __name__ == "__main__":
+    main()

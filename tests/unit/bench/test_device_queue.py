@@ -1,0 +1,91 @@
+"""bench/device_queue.py: a queue started in the background runs every command in turn, passes variables from
+one command to the later ones, keeps going past a failure, and a poll reports it and brings back logs and
+results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.device_queue import parse_queue, poll, start
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_parse_queue_joins_continued_lines_and_drops_comments():
+    text = "# a comment\n\necho a \\\n    b\n  # indented comment\necho c\n"
+    assert parse_queue(text) == ["echo a b", "echo c"]
+    with pytest.raises(ValueError, match="continued line"):
+        parse_queue("echo a \\\n")
+
+
+def test_the_committed_queue_parses():
+    commands = parse_queue((ROOT / "bench/queues/h200.txt").read_text())
+    assert commands[0].startswith("timeout") and all("\\" not in c for c in commands)
+    assert all("$QUEUE_RESULTS/" in c for c in commands[1:])  # every result comes back
+
+
+def _wait_done(qdir: Path, limit_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        state = json.loads((qdir / "state.json").read_text())
+        if state["done"]:
+            return state
+        time.sleep(0.1)
+    raise AssertionError(f"queue not done in {limit_s} s: {state}")
+
+
+def test_a_queue_runs_in_the_background_and_a_poll_brings_back_its_logs_and_results(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the runner is `python -m bench.device_queue`
+    queue = tmp_path / "q.txt"
+    queue.write_text(
+        'false || echo "FLAG=\'--no-x\'" >> "$QUEUE_DIR/env"\n'
+        "exit 3\n"
+        'echo "flag=$FLAG" > "$QUEUE_RESULTS/r.txt"; echo done-three\n'
+    )
+    qdir = tmp_path / "queue"
+    (tmp_path / "skip.txt").write_text("exit 5\ntrue\n")
+    start(tmp_path / "skip.txt", tmp_path / "skipped", skip=1)  # the first command left out
+    assert [s["rc"] for s in _wait_done(tmp_path / "skipped")["steps"]] == [0]
+    start(queue, qdir)
+    state = _wait_done(qdir)
+    assert [s["rc"] for s in state["steps"]] == [0, 3, 0]  # a failure does not stop the queue
+    flag = (qdir / "results/r.txt").read_text().strip()
+    assert flag == "flag=--no-x"  # a variable set by an earlier command
+    out = tmp_path / "out"
+    assert poll(qdir, timeout_s=0.0, out=out)
+    assert (out / "results/r.txt").exists() and (out / "02.log").read_text().strip() == "done-three"
+    assert json.loads((out / "state.json").read_text())["done"]
+
+
+def test_a_poll_returns_at_its_timeout_while_a_command_runs_and_a_second_start_is_refused(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    queue = tmp_path / "q.txt"
+    queue.write_text(f"touch {tmp_path}/begun; sleep 30\n")
+    qdir = tmp_path / "queue"
+    pid = start(queue, qdir)
+    try:
+        t0 = time.monotonic()
+        assert not poll(qdir, timeout_s=1.0, out=None)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(SystemExit, match="already running"):
+            start(queue, qdir)
+    finally:
+        os.killpg(pid, signal.SIGTERM)  # the runner leads its own session: bash and sleep go with it
+
+
+def test_poll_without_a_queue_says_how_to_start_one(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.device_queue", "poll", "0", "--dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "device_queue start" in result.stderr
