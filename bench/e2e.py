@@ -213,15 +213,20 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
     ]
 
 
+def launcher_args(cfg: BenchConfig, k: int, model: Path, run_dir: Path, mode: str = "batch") -> list[str]:
+    """Every flag of one launcher run: the pipeline's (GPU or CPU), the run's, the mode's, --extra."""
+    flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
+    args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
+    return [*args, *MODE_FLAGS[mode], *shlex.split(cfg.extra)]
+
+
 def run_k(
     cfg: BenchConfig, k: int, model: Path, work: Path, mode: str = "batch", started: float = 0.0
 ) -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
     run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}"
-    flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
-    args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
-    args += [*MODE_FLAGS[mode], *shlex.split(cfg.extra)]
+    args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()
     error = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -89,3 +91,45 @@ def test_poll_without_a_queue_says_how_to_start_one(tmp_path):
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode != 0 and "device_queue start" in result.stderr
+
+
+def _bench_invocations(extra: str) -> list[tuple[str, list[str]]]:
+    """(bench module, its argv) of every bench command in the committed queue, `$E2E_EXTRA` = `extra`."""
+    found = []
+    for command in parse_queue((ROOT / "bench/queues/h200.txt").read_text()):
+        command = command.replace("$E2E_EXTRA", extra).replace("$QUEUE_RESULTS", "/results")
+        argv = shlex.split(command)
+        if "-m" in argv and argv[argv.index("-m") + 1].startswith("bench."):
+            at = argv.index("-m") + 1
+            found.append((argv[at], argv[at + 1 :]))
+    return found
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "after-a-failed-alignment-test"])
+def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(shared):
+    """What the queue runs on the GPU is checked here first: a typo must not cost device time."""
+    import tyro
+
+    import bench.e2e as e2e
+    import bench.learner_step as learner_step
+    from deploy.plan import LaunchConfig
+    from runtime.config import load_config
+
+    fallback = re.search(r"E2E_EXTRA='([^']*)'", (ROOT / "bench/queues/h200.txt").read_text()).group(1)
+    invocations = _bench_invocations("" if shared else fallback)
+    assert {m for m, _ in invocations} == {"bench.e2e", "bench.learner_step"}
+    for module, argv in invocations:
+        if module == "bench.e2e":
+            cfg = tyro.cli(e2e.BenchConfig, args=argv)
+            assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
+            for k in cfg.ks:
+                argv = e2e.launcher_args(cfg, k, Path("/models/m"), Path("/runs/r"))
+                launch = load_config(LaunchConfig, argv)
+                assert launch.learner.batching.share_prompts == shared
+                assert launch.learner.algo.max_staleness == k
+        else:
+            cfg = tyro.cli(learner_step.BenchConfig, args=argv).resolve()
+            for name in cfg.variants:
+                overrides = learner_step.variant_overrides(name)
+                lc = learner_step.learner_config(cfg, overrides, Path("m"), "zmq://127.0.0.1:1", Path("c"))
+                lc.validate()
