@@ -166,10 +166,13 @@ class Updater:
         return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size**2
 
     # ------------------------------------------------------------------ forward passes
-    def forward(self, module, mb: PackedMicroBatch):
+    def forward(self, module, mb: PackedMicroBatch, with_entropy: bool = True):
         packed = mb.packed.to(self.info.device)
         return module(
-            packed, temperature=self.cfg.algo.temperature, with_entropy=True, run_vision_always=distributed()
+            packed,
+            temperature=self.cfg.algo.temperature,
+            with_entropy=with_entropy,
+            run_vision_always=distributed(),
         )
 
     def no_grad_pass(self, plans, module, attr: str) -> None:
@@ -178,7 +181,7 @@ class Updater:
             for mine, n_micro, _ in plans:
                 for i in range(n_micro):
                     mb = mine[i] if i < len(mine) else self.dummy()
-                    logprobs, _ = self.forward(module, mb)
+                    logprobs, _ = self.forward(module, mb, with_entropy=False)  # only the loss uses it
                     setattr(mb, attr, logprobs.float().cpu())
 
     def micro_step(
