@@ -25,7 +25,10 @@ responses, 128 groups per train step (one of deploy/configs/learner.toml's mini-
   learner-unshared, learner-train-unshared
                  learner and learner-train without batching.share_prompts (every sample packed
                  whole: the same samples trained on more computed tokens; the config shares each
-                 group's prompt).
+                 group's prompt);
+  learner-unjoined
+                 learner with its no-grad pass over the training micro-batches themselves instead of
+                 packs joined up to batching.no_grad_tokens_per_microbatch.
 `--reserve-frac 0.3` first fills that share of the GPU (what a co-located vLLM generator takes), so
 a variant that runs has fit next to one. Reported per variant: tokens/s (prompt + image + response
 tokens trained), computed (the share of them its rows computed), LM-MFU = 6 x N_LM x computed
@@ -65,6 +68,7 @@ VARIANTS = {
     "device-master": [*TRAIN_ONLY, "optim.master_weights=device"],
     "learner-unshared": ["batching.share_prompts=false"],
     "learner-train-unshared": [*TRAIN_ONLY, "batching.share_prompts=false"],
+    "learner-unjoined": ["batching.no_grad_tokens_per_microbatch=0"],
 }
 """Variant name -> overrides of the loaded config (None: the padded transformers baseline)."""
 

@@ -12,7 +12,8 @@
 * `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
   into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
   alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
-  rank computes the same plan from the same batch, so no plan is communicated.
+  rank computes the same plan from the same batch, so no plan is communicated. `join_microbatches`
+  joins a rank's consecutive micro-batches into the no-grad passes' bigger packs.
 * `PackedMicroBatch.build` turns one micro-batch into a `policy.packing.PackedBatch` plus the
   per-token tensors the loss needs (behaviour logprobs, advantages, sequence index).
 """
@@ -218,6 +219,21 @@ def plan_microbatches(
             bins.append(list(unit))
             loads.append(size)
     return [sorted(b) for b in bins]
+
+
+def join_microbatches(bins: Sequence[list[int]], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive micro-batches (`bins`, lists of sample indices) joined while their planned tokens stay
+    within `max_tokens`: positions in `bins`, in order (the no-grad passes' bigger packs)."""
+    joined: list[list[int]] = []
+    load = max_tokens + 1
+    for b, bin_ in enumerate(bins):
+        size = sum(lengths[i] for i in bin_)
+        if load + size > max_tokens:
+            joined.append([])
+            load = 0
+        joined[-1].append(b)
+        load += size
+    return joined
 
 
 def assign_to_ranks(

@@ -209,6 +209,21 @@ class BatchingConfig:
     to it (policy/packing.py), instead of once per response: the same logprobs and gradients for fewer
     tokens computed (with 5 responses of 512 tokens to a 352-token prompt, a third fewer). False packs
     every sample whole (the layout before shared prompts; tests compare the two)."""
+    no_grad_tokens_per_microbatch: int = 0
+    """Token budget of the no-grad passes' packs (the proximal recompute and the KL reference): consecutive
+    training micro-batches are joined into packs of up to this many tokens. Those passes keep no activations,
+    so packs several times the training budget fit, and fewer, bigger packs launch fewer kernels per token
+    (a 3B learner at 16k-token packs is launch-bound on an H200: bench/results/GPU.md). The same logprobs
+    either way. 0 = the training micro-batches themselves."""
+
+    def validate(self) -> None:
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError("max_tokens_per_microbatch must be >= 1")
+        if 0 < self.no_grad_tokens_per_microbatch < self.max_tokens_per_microbatch:
+            raise ValueError(
+                f"no_grad_tokens_per_microbatch ({self.no_grad_tokens_per_microbatch}) must be 0 or at "
+                f"least max_tokens_per_microbatch ({self.max_tokens_per_microbatch}): it joins micro-batches"
+            )
 
 
 @dataclass

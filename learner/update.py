@@ -10,7 +10,9 @@
   2. proximal = recompute: one no-grad pass gives π_prox over the mini-batches after the first (the
      first trains at π_prox's weights and takes it from its own forward); with a KL term, a no-grad pass
      of the reference model gives π_ref, for a later mini-batch beside the previous update's host AdamW
-     (`overlap_ref`: the GPU computes while the CPU updates, learner/optim.py `step_beside`);
+     (`overlap_ref`: the GPU computes while the CPU updates, learner/optim.py `step_beside`); both
+     passes run over a mini-batch's consecutive micro-batches joined into packs of up to
+     `batching.no_grad_tokens_per_microbatch` tokens (they keep no activations);
   3. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
      clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`).
 The Learner (learner/trainer.py) owns everything around it: data, versions, sync, checkpoints.
@@ -23,6 +25,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +33,7 @@ from learner.batching import (
     PackedMicroBatch,
     TrainSample,
     assign_to_ranks,
+    join_microbatches,
     plan_microbatches,
     sample_length,
     shared_lengths,
@@ -55,6 +59,23 @@ SUMMED = (
     "kl_ref",
 )
 """Per-token loss metrics: token-weighted sums over micro-batches and ranks, divided by the tokens."""
+
+
+@dataclass
+class MiniBatch:
+    """One PPO mini-batch as this rank runs it (`Updater.plan`)."""
+
+    mine: list[PackedMicroBatch]
+    """This rank's training micro-batches."""
+    n_micro: int
+    """Micro-batches every rank runs (a rank with fewer runs zero-weighted dummies)."""
+    denom: float
+    """The loss denominator of the whole mini-batch (learner.losses.loss_denominator)."""
+    no_grad: list[tuple[PackedMicroBatch, list[PackedMicroBatch]]]
+    """This rank's no-grad packs, each with the training micro-batches whose samples it holds, in order
+    (`batching.no_grad_tokens_per_microbatch`; without it, each micro-batch is its own pack)."""
+    n_no_grad: int
+    """No-grad packs every rank runs."""
 
 
 class Updater:
@@ -90,9 +111,10 @@ class Updater:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
         weights = defaultdict(float)
-        for update, (mine, n_micro, denom) in enumerate(plans):
-            for i in range(n_micro):
-                self.micro_step(mine[i] if i < len(mine) else None, denom, weights, first_update=update == 0)
+        for update, mb in enumerate(plans):
+            for i in range(mb.n_micro):
+                real = mb.mine[i] if i < len(mb.mine) else None
+                self.micro_step(real, mb.denom, weights, first_update=update == 0)
             later_ref = plans[update + 1 : update + 2] if beside else []
             values["grad_norm"] = self.apply_update(later_ref, values, step)
         self.summarise(weights, values)
@@ -130,17 +152,27 @@ class Updater:
         values["nonfinite_steps"] = float(self.nonfinite_steps)
 
     # ------------------------------------------------------------------ micro-batches
-    def plan(self, samples: list[TrainSample], lengths: list[int]):
-        """(this rank's micro-batches, micro-batches every rank runs, the loss denominator)."""
-        budget = self.cfg.batching.max_tokens_per_microbatch
-        if self.cfg.batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
+    def plan(self, samples: list[TrainSample], lengths: list[int]) -> MiniBatch:
+        """One mini-batch's micro-batches (the same plan on every rank) and its no-grad packs."""
+        batching = self.cfg.batching
+        budget = batching.max_tokens_per_microbatch
+        if batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
             lengths = shared_lengths(samples, lengths, budget)
         bins = plan_microbatches(lengths, budget, [s.group_id for s in samples])
         per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
         mine = [self.build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
         n_resp = sum(len(s.response_ids) for s in samples)
         denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
-        return mine, max(len(r) for r in per_rank), denom
+        joined = [[[j] for j in range(len(r))] for r in per_rank]
+        if batching.no_grad_tokens_per_microbatch:  # bigger packs for the passes that keep no activations
+            joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
+        no_grad = []
+        for part in joined[self.info.rank]:
+            parts = [mine[j] for j in part]
+            pack = parts[0] if len(parts) == 1 else self.build([s for mb in parts for s in mb.samples])
+            no_grad.append((pack, parts))
+        n_micro, n_no_grad = max(len(r) for r in per_rank), max(len(r) for r in joined)
+        return MiniBatch(mine, n_micro, denom, no_grad, n_no_grad)
 
     def build(self, samples: list[TrainSample]) -> PackedMicroBatch:
         share = self.cfg.batching.share_prompts
@@ -175,14 +207,20 @@ class Updater:
             run_vision_always=distributed(),
         )
 
-    def no_grad_pass(self, plans, module, attr: str) -> None:
-        """`attr` (proximal_logprobs / ref_logprobs) of every micro-batch of `plans` from `module`."""
+    def no_grad_pass(self, plans: list[MiniBatch], module, attr: str) -> None:
+        """`attr` (proximal_logprobs / ref_logprobs) of every micro-batch of `plans` from `module`, computed
+        over the mini-batches' no-grad packs (a pack's logprobs are its micro-batches', one after another)."""
         with torch.no_grad():
-            for mine, n_micro, _ in plans:
-                for i in range(n_micro):
-                    mb = mine[i] if i < len(mine) else self.dummy()
-                    logprobs, _ = self.forward(module, mb, with_entropy=False)  # only the loss uses it
-                    setattr(mb, attr, logprobs.float().cpu())
+            for mb in plans:
+                for i in range(mb.n_no_grad):
+                    if i >= len(mb.no_grad):  # keeps the ranks' collectives in step
+                        self.forward(module, self.dummy(), with_entropy=False)
+                        continue
+                    pack, parts = mb.no_grad[i]
+                    logprobs, _ = self.forward(module, pack, with_entropy=False)  # only the loss uses it
+                    sizes = [len(part.behaviour_logprobs) for part in parts]
+                    for part, values in zip(parts, logprobs.float().cpu().split(sizes), strict=True):
+                        setattr(part, attr, values)
 
     def micro_step(
         self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool

@@ -12,6 +12,7 @@ from learner.batching import (
     assign_to_ranks,
     filter_stale,
     filter_truncated,
+    join_microbatches,
     plan_microbatches,
     sample_length,
     shared_lengths,
@@ -62,6 +63,15 @@ def test_shared_prompt_lengths_are_what_the_row_computes_and_never_exceed_the_bu
     assert shared == [30, 70, 15, 80, 5]  # a: its first sample carries the prompt; b: unshared
     bins = plan_microbatches(shared, 100, [s.group_id for s in samples])
     assert [0, 2, 4] in bins and all(sum(shared[i] for i in b) <= 100 for b in bins)
+
+
+def test_joined_microbatches_keep_order_and_the_budget():
+    lengths = [30, 30, 40, 50, 20, 90, 10, 150]
+    bins = [[0, 1], [2], [3, 4], [5], [6], [7]]  # 60 | 40 | 70 | 90 | 10 | 150 (an over-long sample) tokens
+    assert join_microbatches(bins, lengths, 100) == [[0, 1], [2], [3, 4], [5]]
+    assert join_microbatches(bins, lengths, 1000) == [[0, 1, 2, 3, 4, 5]]
+    assert join_microbatches(bins, lengths, 60) == [[j] for j in range(6)]  # nothing fits together
+    assert join_microbatches([], lengths, 100) == []
 
 
 def test_rank_assignment_balances_tokens_and_is_deterministic():
@@ -234,3 +244,14 @@ def test_nonfinite_rewards_and_logprobs_are_named():
     assert "reward nan" in nonfinite_problem(scored(float("nan"), -0.5))
     assert "reward inf" in nonfinite_problem(scored(float("inf"), -0.5))
     assert "logprob -inf" in nonfinite_problem(scored(1.0, float("-inf")))
+
+
+def test_a_no_grad_budget_below_the_training_budget_is_refused_by_name():
+    from learner.config import LearnerConfig
+    from runtime.config import load_config
+
+    flags = ["--model", "/x", "--batching.max-tokens-per-microbatch", "4096"]
+    cfg = load_config(LearnerConfig, [*flags, "--batching.no-grad-tokens-per-microbatch", "8192"])
+    assert cfg.batching.no_grad_tokens_per_microbatch == 8192
+    with pytest.raises(SystemExit, match="no_grad_tokens_per_microbatch .2048. must be 0 or at least"):
+        load_config(LearnerConfig, [*flags, "--batching.no-grad-tokens-per-microbatch", "2048"])
