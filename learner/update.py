@@ -102,7 +102,7 @@ class Updater:
         lengths = [sample_length(s, self.image_tokens) for s in samples]
         chunks = _split(len(samples), cfg.algo.mini_batches)
         plans = [self.plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
-        t0 = time.perf_counter()  # the no-grad passes end in host copies of their logprobs: synchronised
+        t0 = time.perf_counter()  # each no-grad pass ends synchronised with its stream
         if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
             self.no_grad_pass(plans[1:], self.model, "proximal_logprobs")  # gives them (`micro_step`)
         t1 = time.perf_counter()
@@ -219,8 +219,10 @@ class Updater:
                     pack, parts = mb.no_grad[i]
                     logprobs, _ = self.forward(module, pack, with_entropy=False)  # only the loss uses it
                     sizes = [len(part.behaviour_logprobs) for part in parts]
-                    for part, values in zip(parts, logprobs.float().cpu().split(sizes), strict=True):
-                        setattr(part, attr, values)
+                    for part, values in zip(parts, logprobs.float().split(sizes), strict=True):
+                        setattr(part, attr, values)  # stays on the device: no sync between packs
+            if self.info.device.type == "cuda":  # the pass's time is its GPU work (`proximal_pass_s`...)
+                torch.cuda.current_stream(self.info.device).synchronize()
 
     def micro_step(
         self, mb: PackedMicroBatch | None, denom: float, weights: dict[str, float], first_update: bool
