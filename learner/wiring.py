@@ -138,7 +138,8 @@ def build_sender(learner):
 
 def build_reference(learner):
     """The frozen reference model of the KL term: bf16 on the GPU whatever the master weights (FSDP2 would
-    cast fp32 ones to bf16 for compute), sharded like the policy, no activation checkpointing."""
+    cast fp32 ones to bf16 for compute), sharded and compiled like the policy, no activation checkpointing
+    (its pass keeps no activations)."""
     from learner.config import ParallelConfig
     from learner.parallel import apply_parallelism
     from policy.loading import load_model
@@ -148,5 +149,9 @@ def build_reference(learner):
     dtype = torch.bfloat16 if bf16 else learner.param_dtype
     ref = load_model(cfg.model, dtype=dtype, device=learner.info.device)
     ref.eval().requires_grad_(False)
-    pcfg = ParallelConfig(activation_checkpointing=False, mixed_precision=cfg.parallel.mixed_precision)
+    pcfg = ParallelConfig(
+        activation_checkpointing=False,
+        mixed_precision=cfg.parallel.mixed_precision,
+        compile=cfg.parallel.compile,
+    )
     return apply_parallelism(ref, pcfg, learner.info.device)

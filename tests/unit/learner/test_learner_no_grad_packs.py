@@ -1,6 +1,7 @@
-"""batching.no_grad_tokens_per_microbatch on the Learner: the proximal and KL reference passes over joined
-micro-batches give the same step (metrics and weights) in fewer forwards, and every rank of a sharded
-learner plans the same number of packs (tiny model, real Redis, fp32 CPU)."""
+"""The learner's no-grad passes (proximal recompute, KL reference): over joined micro-batches
+(batching.no_grad_tokens_per_microbatch) they give the same step (metrics and weights) in fewer forwards,
+every rank of a sharded learner plans the same number of packs, and the reference model is compiled like
+the policy (tiny model, real Redis, fp32 CPU)."""
 
 import dataclasses
 import itertools
@@ -85,4 +86,17 @@ def test_every_rank_plans_the_same_number_of_no_grad_packs(
             for pack, parts in p.no_grad:
                 assert pack.samples == [s for mb in parts for s in mb.samples]
     assert uneven  # the case that needs the dummies was planned
+    learner.close()
+
+
+def test_the_reference_model_is_compiled_like_the_policy(tiny_model_dir, redis_server, names, tmp_path):
+    """The KL pass runs over every token of a step: it gets the policy's fused kernels (it ran eager)."""
+    kw = {"loss.kl_coef": 0.1, "parallel.compile": "elementwise"}
+    learner = Learner(_cfg(tiny_model_dir, redis_server, names, tmp_path, **kw), sender=NullSender())
+
+    def compiled(root):
+        return sum(getattr(m, "_compiled_call_impl", None) is not None for m in root.modules())
+
+    assert compiled(learner.ref) == compiled(learner.model) > 0
+    assert learner.ref.compile_logprobs and learner.model.compile_logprobs
     learner.close()
