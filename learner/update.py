@@ -111,10 +111,10 @@ class Updater:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
         weights = defaultdict(float)
-        for update, mb in enumerate(plans):
-            for i in range(mb.n_micro):
-                real = mb.mine[i] if i < len(mb.mine) else None
-                self.micro_step(real, mb.denom, weights, first_update=update == 0)
+        for update, mini in enumerate(plans):
+            for i in range(mini.n_micro):
+                real = mini.mine[i] if i < len(mini.mine) else None
+                self.micro_step(real, mini.denom, weights, first_update=update == 0)
             later_ref = plans[update + 1 : update + 2] if beside else []
             values["grad_norm"] = self.apply_update(later_ref, values, step)
         self.summarise(weights, values)
@@ -211,12 +211,12 @@ class Updater:
         """`attr` (proximal_logprobs / ref_logprobs) of every micro-batch of `plans` from `module`, computed
         over the mini-batches' no-grad packs (a pack's logprobs are its micro-batches', one after another)."""
         with torch.no_grad():
-            for mb in plans:
-                for i in range(mb.n_no_grad):
-                    if i >= len(mb.no_grad):  # keeps the ranks' collectives in step
+            for mini in plans:
+                for i in range(mini.n_no_grad):
+                    if i >= len(mini.no_grad):  # keeps the ranks' collectives in step
                         self.forward(module, self.dummy(), with_entropy=False)
                         continue
-                    pack, parts = mb.no_grad[i]
+                    pack, parts = mini.no_grad[i]
                     logprobs, _ = self.forward(module, pack, with_entropy=False)  # only the loss uses it
                     sizes = [len(part.behaviour_logprobs) for part in parts]
                     for part, values in zip(parts, logprobs.float().split(sizes), strict=True):
