@@ -249,12 +249,22 @@ def run_k(
         row = {"k": k, "steps": 0, "steps_per_s": 0.0, "step_s": 0.0, "per_step": lines}
     return row | {
         "error": error,
+        "log_tails": log_tails(run_dir) if error else {},
         "mode": mode,
         "mps": mps,
         "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
+    }
+
+
+def log_tails(run_dir: Path, lines: int = 40) -> dict[str, str]:
+    """The last `lines` lines of each process's log of a run (`<run_dir>/logs/`, and the launcher's own): what
+    a failed run's JSON carries back from a machine whose files are gone after it."""
+    logs = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
+    return {
+        p.name: "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs if p.is_file()
     }
 
 

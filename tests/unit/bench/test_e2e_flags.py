@@ -86,3 +86,18 @@ def test_mps_runs_are_marked_and_never_the_reference():
     ]
     assert reference(rows) is rows[1]
     assert "batch+mps" in format_table([{**r, "error": "cut"} | {"steps_per_s": 0} for r in rows])
+
+
+def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
+    from bench.e2e import log_tails
+
+    run_dir = tmp_path / "k1-batch"
+    (run_dir / "logs").mkdir(parents=True)
+    run_dir.with_suffix(".log").write_text("[launcher] learner exited with code 1\n")
+    (run_dir / "logs" / "learner.log").write_text("".join(f"line {i}\n" for i in range(100)) + "CUDA OOM\n")
+    tails = log_tails(run_dir, lines=3)
+    assert tails == {
+        "k1-batch.log": "[launcher] learner exited with code 1",
+        "learner.log": "line 98\nline 99\nCUDA OOM",
+    }
+    assert log_tails(tmp_path / "never-started") == {}
