@@ -388,6 +388,10 @@ def plan_gpus(
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
     need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
+    if (
+        kind == "shared"
+    ):  # the CUDA-IPC buffer the generator maps: a whole bf16 version (weights/ipc_sender.py)
+        need += 2 * n_params / 2**30
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
     room = gib - vllm if kind == "shared" else gib
@@ -401,7 +405,8 @@ def plan_gpus(
         )
         raise LayoutError(
             f"the learner needs at least {need:.1f} GiB per GPU for {n_params / 1e9:.2f} B parameters "
-            f"({len(learner)} GPU(s)), but only {room:.1f} GiB of {gib:.0f} GiB is left for it: {fix}"
+            f"({len(learner)} GPU(s); before activations), but only {room:.1f} GiB of {gib:.0f} GiB is left "
+            f"for it: {fix}"
         )
     if weights + CONTEXT_GIB > vllm:
         raise LayoutError(
