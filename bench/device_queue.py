@@ -54,9 +54,11 @@ def parse_queue(text: str) -> list[str]:
 def start(queue_file: Path, qdir: Path, skip: int = 0) -> int:
     """Start the queue (less its first `skip` commands) in a detached process that outlives the device call;
     returns its pid."""
+    if not queue_file.is_file():
+        raise SystemExit(f"{queue_file}: no such queue file (run from the repository root)")
     commands = parse_queue(queue_file.read_text())[skip:]
     if not commands:
-        raise SystemExit(f"{queue_file}: no commands")
+        raise SystemExit(f"{queue_file}: no commands" + (f" after the first {skip}" if skip else ""))
     if (qdir / "state.json").exists() and not _read_state(qdir)["done"]:
         raise SystemExit(f"{qdir}: a queue is already running there")
     (qdir / "results").mkdir(parents=True, exist_ok=True)

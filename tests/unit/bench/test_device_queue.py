@@ -85,6 +85,14 @@ def test_a_poll_returns_at_its_timeout_while_a_command_runs_and_a_second_start_i
         os.killpg(pid, signal.SIGTERM)  # the runner leads its own session: bash and sleep go with it
 
 
+def test_a_missing_or_exhausted_queue_file_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="no such queue file"):
+        start(tmp_path / "missing.txt", tmp_path / "q")
+    (tmp_path / "one.txt").write_text("true\n")
+    with pytest.raises(SystemExit, match="no commands after the first 1"):
+        start(tmp_path / "one.txt", tmp_path / "q", skip=1)
+
+
 def test_poll_without_a_queue_says_how_to_start_one(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.device_queue", "poll", "0", "--dir", str(tmp_path)],
