@@ -75,22 +75,47 @@ def test_a_start_aligned_mask_would_be_detected(family_processor, sharp_model, i
     samples = group_samples(family_processor, image_token)
     with torch.no_grad():
         right, _ = PackedPolicy(sharp_model)(pack(samples, image_token, share_prompts=True))
-
-    def start_aligned(query, key, value, cu, cu_k, dropout, scaling, causal):
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        outs = [
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, s:e], key[:, :, sk:ek], value[:, :, sk:ek], is_causal=causal, scale=scaling
-            )
-            for (s, e), (sk, ek) in zip(forward._pairs(cu), forward._pairs(cu_k))
-        ]
-        return torch.cat(outs, dim=2).transpose(1, 2)
-
-    monkeypatch.setattr(forward, "_sdpa_per_sequence", start_aligned)
+    monkeypatch.setattr(forward, "_sdpa_per_sequence", _start_aligned)
     with torch.no_grad():
         wrong, _ = PackedPolicy(sharp_model)(pack(samples, image_token, share_prompts=True))
     assert (wrong - right).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny-fullvocab", "qwen3-vl-tiny-fullvocab"])
+def test_the_gpu_alignment_test_would_catch_a_start_aligned_kernel(preset, monkeypatch):
+    """tests/gpu/test_gpu_packed_forward.py::test_shared_prompts_match_unshared_bf16 allows bf16 noise
+    (mean 0.01, max 0.1) on an unsharpened random model: on its samples, a start-aligned kernel is far
+    outside that."""
+    import policy.forward as forward
+    from policy.builder import build_model
+    from policy.presets import model_config
+    from policy.synthetic import synthetic_samples
+
+    config = model_config(preset)
+    model = build_model(preset, "cpu", torch.float32, seed=0).eval()
+    samples = synthetic_samples(
+        config, n=8, seed=5, text_tokens=24, image_side=224, response=(20, 60), group_size=4
+    )  # the GPU test's model and samples
+    with torch.no_grad():
+        plain, _ = PackedPolicy(model)(pack(samples, config.image_token_id))
+        monkeypatch.setattr(forward, "_sdpa_per_sequence", _start_aligned)
+        wrong, _ = PackedPolicy(model)(pack(samples, config.image_token_id, share_prompts=True))
+    assert (wrong - plain).abs().mean() > 5 * 0.01 and (wrong - plain).abs().max() > 3 * 0.1
+
+
+def _start_aligned(query, key, value, cu, cu_k, dropout, scaling, causal):
+    """`policy.forward._sdpa_per_sequence` with SDPA's own is_causal, which aligns at the start."""
+    import policy.forward as forward
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, sk:ek], value[:, :, sk:ek], is_causal=causal, scale=scaling
+        )
+        for (s, e), (sk, ek) in zip(forward._pairs(cu), forward._pairs(cu_k))
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 def test_the_cpu_attention_with_gathered_keys_equals_a_masked_full_attention():
