@@ -61,8 +61,12 @@ def start(queue_file: Path, qdir: Path, skip: int = 0) -> int:
         raise SystemExit(f"{queue_file}: no commands" + (f" after the first {skip}" if skip else ""))
     if (qdir / "state.json").exists() and not _read_state(qdir)["done"]:
         raise SystemExit(f"{qdir}: a queue is already running there")
+    if not skip:  # a new queue: nothing of an earlier one's variables or logs (`--skip` continues them)
+        for path in [qdir / "env", *qdir.glob("[0-9][0-9].log")]:
+            path.unlink(missing_ok=True)
     (qdir / "results").mkdir(parents=True, exist_ok=True)
-    _write_state(qdir, {"commands": commands, "steps": [], "done": False, "started": time.time()})
+    state = {"commands": commands, "first": skip, "steps": [], "done": False, "started": time.time()}
+    _write_state(qdir, state)
     runner = subprocess.Popen(
         [sys.executable, "-m", "bench.device_queue", "run", "--dir", str(qdir)],
         stdin=subprocess.DEVNULL,
@@ -78,7 +82,7 @@ def run(qdir: Path) -> None:
     """The detached runner: every command in turn, its output into NN.log, its status into state.json."""
     state = _read_state(qdir)
     env = {**os.environ, "QUEUE_DIR": str(qdir.resolve()), "QUEUE_RESULTS": str((qdir / "results").resolve())}
-    for i, command in enumerate(state["commands"]):
+    for i, command in enumerate(state["commands"], start=state["first"]):  # numbered as in the queue file
         step = {"index": i, "command": command, "log": f"{i:02d}.log", "start": time.time(), "rc": None}
         state["steps"].append(step)
         _write_state(qdir, state)

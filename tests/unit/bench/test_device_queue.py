@@ -55,7 +55,8 @@ def test_a_queue_runs_in_the_background_and_a_poll_brings_back_its_logs_and_resu
     qdir = tmp_path / "queue"
     (tmp_path / "skip.txt").write_text("exit 5\ntrue\n")
     start(tmp_path / "skip.txt", tmp_path / "skipped", skip=1)  # the first command left out
-    assert [s["rc"] for s in _wait_done(tmp_path / "skipped")["steps"]] == [0]
+    skipped = _wait_done(tmp_path / "skipped")["steps"]
+    assert [(s["index"], s["rc"]) for s in skipped] == [(1, 0)]  # numbered as in the file
     start(queue, qdir)
     state = _wait_done(qdir)
     assert [s["rc"] for s in state["steps"]] == [0, 3, 0]  # a failure does not stop the queue
@@ -65,6 +66,25 @@ def test_a_queue_runs_in_the_background_and_a_poll_brings_back_its_logs_and_resu
     assert poll(qdir, timeout_s=0.0, out=out)
     assert (out / "results/r.txt").exists() and (out / "02.log").read_text().strip() == "done-three"
     assert json.loads((out / "state.json").read_text())["done"]
+
+
+def test_a_new_queue_in_the_same_directory_starts_without_the_old_ones_variables(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    qdir = tmp_path / "queue"
+    (tmp_path / "a.txt").write_text('echo "FLAG=x" >> "$QUEUE_DIR/env"\ntrue\ntrue\n')
+    start(tmp_path / "a.txt", qdir)
+    _wait_done(qdir)
+    (tmp_path / "b.txt").write_text('echo "flag=$FLAG" > "$QUEUE_RESULTS/b.txt"\n')
+    start(tmp_path / "b.txt", qdir)
+    _wait_done(qdir)
+    assert (qdir / "results/b.txt").read_text().strip() == "flag="
+    assert not (qdir / "02.log").exists()  # the old queue's logs are gone
+    (tmp_path / "c.txt").write_text('true\necho "flag=$FLAG" > "$QUEUE_RESULTS/c.txt"\n')
+    start(tmp_path / "a.txt", qdir)
+    _wait_done(qdir)
+    start(tmp_path / "c.txt", qdir, skip=1)  # continuing a queue keeps its variables
+    _wait_done(qdir)
+    assert (qdir / "results/c.txt").read_text().strip() == "flag=x"
 
 
 def test_a_poll_returns_at_its_timeout_while_a_command_runs_and_a_second_start_is_refused(
