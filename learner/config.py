@@ -157,7 +157,8 @@ class OptimConfig:
     copy and moments on the GPU (16 bytes per parameter, one rank). "host": bf16 parameters and gradients on
     the GPU (4 bytes per parameter), fp32 master copy and moments in host memory (12 bytes per parameter),
     the update streamed in pinned chunks with both copy directions overlapping the CPU's AdamW (one rank:
-    what lets a 7B learner share one GPU with its generator). "auto": host on one GPU, params otherwise."""
+    what lets a 7B learner share one GPU with its generator; a machine whose available host memory is smaller
+    is refused by name before anything is allocated). "auto": host on one GPU, params otherwise."""
     host_threads: int = 0
     """master_weights = host: CPU threads of the update (0 = every CPU this process may use, whatever its
     own torch thread count: the update is memory-bound and runs while the GPU waits)."""

@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from runtime.hostmem import check_host_memory
+
 LOCATIONS = ("device", "host")
 _FP32_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -72,9 +74,17 @@ class MasterAdamW(torch.optim.Optimizer):
         self._pending: dict = {}
         self.grads_ready: torch.cuda.Event | None = None
         """Set by step_beside: the streamed copies wait for this event instead of the compute stream."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._init_state(p)
+        params = [p for group in self.param_groups for p in group["params"]]
+        host = sum(_local(p).numel() for p in params if self._state_device(p).type == "cpu")
+        if host:  # before allocating: ~100 GB for 7B, which a smaller machine's OOM killer takes later
+            check_host_memory(
+                12 * host,
+                "the fp32 master weights and AdamW moments in host memory (12 bytes a parameter)",
+                "use a machine with more memory, or shard the states over more GPUs (optim.master_weights = "
+                "params with --gpus 0-3, say)",
+            )
+        for p in params:
+            self._init_state(p)
         self.register_load_state_dict_pre_hook(_stash_fp32_states)
         self.register_load_state_dict_post_hook(_restore_fp32_states)
 
