@@ -110,6 +110,8 @@ class Updater:
         if self.ref is not None:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
+        values["micro_batches"] = float(sum(mini.n_micro for mini in plans))  # training forwards a rank runs
+        values["no_grad_packs"] = float(sum(mini.n_no_grad for mini in plans))  # forwards of a no-grad pass
         weights = defaultdict(float)
         for update, mini in enumerate(plans):
             for i in range(mini.n_micro):

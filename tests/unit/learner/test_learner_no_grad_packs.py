@@ -51,6 +51,10 @@ def test_joined_no_grad_packs_train_the_same_step_in_fewer_forwards(
     assert len(forwards[1]) == 3 < len(forwards[0])
     assert sum(forwards[1]) <= sum(forwards[0])  # joining never computes more (prompts shared across parts)
     assert joined["computed_tokens"] == plain["computed_tokens"]  # the training micro-batches are unchanged
+    assert (
+        joined["micro_batches"] == plain["micro_batches"] > joined["no_grad_packs"] == 2
+    )  # one per mini-batch
+    assert plain["no_grad_packs"] == plain["micro_batches"]  # the step's metrics say what ran
     for key in ("kl_ref", "ratio_mean", "clipped_frac", "grad_norm", "mismatch_kl", "entropy"):
         assert joined[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
     assert_same_update(before, learners[0].model, learners[1].model)  # fp32 summation order only
