@@ -388,10 +388,8 @@ def plan_gpus(
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
     need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
-    if (
-        kind == "shared"
-    ):  # the CUDA-IPC buffer the generator maps: a whole bf16 version (weights/ipc_sender.py)
-        need += 2 * n_params / 2**30
+    if kind == "shared":
+        need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
     room = gib - vllm if kind == "shared" else gib

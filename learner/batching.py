@@ -223,7 +223,7 @@ def plan_microbatches(
 
 def join_microbatches(bins: Sequence[list[int]], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Consecutive micro-batches (`bins`, lists of sample indices) joined while their planned tokens stay
-    within `max_tokens`: positions in `bins`, in order (the no-grad passes' bigger packs)."""
+    within `max_tokens` (0: none joined): positions in `bins`, in order (the no-grad passes' bigger packs)."""
     joined: list[list[int]] = []
     load = max_tokens + 1
     for b, bin_ in enumerate(bins):

@@ -165,9 +165,8 @@ class Updater:
         mine = [self.build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
         n_resp = sum(len(s.response_ids) for s in samples)
         denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
-        joined = [[[j] for j in range(len(r))] for r in per_rank]
-        if batching.no_grad_tokens_per_microbatch:  # bigger packs for the passes that keep no activations
-            joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
+        # bigger packs for the passes that keep no activations (a budget of 0 joins nothing)
+        joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
         no_grad = []
         for part in joined[self.info.rank]:
             parts = [mine[j] for j in part]
@@ -254,9 +253,7 @@ class Updater:
             return
         n = m["num_tokens"]
         weights["n"] += n
-        weights["tokens"] += (
-            mb.packed.sequence_tokens
-        )  # the samples' tokens, whether prompts are shared or not
+        weights["tokens"] += mb.packed.sequence_tokens  # the samples' own, whether prompts are shared or not
         weights["computed_tokens"] += mb.num_tokens  # what the row computed (the FLOPs count these)
         layers, hidden = self.text_config.num_hidden_layers, self.text_config.hidden_size
         weights["flops"] += train_flops(

@@ -71,6 +71,7 @@ def test_joined_microbatches_keep_order_and_the_budget():
     assert join_microbatches(bins, lengths, 100) == [[0, 1], [2], [3, 4], [5]]
     assert join_microbatches(bins, lengths, 1000) == [[0, 1, 2, 3, 4, 5]]
     assert join_microbatches(bins, lengths, 60) == [[j] for j in range(6)]  # nothing fits together
+    assert join_microbatches(bins, lengths, 0) == [[j] for j in range(6)]  # the config's "off"
     assert join_microbatches([], lengths, 100) == []
 
 
