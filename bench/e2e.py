@@ -40,7 +40,8 @@ applied between calls; drain = continuous batching, a new version waits for the 
 inflight = continuous batching, a new version is applied at once and the running sequences are
 recomputed under it (GeneratorConfig.weight_update).
 K = 0 (batch) is the synchronous reference; the table reports each run's speedup over it. Prints a table
-and writes bench/results/e2e.json (with the machine's load average: the 2 cores are shared).
+and writes bench/results/e2e.json (with the machine's load average: the 2 cores are shared). Exits 1 when a
+run failed or was cut short (its row has the error, its logs' tails and `oom`: whether it ran out of memory).
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def run_k(
 ) -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
-    run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}"
+    tokens = f"-{cfg.micro_tokens}t" if cfg.device == "cuda" and cfg.micro_tokens else ""
+    run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}{tokens}"  # a retry with other packs: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -249,6 +251,7 @@ def run_k(
         row = {"k": k, "steps": 0, "steps_per_s": 0.0, "step_s": 0.0, "per_step": lines}
     return row | {
         "error": error,
+        "oom": bool(error) and ran_out_of_memory(run_dir),
         "log_tails": log_tails(run_dir) if error else {},
         "mode": mode,
         "mps": mps,
@@ -266,6 +269,22 @@ def log_tails(run_dir: Path, lines: int = 40) -> dict[str, str]:
     return {
         p.name: "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs if p.is_file()
     }
+
+
+OOM_MARKS = ("out of memory", "outofmemoryerror")
+"""What torch's and vLLM's GPU memory errors say (lower case)."""
+
+
+def ran_out_of_memory(run_dir: Path) -> bool:
+    """Whether any log of a run says a process ran out of GPU memory: a queue then retries with smaller packs
+    (bench/queues/h200.txt), which would not help a run that failed otherwise."""
+    logs = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
+    for p in logs:
+        if p.is_file():
+            text = p.read_text(errors="replace").lower()
+            if any(mark in text for mark in OOM_MARKS):
+                return True
+    return False
 
 
 def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
@@ -407,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not cfg.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    return finish(cfg, rows, argv)
+    finish(cfg, rows, argv)
+    failed = [r["k"] for r in rows if r.get("error")]  # the JSON holds them all the same, with "oom"
+    if failed:
+        print(f"failed or cut short: K = {failed}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

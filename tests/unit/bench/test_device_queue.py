@@ -121,20 +121,35 @@ def test_poll_without_a_queue_says_how_to_start_one(tmp_path):
     assert result.returncode != 0 and "device_queue start" in result.stderr
 
 
-def _bench_invocations(extra: str) -> list[tuple[str, list[str]]]:
-    """(bench module, its argv) of every bench command in the committed queue, `$E2E_EXTRA` = `extra`."""
+def _expand(command: str, env: dict[str, str]) -> str:
+    """$NAME and ${NAME:-default} as bash expands them, from `env` (unset: empty, or the default)."""
+    command = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), command)
+    return re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), ""), command)
+
+
+def _bench_invocations(extra: str, env: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    """(bench module, its argv) of every bench command in the committed queue, `$E2E_EXTRA` = `extra` and the
+    queue's other variables from `env`; a command's `||`, `&&`, `;` and braces end a bench's argv."""
+    env = {"E2E_EXTRA": extra, "QUEUE_RESULTS": "/results", "QUEUE_DIR": "/queue", **(env or {})}
     found = []
     for command in parse_queue((ROOT / "bench/queues/h200.txt").read_text()):
-        command = command.replace("$E2E_EXTRA", extra).replace("$QUEUE_RESULTS", "/results")
-        argv = shlex.split(command)
-        if "-m" in argv and argv[argv.index("-m") + 1].startswith("bench."):
-            at = argv.index("-m") + 1
-            found.append((argv[at], argv[at + 1 :]))
+        lexer = shlex.shlex(_expand(command, env), posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        argv = list(lexer)
+        for at, word in enumerate(argv[:-1]):
+            if word == "-m" and argv[at + 1].startswith("bench."):
+                rest = argv[at + 2 :]
+                end = next((i for i, w in enumerate(rest) if w in ("||", "&&", ";", "{", "}")), len(rest))
+                found.append((argv[at + 1], rest[:end]))
     return found
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-prompts", "after-a-failed-alignment-test"])
-def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(shared):
+@pytest.mark.parametrize(
+    "shared, env",
+    [(True, {}), (False, {}), (True, {"E2E7_TOKENS": "4096"})],
+    ids=["shared-prompts", "after-a-failed-alignment-test", "after-a-7b-run-out-of-memory"],
+)
+def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(shared, env):
     """What the queue runs on the GPU is checked here first: a typo must not cost device time."""
     import tyro
 
@@ -144,7 +159,7 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(shared):
     from runtime.config import load_config
 
     fallback = re.search(r"E2E_EXTRA='([^']*)'", (ROOT / "bench/queues/h200.txt").read_text()).group(1)
-    invocations = _bench_invocations("" if shared else fallback)
+    invocations = _bench_invocations("" if shared else fallback, env)
     assert {m for m, _ in invocations} == {"bench.e2e", "bench.learner_step"}
     for module, argv in invocations:
         if module == "bench.e2e":
@@ -161,3 +176,47 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(shared):
                 overrides = learner_step.variant_overrides(name)
                 lc = learner_step.learner_config(cfg, overrides, Path("m"), "zmq://127.0.0.1:1", Path("c"))
                 lc.validate()
+
+
+_FAKE_PYTHON = """#!/bin/bash
+# Stands in for python3 in the queue's 7B commands: records its arguments, writes the --out JSON as bench.e2e
+# does (indent 2), and fails the asynchronous run at 8k-token packs as $FAIL says (oom | other | none).
+echo "$*" >> "$CALLS"
+args=("$@")
+for i in "${!args[@]}"; do [ "${args[$i]}" = --out ] && out="${args[$((i + 1))]}"; done
+if [[ "$*" == *"--ks 1 "* && "$*" == *"--micro-tokens 8192 "* && "$FAIL" != none ]]; then
+    printf '{\n  "results": [\n    {\n      "oom": %s\n    }\n  ]\n}\n' \
+        "$([ "$FAIL" = oom ] && echo true || echo false)" > "$out"
+    exit 1
+fi
+echo '{"results": []}' > "$out"
+"""
+
+
+@pytest.mark.parametrize("fail", ["oom", "other", "none"])
+def test_a_7b_run_out_of_memory_sends_the_pair_to_smaller_packs(tmp_path, monkeypatch, fail):
+    """The committed queue's 7B commands, run by the queue with a stand-in python3: after an out-of-memory
+    asynchronous run, the synchronous run takes 4k-token packs and the asynchronous one runs again with them;
+    after any other failure, or none, the synchronous run keeps 8k packs and nothing runs again."""
+    monkeypatch.chdir(ROOT)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(_FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setenv("FAIL", fail)
+    commands = [c for c in parse_queue((ROOT / "bench/queues/h200.txt").read_text()) if "--model 7b" in c]
+    commands = [c for c in commands if "bench.e2e" in c]
+    queue = tmp_path / "q.txt"
+    queue.write_text("\n".join(commands) + "\n")
+    start(queue, tmp_path / "queue")
+    state = _wait_done(tmp_path / "queue")
+    runs = [(re.search(r"--ks (\d)", c).group(1), re.search(r"--micro-tokens (\d+)", c).group(1))
+            for c in calls.read_text().splitlines()]  # fmt: skip
+    if fail == "oom":
+        assert runs == [("1", "8192"), ("0", "4096"), ("1", "4096")]
+    else:
+        assert runs == [("1", "8192"), ("0", "8192")]
+    assert state["steps"][0]["rc"] == (0 if fail == "none" else 1)  # the failure stays on record

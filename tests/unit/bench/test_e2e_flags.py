@@ -105,3 +105,20 @@ def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
         "learner.log": "line 98\nline 99\nCUDA OOM",
     }
     assert log_tails(tmp_path / "never-started") == {}
+
+
+def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
+    from bench.e2e import ran_out_of_memory
+
+    oom, other = tmp_path / "k1-batch", tmp_path / "k0-batch"
+    for run_dir in (oom, other):
+        (run_dir / "logs").mkdir(parents=True)
+        run_dir.with_suffix(".log").write_text("[launcher] learner exited with code 1\n")
+    (oom / "logs" / "learner.log").write_text(
+        "step 0\n" * 500
+        + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        + "x\n" * 100
+    )  # far above the tail a row carries
+    (other / "logs" / "learner.log").write_text("RuntimeError: the broker went away\n")
+    assert ran_out_of_memory(oom) and not ran_out_of_memory(other)
+    assert not ran_out_of_memory(tmp_path / "never-started")
