@@ -38,14 +38,14 @@ from tests.integration.test_prometheus_scrape import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_ENV = "PARALLAX_FAULT_REPORT"
 PROMPTS = 16
-"""Training prompts of a run (one epoch, 2 per step: 8 steps)."""
+"""Training prompts of a run (one epoch, 2 per step: 8 steps), unless a case asks for more."""
 
 
 class FaultRun:
-    """`python -m deploy` on the tiny model, one epoch of PROMPTS prompts; the test kills parts of it."""
+    """`python -m deploy` on the tiny model, one epoch of `prompts` prompts; the test kills parts of it."""
 
-    def __init__(self, run_dir: Path, broker_kind: str, resume: bool = False):
-        self.run_dir, self.broker_kind = run_dir, broker_kind
+    def __init__(self, run_dir: Path, broker_kind: str, resume: bool = False, prompts: int = PROMPTS):
+        self.run_dir, self.broker_kind, self.prompts = run_dir, broker_kind, prompts
         base = free_ports(3)
         ports = [
             "--reward.metrics.port", str(base), "--generator.metrics.port", str(base + 1),
@@ -53,7 +53,7 @@ class FaultRun:
         ]  # fmt: skip
         args = ["--resume", str(run_dir), "--progress", "plain", *ports] if resume else [
             "--run-dir", str(run_dir), "--preset", "tiny", "--progress", "plain", "--broker", broker_kind,
-            "--max-minutes", "6", "--task.train", str(PROMPTS), "--task.test", "4", "--task.image-size", "56",
+            "--max-minutes", "6", "--task.train", str(prompts), "--task.test", "4", "--task.image-size", "56",
             "--warm-start.steps", "1", "--warm-start.batch", "2",
             "--learner.algo.groups-per-step", "2", "--learner.algo.no-dynamic-sampling",
             "--learner.eval.every", "0", "--learner.feeder.epochs", "1", "--learner.checkpoint.every", "2",
@@ -104,8 +104,19 @@ class FaultRun:
         return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
     def kill(self, process: str) -> float:
-        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time."""
-        pid = json.loads((self.run_dir / "pids.json").read_text())[process]
+        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time.
+        Waits for pids.json to name a live one (a role may be between a restart and its new pid); fails
+        with the launcher's log if the run ended first."""
+
+        def live_pid():
+            pid = json.loads((self.run_dir / "pids.json").read_text())[process]
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return None
+            return pid
+
+        pid = self.wait_for(f"a live {process} to kill", live_pid, timeout_s=60.0)
         when = time.time()
         if process == "redis":
             os.kill(pid, signal.SIGKILL)
