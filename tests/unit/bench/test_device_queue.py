@@ -184,7 +184,7 @@ _FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$CALLS"
 args=("$@")
 for i in "${!args[@]}"; do [ "${args[$i]}" = --out ] && out="${args[$((i + 1))]}"; done
-if [[ "$*" == *"--ks 1 "* && "$*" == *"--micro-tokens 8192 "* && "$FAIL" != none ]]; then
+if [[ "$*" == *"--ks 1 --warmup"* && "$*" == *"--micro-tokens 8192 "* && "$FAIL" != none ]]; then
     printf '{\n  "results": [\n    {\n      "oom": %s\n    }\n  ]\n}\n' \
         "$([ "$FAIL" = oom ] && echo true || echo false)" > "$out"
     exit 1
@@ -196,8 +196,8 @@ echo '{"results": []}' > "$out"
 @pytest.mark.parametrize("fail", ["oom", "other", "none"])
 def test_a_7b_run_out_of_memory_sends_the_pair_to_smaller_packs(tmp_path, monkeypatch, fail):
     """The committed queue's 7B commands, run by the queue with a stand-in python3: after an out-of-memory
-    asynchronous run, the synchronous run takes 4k-token packs and the asynchronous one runs again with them;
-    after any other failure, or none, the synchronous run keeps 8k packs and nothing runs again."""
+    asynchronous run, the synchronous run and the one under MPS take 4k-token packs and the asynchronous one
+    runs again with them; after any other failure, or none, they keep 8k packs and nothing runs again."""
     monkeypatch.chdir(ROOT)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -213,10 +213,14 @@ def test_a_7b_run_out_of_memory_sends_the_pair_to_smaller_packs(tmp_path, monkey
     queue.write_text("\n".join(commands) + "\n")
     start(queue, tmp_path / "queue")
     state = _wait_done(tmp_path / "queue")
-    runs = [(re.search(r"--ks (\d)", c).group(1), re.search(r"--micro-tokens (\d+)", c).group(1))
-            for c in calls.read_text().splitlines()]  # fmt: skip
+
+    def described(call: str) -> tuple[str, str]:  # (K, with " mps" if so; the pack size)
+        k = re.search(r"--ks (\d)", call).group(1) + (" mps" if "--mps" in call else "")
+        return k, re.search(r"--micro-tokens (\d+)", call).group(1)
+
+    runs = [described(c) for c in calls.read_text().splitlines()]
     if fail == "oom":
-        assert runs == [("1", "8192"), ("0", "4096"), ("1", "4096")]
+        assert runs == [("1", "8192"), ("0", "4096"), ("1", "4096"), ("1 mps", "4096")]
     else:
-        assert runs == [("1", "8192"), ("0", "8192")]
+        assert runs == [("1", "8192"), ("0", "8192"), ("1 mps", "8192")]
     assert state["steps"][0]["rc"] == (0 if fail == "none" else 1)  # the failure stays on record
