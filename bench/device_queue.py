@@ -3,11 +3,13 @@
 A device call lasts at most 10 minutes and the machine goes back about 30 s after a call returns, while one
 session's GPU measurements take half an hour. So the first call starts the queue in the background and
 returns at once; each following call (made at once after the previous one returns) polls it: it prints each
-command's start and end, the tail of the running command's log, and copies every finished command's log and
-result files to $OUT.
+command's start and end, the tail of the running command's log, and packs the state, every log and the result
+files into one archive in $OUT (a call brings back at most 8 files: a queue has more logs than that).
 
     python3 -m bench.device_queue start bench/queues/h200.txt --dir /tmp/queue     # returns at once
     python3 -m bench.device_queue poll 540 --dir /tmp/queue --out "$OUT"           # until done or 540 s
+    tar xzf <files_at>/queue.tar.gz -C /tmp/q      # here: state.json, NN.log, results/
+    python3 -m bench.device_queue fit-bundle .gpu   # here, before a session: parts that fit beside the tree
 
 A queue file holds one shell command per line (a trailing backslash continues a line; `#` starts a comment
 line). The commands run one after the other in `bash -c`, from the directory `start` ran in, each whatever
@@ -22,16 +24,24 @@ on the device before anything is installed.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
-import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 TAIL_EVERY_S = 60.0
 """How often `poll` prints the tail of the running command's log."""
+ARCHIVE = "queue.tar.gz"
+"""What a poll writes into --out: the one file that carries everything back."""
+LOG_BYTES = 2 << 20
+"""A log's last bytes that go into the archive (a call brings back 16 MiB a file)."""
+CALL_MIB = 64
+"""What one device call carries at most: the working tree and the carried paths together."""
 
 
 def parse_queue(text: str) -> list[str]:
@@ -137,13 +147,75 @@ def _tail(log: Path, lines: int = 8) -> str:
 
 
 def _copy_back(qdir: Path, out: Path) -> None:
-    """The state, every log and the results directory into `out` (what a device call brings back)."""
+    """The state, every log (its last LOG_BYTES) and the results directory, as `out`/ARCHIVE."""
     out.mkdir(parents=True, exist_ok=True)
-    for path in [qdir / "state.json", qdir / "runner.log", *sorted(qdir.glob("[0-9][0-9].log"))]:
-        if path.exists():
-            shutil.copy2(path, out / path.name)
-    if (qdir / "results").is_dir():
-        shutil.copytree(qdir / "results", out / "results", dirs_exist_ok=True)
+    logs = [qdir / "runner.log", *sorted(qdir.glob("[0-9][0-9].log"))]
+    results = sorted(p for p in (qdir / "results").rglob("*") if p.is_file())
+    with tarfile.open(out / ARCHIVE, "w:gz") as tar:
+        for path in [qdir / "state.json", *logs, *results]:
+            if not path.exists():
+                continue
+            data = path.read_bytes()
+            if path in logs:
+                data = data[-LOG_BYTES:]
+            info = tarfile.TarInfo(str(path.relative_to(qdir)))
+            info.size, info.mtime = len(data), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def fit_bundle(bundle: Path, root: Path = Path("."), budget_mib: int = CALL_MIB) -> list[Path]:
+    """Cut the vLLM bundle (../shared/tools/gpu-vllm-bundle's parts p1, p2, ...) again so that every call's
+    part fits beside the working tree that travels with it; the last part (with SHA256 and the install
+    script) shares its call with .whl/. The parts join into the same tar (the install script checks it)."""
+    dirs = sorted(bundle.glob("p[0-9]*"), key=lambda d: int(d.name[1:]))
+    if not dirs or not (dirs[-1] / "SHA256").is_file():
+        raise SystemExit(
+            f"{bundle}: no bundle there (build it with ../shared/tools/gpu-vllm-bundle {bundle})"
+        )
+    parts = sorted(p for d in dirs for p in d.glob("part*"))
+    data = b"".join(p.read_bytes() for p in parts)
+    if hashlib.sha256(data).hexdigest() != (dirs[-1] / "SHA256").read_text().split()[0]:
+        raise SystemExit(f"{bundle}: the parts do not join into the bundle its SHA256 names")
+    tree = _tree_bytes(root)
+    wheels = sum(p.stat().st_size for p in (root / ".whl").glob("*.whl"))
+    size = (budget_mib << 20) - tree - (1 << 20)  # a MiB to spare for files written before a call
+    if size <= 0:
+        raise SystemExit(
+            f"the working tree alone ({tree / 2**20:.1f} MiB) leaves no room in {budget_mib} MiB"
+        )
+    last_room = size - wheels  # the last call carries .whl/ too
+    if last_room <= 0:
+        raise SystemExit(f".whl/ ({wheels / 2**20:.1f} MiB) leaves no room for a part in {budget_mib} MiB")
+    n_head = -(-max(len(data) - last_room, 0) // size)
+    chunks = [data[i : i + size] for i in range(0, n_head * size, size)] + [data[n_head * size :]]
+    extras = {name: (dirs[-1] / name).read_bytes() for name in ("SHA256", "install-on-device.sh")}
+    for d in dirs:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    out = []
+    for n, chunk in enumerate(chunks, start=1):
+        d = bundle / f"p{n}"
+        d.mkdir()
+        (d / f"part{n - 1:02d}").write_bytes(chunk)
+        out.append(d)
+    for name, content in extras.items():
+        (out[-1] / name).write_bytes(content)
+    (out[-1] / "install-on-device.sh").chmod(0o755)
+    for d in out:
+        carried = sum(f.stat().st_size for f in d.iterdir()) + (wheels if d == out[-1] else 0)
+        print(f"{d}: carries {carried / 2**20:.1f} MiB + the tree {tree / 2**20:.1f} MiB")
+    return out
+
+
+def _tree_bytes(root: Path) -> int:
+    """The bytes of what travels with every call: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root, capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    paths = {root / p for p in listed.decode().split("\0") if p}
+    return sum(p.stat().st_size for p in paths if p.is_file())
 
 
 def _read_state(qdir: Path) -> dict:
@@ -176,8 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     p_run = sub.add_parser("run", help="(internal) the detached runner")
     for p in (p_start, p_poll, p_run):
         p.add_argument("--dir", type=Path, default=Path("/tmp/queue"), help="the queue's working directory")
+    p_fit = sub.add_parser(
+        "fit-bundle", help="(here) cut the vLLM bundle into parts that fit beside the tree"
+    )
+    p_fit.add_argument("bundle", type=Path)
     args = parser.parse_args(argv)
-    if args.action == "start":
+    if args.action == "fit-bundle":
+        fit_bundle(args.bundle)
+    elif args.action == "start":
         start(args.queue, args.dir, args.skip)
     elif args.action == "poll":
         poll(args.dir, args.timeout_s, args.out)

@@ -4,6 +4,7 @@ results."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -11,12 +12,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-from bench.device_queue import parse_queue, poll, start
+from bench.device_queue import fit_bundle, parse_queue, poll, start
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,8 +66,12 @@ def test_a_queue_runs_in_the_background_and_a_poll_brings_back_its_logs_and_resu
     assert flag == "flag=--no-x"  # a variable set by an earlier command
     out = tmp_path / "out"
     assert poll(qdir, timeout_s=0.0, out=out)
-    assert (out / "results/r.txt").exists() and (out / "02.log").read_text().strip() == "done-three"
-    assert json.loads((out / "state.json").read_text())["done"]
+    assert [p.name for p in out.iterdir()] == ["queue.tar.gz"]  # a call brings back 8 files at most
+    with tarfile.open(out / "queue.tar.gz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    back = tmp_path / "back"
+    assert (back / "results/r.txt").exists() and (back / "02.log").read_text().strip() == "done-three"
+    assert json.loads((back / "state.json").read_text())["done"]
 
 
 def test_a_new_queue_in_the_same_directory_starts_without_the_old_ones_variables(tmp_path, monkeypatch):
@@ -103,6 +109,53 @@ def test_a_poll_returns_at_its_timeout_while_a_command_runs_and_a_second_start_i
             start(queue, qdir)
     finally:
         os.killpg(pid, signal.SIGTERM)  # the runner leads its own session: bash and sleep go with it
+
+
+def test_a_poll_keeps_a_long_logs_end_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    qdir = tmp_path / "queue"
+    (tmp_path / "q.txt").write_text("head -c 3000000 /dev/zero | tr '\\0' x; echo; echo the-end\n")
+    start(tmp_path / "q.txt", qdir)
+    _wait_done(qdir)
+    poll(qdir, timeout_s=0.0, out=tmp_path / "out")
+    with tarfile.open(tmp_path / "out" / "queue.tar.gz") as tar:
+        log = tar.extractfile("00.log").read()
+    assert len(log) == 2 << 20 and log.endswith(b"the-end\n")
+
+
+def _bundle(root: Path, data: bytes, cuts: list[int]) -> Path:
+    """A bundle as ../shared/tools/gpu-vllm-bundle leaves it: parts p1, p2, ... of `data`, SHA256 last."""
+    bundle = root / ".gpu"
+    bounds = [0, *cuts, len(data)]
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
+        (bundle / f"p{n}").mkdir(parents=True)
+        (bundle / f"p{n}" / f"part{n - 1:02d}").write_bytes(data[a:b])
+    last = bundle / f"p{len(bounds) - 1}"
+    (last / "SHA256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    (last / "install-on-device.sh").write_text("#!/usr/bin/env bash\n")
+    return bundle
+
+
+def test_the_bundle_is_cut_again_so_that_every_call_fits_beside_the_tree(tmp_path):
+    mib = 1 << 20
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "README.md").write_bytes(b"x" * (mib // 2))  # the tree that travels with every call
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "a.whl").write_bytes(b"w" * (mib // 2))  # with the last part
+    (tmp_path / ".gitignore").write_text("/.gpu/\n/.whl/\n")
+    data = os.urandom(5 * mib + 123)
+    bundle = _bundle(tmp_path, data, [int(3.5 * mib)])  # 3.5 MiB + the tree: more than a 3 MiB call
+    dirs = fit_bundle(bundle, tmp_path, budget_mib=3)
+    assert [d.name for d in dirs] == [f"p{n}" for n in range(1, len(dirs) + 1)]
+    joined = b"".join((d / f"part{n:02d}").read_bytes() for n, d in enumerate(dirs))
+    assert joined == data  # what install-on-device.sh assembles and checks
+    for d in dirs:
+        carried = sum(f.stat().st_size for f in d.iterdir()) + (mib // 2 if d == dirs[-1] else 0)
+        assert carried + mib // 2 < 3 * mib
+    assert {f.name for f in dirs[-1].iterdir()} >= {"SHA256", "install-on-device.sh"}
+    (dirs[0] / "part00").write_bytes(b"damaged")
+    with pytest.raises(SystemExit, match="do not join"):
+        fit_bundle(bundle, tmp_path, budget_mib=3)
 
 
 def test_a_missing_or_exhausted_queue_file_is_named(tmp_path):
