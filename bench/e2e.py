@@ -148,11 +148,22 @@ def warm_start(cfg: BenchConfig, work: Path) -> Path:
     return out
 
 
-def run(argv: list[str], log: Path, timeout_s: float = 900.0, extra_env: dict | None = None) -> None:
+STOP_GRACE_S = 45.0
+"""How long a launcher past its timeout has to stop its children after SIGINT (its own stop: up to 20 s)."""
+
+
+def run(
+    argv: list[str],
+    log: Path,
+    timeout_s: float = 900.0,
+    extra_env: dict | None = None,
+    pids: Path | None = None,
+) -> None:
     """Run a command to completion with `extra_env` added to this environment; past the timeout it gets
-    SIGINT (the launcher then stops its children). The GPU runs pass VLLM_CACHE_ROOT: one vLLM compile cache
-    for all Ks, so every K after the first skips torch.compile's ~30 s at engine start (start-up is not in
-    the measured steps, but it costs device time)."""
+    SIGINT (the launcher then stops its children), and if it outlives the grace too, SIGKILL, and so do the
+    process groups a launcher's `pids` file names (orphans would hold the GPU memory the next run asks for).
+    The GPU runs pass VLLM_CACHE_ROOT: one vLLM compile cache for all Ks, so every K after the first skips
+    torch.compile's ~30 s at engine start (start-up is not measured, but it costs device time)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # keeps /tmp/site
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra_env or {})}
     with open(log, "wb") as f:
@@ -162,13 +173,25 @@ def run(argv: list[str], log: Path, timeout_s: float = 900.0, extra_env: dict | 
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)  # the launcher stops the processes it started
             try:
-                code = proc.wait(timeout=45)
+                code = proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                kill_children(pids)
             raise RuntimeError(f"{' '.join(argv[:4])} timed out after {timeout_s} s; see {log}") from None
     if code != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed ({code}); see {log}:\n{log.read_text()[-2000:]}")
+
+
+def kill_children(pids: Path | None) -> None:
+    """SIGKILL the process group of every child a launcher's pids.json names (those still alive)."""
+    if pids is None or not pids.is_file():
+        return
+    for pid in json.loads(pids.read_text()).values():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 MODE_FLAGS = {
@@ -237,7 +260,8 @@ def run_k(
             cfg.timeout_s - (time.time() - started) if cfg.device == "cuda" and started else cfg.timeout_s
         )
         env = {"VLLM_CACHE_ROOT": str(work / "vllm-cache")} if cfg.device == "cuda" else {}
-        run([sys.executable, "-m", "deploy", *args], run_dir.with_suffix(".log"), max(budget, 60.0), env)
+        log = run_dir.with_suffix(".log")
+        run([sys.executable, "-m", "deploy", *args], log, max(budget, 60.0), env, run_dir / "pids.json")
     except RuntimeError as e:  # a run cut short still reports the steps it finished
         error = str(e)[:500]
         print(f"K={k}: {error}", flush=True)

@@ -6,6 +6,9 @@ CPU only: the GPU is described, never used.
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from bench.e2e import BenchConfig, format_table, gpu_args, measure, reference
@@ -122,3 +125,41 @@ def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
     (other / "logs" / "learner.log").write_text("RuntimeError: the broker went away\n")
     assert ran_out_of_memory(oom) and not ran_out_of_memory(other)
     assert not ran_out_of_memory(tmp_path / "never-started")
+
+
+STUCK_LAUNCHER = """
+import json, signal, subprocess, sys, time
+child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a role in its own session
+open(sys.argv[1], "w").write(json.dumps({"generator": child.pid}))
+print(child.pid, flush=True)
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a launcher that does not stop
+time.sleep(60)
+"""
+
+
+def test_a_launcher_that_does_not_stop_is_killed_with_the_children_it_names(tmp_path, monkeypatch):
+    """Past its timeout and the grace after SIGINT, the launcher and every process group of its pids.json
+    are killed: an orphaned vLLM would hold the GPU memory the next run asks for."""
+    import sys
+
+    import bench.e2e as e2e
+
+    monkeypatch.setattr(e2e, "STOP_GRACE_S", 0.5)
+    pids, log = tmp_path / "pids.json", tmp_path / "launcher.log"
+    argv = [sys.executable, "-c", STUCK_LAUNCHER, str(pids)]
+    with pytest.raises(RuntimeError, match="timed out"):
+        e2e.run(argv, log, timeout_s=3.0, pids=pids)
+    child = int(log.read_text().split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet reaped by its parent) is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
