@@ -9,4 +9,7 @@ if [ ! -d /tmp/site-deploy/tyro ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD:/tmp/site-deploy PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# A Firecracker VM: its MemTotal starts far below the 128 GiB it gives as memory is used (device KINDS.md), so the
+# host-memory AdamW's check (runtime/hostmem.py) is told the machine's memory.
+export PARALLAX_HOST_MEMORY_GIB=128
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader

@@ -35,11 +35,30 @@ def test_available_is_the_smaller_of_the_kernels_and_the_cgroups(tmp_path):
     assert hostmem.available_bytes(str(tmp_path / "none"), ()) is None
 
 
+def test_a_machine_whose_memory_grows_as_it_is_used_states_it(tmp_path):
+    """A Firecracker VM's MemTotal starts far below its memory: the stated GiB less what is in use counts."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {31 << 20} kB\nMemFree: 1 kB\nMemAvailable: {30 << 20} kB\n")
+    assert hostmem.available_bytes(str(meminfo), (), environ={}) == 30 << 30  # the kernel's figure
+    stated = {hostmem.MEMORY_ENV: "128"}
+    assert hostmem.available_bytes(str(meminfo), (), environ=stated) == 127 << 30  # 1 GiB in use
+    limit, usage, stat = (tmp_path / n for n in ("limit", "usage", "stat"))
+    limit.write_text(f"{64 << 30}\n")
+    usage.write_text("0\n")
+    stat.write_text("file 0\n")
+    cgroups = ((str(limit), str(usage), str(stat), "file"),)
+    assert (
+        hostmem.available_bytes(str(meminfo), cgroups, environ=stated) == 64 << 30
+    )  # a container's cap holds
+    with pytest.raises(ValueError, match="in GiB"):
+        hostmem.available_bytes(str(meminfo), (), environ={hostmem.MEMORY_ENV: "128G"})
+
+
 def test_a_plan_that_needs_more_host_memory_is_refused_by_name(monkeypatch):
     hostmem.check_host_memory(10, "x", "y", available=10)
     monkeypatch.setattr(hostmem, "available_bytes", lambda: None)
     hostmem.check_host_memory(1 << 60, "x", "y")  # unknown (not Linux): nothing is checked
-    with pytest.raises(MemoryError, match=r"the states need 0.0 GB .* 0.0 GB available: buy memory"):
+    with pytest.raises(MemoryError, match=r"the states need 0.0 GB .* 0.0 GB available: buy memory .*GIB"):
         hostmem.check_host_memory(11, "the states", "buy memory", available=10)
 
 
