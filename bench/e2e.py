@@ -51,6 +51,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -277,6 +278,7 @@ def run_k(
         "error": error,
         "oom": bool(error) and ran_out_of_memory(run_dir),
         "log_tails": log_tails(run_dir) if error else {},
+        "log_facts": log_facts(run_dir),
         "mode": mode,
         "mps": mps,
         "device": cfg.device,
@@ -293,6 +295,25 @@ def log_tails(run_dir: Path, lines: int = 40) -> dict[str, str]:
     return {
         p.name: "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs if p.is_file()
     }
+
+
+FACTS = re.compile(
+    r"KV cache|concurrency|Model loading took|memory profiling|Graph capturing|ready in|torch.compile|"
+    r"joined|gpu_peak|took \d|serving policy version [0-3] "
+)
+"""Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start and first
+versions): the machine's files are gone after the call, and an analysis needs them (bench/results/GPU.md)."""
+
+
+def log_facts(run_dir: Path, per_log: int = 25) -> dict[str, list[str]]:
+    """The first `per_log` FACTS lines of each process's log of a run (each cut to 300 characters)."""
+    facts = {}
+    for p in [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]:
+        if p.is_file():
+            lines = [x[:300] for x in p.read_text(errors="replace").splitlines() if FACTS.search(x)]
+            if lines:
+                facts[p.name] = lines[:per_log]
+    return facts
 
 
 OOM_MARKS = ("out of memory", "outofmemoryerror")

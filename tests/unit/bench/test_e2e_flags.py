@@ -110,6 +110,29 @@ def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
     assert log_tails(tmp_path / "never-started") == {}
 
 
+def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
+    from bench.e2e import log_facts
+
+    run_dir = tmp_path / "k1-batch"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "generator.log").write_text(
+        "INFO noise\n"
+        "INFO [gpu_worker.py:1] Available KV cache memory: 33.33 GiB\n"
+        "INFO [kv_cache_utils.py:2] GPU KV cache size: 970,736 tokens\n"
+        "INFO generator.engine: vLLM engine for /m ready in 104.8 s (gpu)\n"
+        + "INFO generator.engine: serving policy version 9 (weights loaded in 0.075 s)\n"
+        * 50
+    )
+    facts = log_facts(run_dir)
+    assert facts == {
+        "generator.log": [
+            "INFO [gpu_worker.py:1] Available KV cache memory: 33.33 GiB",
+            "INFO [kv_cache_utils.py:2] GPU KV cache size: 970,736 tokens",
+            "INFO generator.engine: vLLM engine for /m ready in 104.8 s (gpu)",
+        ]
+    }  # not the fiftieth version served
+
+
 def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
     from bench.e2e import ran_out_of_memory
 
