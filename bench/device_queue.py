@@ -172,7 +172,9 @@ def fit_bundle(bundle: Path, root: Path = Path("."), budget_mib: int = CALL_MIB)
         raise SystemExit(
             f"{bundle}: no bundle there (build it with ../shared/tools/gpu-vllm-bundle {bundle})"
         )
-    parts = sorted(p for d in dirs for p in d.glob("part*"))
+    parts = sorted(
+        (p for d in dirs for p in d.glob("part*")), key=lambda p: p.name
+    )  # as the install joins them
     data = b"".join(p.read_bytes() for p in parts)
     if hashlib.sha256(data).hexdigest() != (dirs[-1] / "SHA256").read_text().split()[0]:
         raise SystemExit(f"{bundle}: the parts do not join into the bundle its SHA256 names")
