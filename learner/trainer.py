@@ -66,6 +66,7 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
         self.cfg = cfg
+        clock = [("start", time.perf_counter())]  # the start-up's phases, logged once ready
         self.info = init_distributed(cfg.parallel.backend)
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
@@ -77,9 +78,12 @@ class Learner:
         self.hf = load_model(cfg.model, dtype=self.param_dtype, device=self.info.device).train()
         self.image_token_id = self.hf.config.image_token_id
         self.n_lm_params = lm_param_count(self.hf)
+        clock.append(("model", time.perf_counter()))
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
         self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
+        clock.append(("reference", time.perf_counter()))
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
+        clock.append(("optimizer", time.perf_counter()))
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
         self.images = ImageStore(self.transport, self.names)
@@ -99,7 +103,11 @@ class Learner:
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
         self._last_ckpt_step = 0
         self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
+        clock.append(("broker and sender", time.perf_counter()))
         self._resume()
+        clock.append(("resume", time.perf_counter()))
+        phases = ", ".join(f"{name} {t - clock[i][1]:.1f} s" for i, (name, t) in enumerate(clock[1:]))
+        log.info("learner ready in %.1f s (%s)", clock[-1][1] - clock[0][1], phases)
 
     # ------------------------------------------------------------------ lifecycle
     def _resume(self) -> None:

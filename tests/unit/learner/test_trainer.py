@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import time
 
@@ -173,12 +174,22 @@ def test_the_first_mini_batch_takes_pi_prox_from_its_own_forward(
 
 
 def test_samples_beyond_the_staleness_bound_are_dropped(
-    tiny_model_dir, redis_server, names, publish, tmp_path
+    tiny_model_dir, redis_server, names, publish, tmp_path, caplog
 ):
     cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, **{"algo.max_staleness": 0})
     for seed in range(4):
         publish([1.0, 0.0], seed=seed, version=0)  # all sampled at version 0; step 2 trains at version 1
-    learner = Learner(cfg, sender=NullSender())
+    with caplog.at_level(logging.INFO, logger="learner.trainer"):
+        learner = Learner(cfg, sender=NullSender())
+    ready = [r.getMessage() for r in caplog.records if "learner ready in" in r.getMessage()]
+    phases = (
+        "model",
+        "reference",
+        "optimizer",
+        "broker and sender",
+        "resume",
+    )  # where a start-up's time goes
+    assert len(ready) == 1 and all(f"{name} " in ready[0] for name in phases), ready
     learner.train()
     lines = _lines(tmp_path)
     assert [x["stale_samples"] for x in lines] == [0.0, 4.0]
