@@ -274,11 +274,12 @@ def run_k(
     except RuntimeError as e:  # too few steps to time: keep what each finished step reported
         error = f"{error or ''} {e}".strip()
         row = {"k": k, "steps": 0, "steps_per_s": 0.0, "step_s": 0.0, "per_step": lines}
+    logs = run_logs(run_dir)  # read once: every field below is drawn from them
     return row | {
         "error": error,
-        "oom": bool(error) and ran_out_of_memory(run_dir),
-        "log_tails": log_tails(run_dir) if error else {},
-        "log_facts": log_facts(run_dir),
+        "oom": bool(error) and ran_out_of_memory(run_dir, logs),
+        "log_tails": log_tails(run_dir, logs=logs) if error else {},
+        "log_facts": log_facts(run_dir, logs=logs),
         "mode": mode,
         "mps": mps,
         "device": cfg.device,
@@ -288,13 +289,18 @@ def run_k(
     }
 
 
-def log_tails(run_dir: Path, lines: int = 40) -> dict[str, str]:
-    """The last `lines` lines of each process's log of a run (`<run_dir>/logs/`, and the launcher's own): what
-    a failed run's JSON carries back from a machine whose files are gone after it."""
-    logs = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
-    return {
-        p.name: "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in logs if p.is_file()
-    }
+def run_logs(run_dir: Path) -> dict[str, str]:
+    """The text of every log of a run, by file name: the launcher's own (`<run_dir>.log`) and each
+    process's (`<run_dir>/logs/`). A run's JSON carries what the analysis needs of them (the device keeps
+    no files after the call)."""
+    paths = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
+    return {p.name: p.read_text(errors="replace") for p in paths if p.is_file()}
+
+
+def log_tails(run_dir: Path, lines: int = 40, logs: dict[str, str] | None = None) -> dict[str, str]:
+    """The last `lines` lines of each log of a run (`run_logs`): what a failed run's JSON carries."""
+    logs = run_logs(run_dir) if logs is None else logs
+    return {name: "\n".join(text.splitlines()[-lines:]) for name, text in logs.items()}
 
 
 FACTS = re.compile(
@@ -302,34 +308,25 @@ FACTS = re.compile(
     r"joined|gpu_peak|took \d|serving policy version [0-3] "
 )
 """Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start and first
-versions): the machine's files are gone after the call, and an analysis needs them (bench/results/GPU.md)."""
+versions): an analysis needs them (bench/results/GPU.md)."""
 
 
-def log_facts(run_dir: Path, per_log: int = 25) -> dict[str, list[str]]:
-    """The first `per_log` FACTS lines of each process's log of a run (each cut to 300 characters)."""
-    facts = {}
-    for p in [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]:
-        if p.is_file():
-            lines = [x[:300] for x in p.read_text(errors="replace").splitlines() if FACTS.search(x)]
-            if lines:
-                facts[p.name] = lines[:per_log]
-    return facts
+def log_facts(run_dir: Path, per_log: int = 25, logs: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """The first `per_log` FACTS lines of each log of a run (each cut to 300 characters)."""
+    logs = run_logs(run_dir) if logs is None else logs
+    facts = {name: [x[:300] for x in text.splitlines() if FACTS.search(x)] for name, text in logs.items()}
+    return {name: lines[:per_log] for name, lines in facts.items() if lines}
 
 
 OOM_MARKS = ("out of memory", "outofmemoryerror")
 """What torch's and vLLM's GPU memory errors say (lower case)."""
 
 
-def ran_out_of_memory(run_dir: Path) -> bool:
+def ran_out_of_memory(run_dir: Path, logs: dict[str, str] | None = None) -> bool:
     """Whether any log of a run says a process ran out of GPU memory: a queue then retries with smaller packs
     (bench/queues/h200.txt), which would not help a run that failed otherwise."""
-    logs = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
-    for p in logs:
-        if p.is_file():
-            text = p.read_text(errors="replace").lower()
-            if any(mark in text for mark in OOM_MARKS):
-                return True
-    return False
+    logs = run_logs(run_dir) if logs is None else logs
+    return any(mark in text.lower() for text in logs.values() for mark in OOM_MARKS)
 
 
 def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
