@@ -147,12 +147,13 @@ def _tail(log: Path, lines: int = 8) -> str:
 
 
 def _copy_back(qdir: Path, out: Path) -> None:
-    """The state, every log (its last LOG_BYTES) and the results directory, as `out`/ARCHIVE."""
+    """The state, the variables (`env`), every log (its last LOG_BYTES) and the results directory, as
+    `out`/ARCHIVE."""
     out.mkdir(parents=True, exist_ok=True)
     logs = [qdir / "runner.log", *sorted(qdir.glob("[0-9][0-9].log"))]
     results = sorted(p for p in (qdir / "results").rglob("*") if p.is_file())
     with tarfile.open(out / ARCHIVE, "w:gz") as tar:
-        for path in [qdir / "state.json", *logs, *results]:
+        for path in [qdir / "state.json", qdir / "env", *logs, *results]:
             if not path.exists():
                 continue
             data = path.read_bytes()

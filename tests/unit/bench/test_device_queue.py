@@ -72,6 +72,7 @@ def test_a_queue_runs_in_the_background_and_a_poll_brings_back_its_logs_and_resu
     back = tmp_path / "back"
     assert (back / "results/r.txt").exists() and (back / "02.log").read_text().strip() == "done-three"
     assert json.loads((back / "state.json").read_text())["done"]
+    assert (back / "env").read_text() == "FLAG='--no-x'\n"  # what a queue continued elsewhere needs
 
 
 def test_a_new_queue_in_the_same_directory_starts_without_the_old_ones_variables(tmp_path, monkeypatch):
