@@ -45,7 +45,7 @@ class FaultRun:
     """`python -m deploy` on the tiny model, one epoch of `prompts` prompts; the test kills parts of it."""
 
     def __init__(self, run_dir: Path, broker_kind: str, resume: bool = False, prompts: int = PROMPTS):
-        self.run_dir, self.broker_kind, self.prompts = run_dir, broker_kind, prompts
+        self.run_dir, self.broker_kind = run_dir, broker_kind
         base = free_ports(3)
         ports = [
             "--reward.metrics.port", str(base), "--generator.metrics.port", str(base + 1),
