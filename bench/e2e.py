@@ -277,9 +277,9 @@ def run_k(
     logs = run_logs(run_dir)  # read once: every field below is drawn from them
     return row | {
         "error": error,
-        "oom": bool(error) and ran_out_of_memory(run_dir, logs),
-        "log_tails": log_tails(run_dir, logs=logs) if error else {},
-        "log_facts": log_facts(run_dir, logs=logs),
+        "oom": bool(error) and ran_out_of_memory(logs),
+        "log_tails": log_tails(logs) if error else {},
+        "log_facts": log_facts(logs),
         "mode": mode,
         "mps": mps,
         "device": cfg.device,
@@ -297,9 +297,8 @@ def run_logs(run_dir: Path) -> dict[str, str]:
     return {p.name: p.read_text(errors="replace") for p in paths if p.is_file()}
 
 
-def log_tails(run_dir: Path, lines: int = 40, logs: dict[str, str] | None = None) -> dict[str, str]:
+def log_tails(logs: dict[str, str], lines: int = 40) -> dict[str, str]:
     """The last `lines` lines of each log of a run (`run_logs`): what a failed run's JSON carries."""
-    logs = run_logs(run_dir) if logs is None else logs
     return {name: "\n".join(text.splitlines()[-lines:]) for name, text in logs.items()}
 
 
@@ -311,9 +310,8 @@ FACTS = re.compile(
 versions): an analysis needs them (bench/results/GPU.md)."""
 
 
-def log_facts(run_dir: Path, per_log: int = 25, logs: dict[str, str] | None = None) -> dict[str, list[str]]:
-    """The first `per_log` FACTS lines of each log of a run (each cut to 300 characters)."""
-    logs = run_logs(run_dir) if logs is None else logs
+def log_facts(logs: dict[str, str], per_log: int = 25) -> dict[str, list[str]]:
+    """The first `per_log` FACTS lines of each log of a run (`run_logs`), each cut to 300 characters."""
     facts = {name: [x[:300] for x in text.splitlines() if FACTS.search(x)] for name, text in logs.items()}
     return {name: lines[:per_log] for name, lines in facts.items() if lines}
 
@@ -322,10 +320,9 @@ OOM_MARKS = ("out of memory", "outofmemoryerror")
 """What torch's and vLLM's GPU memory errors say (lower case)."""
 
 
-def ran_out_of_memory(run_dir: Path, logs: dict[str, str] | None = None) -> bool:
-    """Whether any log of a run says a process ran out of GPU memory: a queue then retries with smaller packs
-    (bench/queues/h200.txt), which would not help a run that failed otherwise."""
-    logs = run_logs(run_dir) if logs is None else logs
+def ran_out_of_memory(logs: dict[str, str]) -> bool:
+    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory: a queue then retries with
+    smaller packs (bench/queues/h200.txt), which would not help a run that failed otherwise."""
     return any(mark in text.lower() for text in logs.values() for mark in OOM_MARKS)
 
 

@@ -81,7 +81,7 @@ class Learner:
         clock.append(("model", time.perf_counter()))
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
         self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
-        clock.append(("reference", time.perf_counter()))
+        clock.append(("parallelism and reference", time.perf_counter()))
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
         clock.append(("optimizer", time.perf_counter()))
         self.names = Names(cfg.broker.namespace)
@@ -106,7 +106,7 @@ class Learner:
         clock.append(("broker and sender", time.perf_counter()))
         self._resume()
         clock.append(("resume", time.perf_counter()))
-        phases = ", ".join(f"{name} {t - clock[i][1]:.1f} s" for i, (name, t) in enumerate(clock[1:]))
+        phases = ", ".join(f"{name} {t - t0:.1f} s" for (_, t0), (name, t) in zip(clock, clock[1:]))
         log.info("learner ready in %.1f s (%s)", clock[-1][1] - clock[0][1], phases)
 
     # ------------------------------------------------------------------ lifecycle

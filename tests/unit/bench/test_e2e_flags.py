@@ -96,22 +96,22 @@ def test_mps_runs_are_marked_and_never_the_reference():
 
 
 def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
-    from bench.e2e import log_tails
+    from bench.e2e import log_tails, run_logs
 
     run_dir = tmp_path / "k1-batch"
     (run_dir / "logs").mkdir(parents=True)
     run_dir.with_suffix(".log").write_text("[launcher] learner exited with code 1\n")
     (run_dir / "logs" / "learner.log").write_text("".join(f"line {i}\n" for i in range(100)) + "CUDA OOM\n")
-    tails = log_tails(run_dir, lines=3)
+    tails = log_tails(run_logs(run_dir), lines=3)
     assert tails == {
         "k1-batch.log": "[launcher] learner exited with code 1",
         "learner.log": "line 98\nline 99\nCUDA OOM",
     }
-    assert log_tails(tmp_path / "never-started") == {}
+    assert log_tails(run_logs(tmp_path / "never-started")) == {}
 
 
 def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
-    from bench.e2e import log_facts
+    from bench.e2e import log_facts, run_logs
 
     run_dir = tmp_path / "k1-batch"
     (run_dir / "logs").mkdir(parents=True)
@@ -123,7 +123,7 @@ def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
         + "INFO generator.engine: serving policy version 9 (weights loaded in 0.075 s)\n"
         * 50
     )
-    facts = log_facts(run_dir)
+    facts = log_facts(run_logs(run_dir))
     assert facts == {
         "generator.log": [
             "INFO [gpu_worker.py:1] Available KV cache memory: 33.33 GiB",
@@ -134,7 +134,7 @@ def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
 
 
 def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
-    from bench.e2e import ran_out_of_memory
+    from bench.e2e import ran_out_of_memory, run_logs
 
     oom, other = tmp_path / "k1-batch", tmp_path / "k0-batch"
     for run_dir in (oom, other):
@@ -146,8 +146,8 @@ def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
         + "x\n" * 100
     )  # far above the tail a row carries
     (other / "logs" / "learner.log").write_text("RuntimeError: the broker went away\n")
-    assert ran_out_of_memory(oom) and not ran_out_of_memory(other)
-    assert not ran_out_of_memory(tmp_path / "never-started")
+    assert ran_out_of_memory(run_logs(oom)) and not ran_out_of_memory(run_logs(other))
+    assert not ran_out_of_memory(run_logs(tmp_path / "never-started"))
 
 
 STUCK_LAUNCHER = """

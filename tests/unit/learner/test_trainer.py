@@ -184,7 +184,7 @@ def test_samples_beyond_the_staleness_bound_are_dropped(
     ready = [r.getMessage() for r in caplog.records if "learner ready in" in r.getMessage()]
     phases = (
         "model",
-        "reference",
+        "parallelism and reference",
         "optimizer",
         "broker and sender",
         "resume",
