@@ -1,9 +1,9 @@
 """Build randomly initialised Qwen2.5-VL or Qwen3-VL models of a preset (policy/presets.py), locally.
 
 `build_checkpoint(preset, seed, cache_dir)` writes config.json, generation_config.json,
-model.safetensors, the tokenizer files, processor_config.json and chat_template into one
-directory that both transformers and vLLM load. The directory name carries a hash of the
-preset, seed and builder version; an existing build is reused. Builds are atomic: they are
+model.safetensors, the tokenizer files, processor_config.json, preprocessor_config.json and
+chat_template into one directory that both transformers and vLLM load. The directory name carries a
+hash of the preset, seed and builder version; an existing build is reused. Builds are atomic: they are
 written into a temporary sibling directory and renamed into place. `build_model(preset)`
 returns the random model in memory (no tokenizer), for benches and tests.
 
@@ -26,7 +26,7 @@ from policy.presets import PRESETS, Preset, get_preset, model_config
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 """Bump when the builder's output changes for the same preset and seed."""
 
 
@@ -149,6 +149,20 @@ def _write_checkpoint(path: Path, name: str, seed: int, device: str) -> None:
     )
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    _write_legacy_image_processor(path, processor)
+
+
+def _write_legacy_image_processor(path: Path, processor) -> None:
+    """preprocessor_config.json, the image processor's settings alone, as the published Qwen checkpoints ship
+    them. Where torchvision is installed (the GPU image), transformers also loads a video processor and, when
+    processor_config.json nests none (a build where torchvision is absent), takes its settings from this file;
+    without it, a checkpoint built here fails to load there."""
+    if (path / "preprocessor_config.json").exists():
+        return
+    settings = processor.image_processor.to_dict()
+    settings["image_processor_type"] = "Qwen2VLImageProcessor"  # the class name checkpoints carry
+    settings["processor_class"] = type(processor).__name__
+    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def _make_processor(tokenizer, preset: Preset):

@@ -25,6 +25,7 @@ def test_checkpoint_files_and_config(tiny_model_dir):
         "tokenizer.json",
         "tokenizer_config.json",
         "processor_config.json",
+        "preprocessor_config.json",
         "generation_config.json",
         "chat_template.jinja",
     ):
@@ -35,6 +36,19 @@ def test_checkpoint_files_and_config(tiny_model_dir):
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     assert sum(text["rope_parameters"]["mrope_section"]) == head_dim // 2
     assert config["vision_config"]["out_hidden_size"] == text["hidden_size"]
+
+
+def test_a_video_processor_finds_its_settings_as_in_a_published_checkpoint(family_model_dir):
+    """Where torchvision is installed (the GPU image), loading the processor loads a video processor too,
+    whose settings come from processor_config.json's nested entry or preprocessor_config.json. A build made
+    without torchvision (here) nests none: the legacy file must be there (the failure seen under the GPU
+    image's versions, `./run test-gpu-stack`, with a cache built here)."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    settings, _ = BaseVideoProcessor.get_video_processor_dict(str(family_model_dir))
+    image = json.loads((family_model_dir / "processor_config.json").read_text())["image_processor"]
+    for key in ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std"):
+        assert settings[key] == image[key], key
 
 
 @pytest.mark.parametrize("head_dim,expected", [(128, [16, 24, 24]), (32, [4, 6, 6]), (64, [8, 12, 12])])
