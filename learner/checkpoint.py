@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from learner.parallel import HF_PREFIX, distributed
+from policy.loading import save_processor
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def export_hf(model, hf_model, processor, out_dir: str | os.PathLike, rank: int 
         if hf_model.generation_config is not None:
             hf_model.generation_config.save_pretrained(tmp)
         if processor is not None:
-            processor.save_pretrained(tmp)
+            save_processor(processor, tmp)
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
         log.info("exported Hugging Face checkpoint -> %s", out)

@@ -126,6 +126,7 @@ def _write_checkpoint(path: Path, name: str, seed: int, device: str) -> None:
     from transformers import GenerationConfig
 
     from policy import compat
+    from policy.loading import save_processor
     from policy.tokenizer import build_full_vocab_tokenizer, build_tokenizer
 
     compat.install()
@@ -148,21 +149,7 @@ def _write_checkpoint(path: Path, name: str, seed: int, device: str) -> None:
         top_p=1.0,
     )
     model.save_pretrained(path)
-    processor.save_pretrained(path)
-    _write_legacy_image_processor(path, processor)
-
-
-def _write_legacy_image_processor(path: Path, processor) -> None:
-    """preprocessor_config.json, the image processor's settings alone, as the published Qwen checkpoints ship
-    them. Where torchvision is installed (the GPU image), transformers also loads a video processor and, when
-    processor_config.json nests none (a build where torchvision is absent), takes its settings from this file;
-    without it, a checkpoint built here fails to load there."""
-    if (path / "preprocessor_config.json").exists():
-        return
-    settings = processor.image_processor.to_dict()
-    settings["image_processor_type"] = "Qwen2VLImageProcessor"  # the class name checkpoints carry
-    settings["processor_class"] = type(processor).__name__
-    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    save_processor(processor, path)
 
 
 def _make_processor(tokenizer, preset: Preset):

@@ -43,6 +43,20 @@ def load_processor(path: str | Path):
     return AutoProcessor.from_pretrained(str(path), local_files_only=True)
 
 
+def save_processor(processor, path: str | Path) -> None:
+    """`processor.save_pretrained(path)`, plus preprocessor_config.json (the image processor's settings alone)
+    as the published Qwen checkpoints ship it. Where torchvision is installed (a GPU box), transformers loads
+    a video processor too and, when processor_config.json nests none (a processor made where torchvision is
+    absent, as here), takes its settings from that file: without it, such a directory does not load there."""
+    import json
+
+    processor.save_pretrained(str(path))
+    legacy = Path(path) / "preprocessor_config.json"
+    if not legacy.exists():
+        settings = processor.image_processor.to_dict() | {"processor_class": type(processor).__name__}
+        legacy.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
 def load_tokenizer(path: str | Path):
     """Just the tokenizer (cheaper than the full processor)."""
     from transformers import AutoTokenizer

@@ -25,7 +25,13 @@ pytestmark = pytest.mark.vllm
 def sharp_dir(family_model_dir, family_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("sharp")
     sharpen(copy.deepcopy(family_model)).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "processor_config.json",
+        "preprocessor_config.json",
+        "chat_template.jinja",
+    ):
         shutil.copy(family_model_dir / name, path / name)
     return path
 
