@@ -42,22 +42,24 @@ def llm(sharp_dir, tmp_path_factory):
     mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-    from policy import compat
+    try:  # undone even when the engine fails to start (the KV-cache size would leak into later engines)
+        from policy import compat
 
-    compat.install_vllm()
-    from vllm import LLM
+        compat.install_vllm()
+        from vllm import LLM
 
-    engine = LLM(
-        model=str(sharp_dir),
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        seed=0,
-        limit_mm_per_prompt={"image": 2, "video": 0},
-    )
-    yield engine
-    del engine
-    mp.undo()
+        engine = LLM(
+            model=str(sharp_dir),
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            seed=0,
+            limit_mm_per_prompt={"image": 2, "video": 0},
+        )
+        yield engine
+        del engine
+    finally:
+        mp.undo()
 
 
 def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_dir, family_processor):
