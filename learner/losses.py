@@ -187,8 +187,8 @@ def _aggregate(cfg: LossConfig, token_loss: Tensor, batch: TokenBatch, denom: fl
 
 def policy_loss(
     cfg: LossConfig, batch: TokenBatch, denom: float | None = None
-) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch's loss (already divided by `denom`) and its token-mean metrics.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The micro-batch's loss (already divided by `denom`) and its token-mean metrics (`_metrics`).
 
     `denom` defaults to this micro-batch's own `loss_denominator`.
     """
@@ -222,25 +222,27 @@ def policy_loss(
     return loss, metrics
 
 
-def _metrics(batch, logp, behav, ratio, clipped, dual_active, weight, kl) -> dict[str, float]:
-    """Token means over the micro-batch (detached), for logging; weight them by `num_tokens`."""
+def _metrics(batch, logp, behav, ratio, clipped, dual_active, weight, kl) -> dict[str, Tensor]:
+    """Token means over the micro-batch, for logging; weight them by `num_tokens`. Detached 0-dim tensors on
+    the loss's device: reading one (`float`) waits for the GPU, so the learner adds them up there and reads
+    the step's sums once (learner/update.py), instead of stalling before every backward."""
     with torch.no_grad():
         log_r = (logp.detach() - behav).clamp(-20.0, 20.0)  # learner vs behaviour
         masked = weight == 0
         out = {
-            "num_tokens": float(logp.numel()),
-            "mismatch_kl": behaviour_kl(logp, behav).mean().item(),
-            "mismatch_kl_k1": (-log_r).mean().item(),
-            "mismatch_abs_logprob_diff": log_r.abs().mean().item(),
-            "clipped_frac": clipped.float().mean().item(),
-            "dual_clipped_frac": dual_active.float().mean().item(),
-            "masked_frac": masked.float().mean().item(),
-            "is_weight_mean": weight.mean().item(),
-            "ratio_mean": ratio.detach().mean().item(),
-            "ratio_max": ratio.detach().max().item() if ratio.numel() else 0.0,
+            "num_tokens": torch.full((), float(logp.numel()), device=logp.device),  # no host-to-device copy
+            "mismatch_kl": behaviour_kl(logp, behav).mean(),
+            "mismatch_kl_k1": (-log_r).mean(),
+            "mismatch_abs_logprob_diff": log_r.abs().mean(),
+            "clipped_frac": clipped.float().mean(),
+            "dual_clipped_frac": dual_active.float().mean(),
+            "masked_frac": masked.float().mean(),
+            "is_weight_mean": weight.mean(),
+            "ratio_mean": ratio.detach().mean(),
+            "ratio_max": ratio.detach().max() if ratio.numel() else torch.zeros((), device=logp.device),
         }
         if kl is not None:
-            out["kl_ref"] = kl.detach().mean().item()
+            out["kl_ref"] = kl.detach().mean()
         if batch.entropy is not None:
-            out["entropy"] = batch.entropy.detach().float().mean().item()
-    return out
+            out["entropy"] = batch.entropy.detach().float().mean()
+    return {key: value.detach().float() for key, value in out.items()}

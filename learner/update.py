@@ -143,7 +143,7 @@ class Updater:
     def summarise(self, weights: dict[str, float], values: dict[str, float]) -> None:
         """The step's token-weighted loss metrics, summed over the ranks."""
         head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl", "computed_tokens")
-        totals = all_reduce_sum([weights[k] for k in (*head, *SUMMED)])
+        totals = all_reduce_sum(read_once([weights[k] for k in (*head, *SUMMED)]))
         n = max(totals[0], 1.0)
         values["tokens"], values["flops"], values["computed_tokens"] = totals[1], totals[2], totals[5]
         values["fresh_tokens"] = totals[3]
@@ -236,14 +236,15 @@ class Updater:
         prox = mb.proximal_logprobs
         if self.cfg.algo.proximal == "detached" or (self.cfg.algo.proximal == "recompute" and first_update):
             prox = logprobs.detach()
+
         batch = TokenBatch(
             logprobs=logprobs,
-            behaviour_logprobs=mb.behaviour_logprobs.to(dev),
-            advantages=mb.advantages.to(dev),
-            seq_index=mb.seq_index.to(dev),
+            behaviour_logprobs=_to(mb.behaviour_logprobs, dev),
+            advantages=_to(mb.advantages, dev),
+            seq_index=_to(mb.seq_index, dev),
             num_seqs=len(mb.samples),
-            proximal_logprobs=None if prox is None else prox.to(dev),
-            ref_logprobs=None if mb.ref_logprobs is None else mb.ref_logprobs.to(dev),
+            proximal_logprobs=_to(prox, dev),
+            ref_logprobs=_to(mb.ref_logprobs, dev),
             entropy=entropy,
         )
         loss, m = policy_loss(self.cfg.loss, batch, denom)
@@ -251,7 +252,7 @@ class Updater:
         (loss * scale).backward()
         if not real:
             return
-        n = m["num_tokens"]
+        n = float(mb.behaviour_logprobs.numel())  # the loss's tokens (m["num_tokens"], read without a sync)
         weights["n"] += n
         weights["tokens"] += mb.packed.sequence_tokens  # the samples' own, whether prompts are shared or not
         weights["computed_tokens"] += mb.num_tokens  # what the row computed (the FLOPs count these)
@@ -259,8 +260,9 @@ class Updater:
         weights["flops"] += train_flops(
             self.n_lm_params, layers, hidden, mb.num_tokens, mb.packed.causal_area()
         )
-        for key in SUMMED:
-            weights[key] += m.get(key, 0.0) * n
+        for key in SUMMED:  # tensors on the device: summed there, read once a step (`summarise`)
+            if key in m:
+                weights[key] = weights[key] + m[key] * n
         if first_update:
             self.fresh_mismatch(mb, batch, weights)
 
@@ -273,10 +275,25 @@ class Updater:
         if not any(fresh):
             return
         with torch.no_grad():
-            mask = torch.tensor(fresh, device=batch.seq_index.device)[batch.seq_index]
-            kl = behaviour_kl(batch.logprobs.float(), batch.behaviour_logprobs)[mask]
-            weights["fresh_tokens"] += float(kl.numel())
-            weights["fresh_kl"] += kl.sum().item()
+            mask = torch.tensor(fresh).to(batch.seq_index.device, non_blocking=True)[batch.seq_index]
+            kl = behaviour_kl(batch.logprobs.float(), batch.behaviour_logprobs.float())
+            lengths = [len(s.response_ids) for s in mb.samples]
+            weights["fresh_tokens"] += float(sum(n for n, f in zip(lengths, fresh, strict=True) if f))
+            weights["fresh_kl"] = weights["fresh_kl"] + torch.where(mask, kl, 0.0).sum()
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """`t` on `device` without waiting: a blocking copy there would wait for the forward just launched."""
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+def read_once(values: list) -> list[float]:
+    """Floats of `values`, some of them device tensors (the step's metric sums), read in one transfer."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
 
 
 def _split(n: int, parts: int) -> list[list[int]]:

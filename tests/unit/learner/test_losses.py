@@ -105,6 +105,8 @@ def _run_both(cfg, with_prox=True, ratio=RATIO, k=K, denom=None):
         entropy=ent_t,
     )
     loss, metrics = policy_loss(cfg, batch, denom)
+    assert all(torch.is_tensor(v) and v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    metrics = {key: float(value) for key, value in metrics.items()}
     loss.backward()
 
     logp_r = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in logp]

@@ -47,3 +47,15 @@ def test_the_gpu_peak_is_the_high_water_mark_since_the_step_began(monkeypatch):
     assert gpu_peak(cuda) == {"gpu_peak_gb": 7.0}
     track_gpu_peak(cuda)
     assert gpu_peak(cuda) == {"gpu_peak_gb": 1.0}
+
+
+def test_the_step_metric_sums_are_read_in_order_in_one_transfer():
+    """The loss metrics stay device tensors through a step's micro-batches (no sync before each backward);
+    `read_once` turns the mix of them and plain floats into floats, in order."""
+    import torch
+
+    from learner.update import read_once
+
+    values = [2.0, torch.tensor(0.25), 3, torch.tensor(1.5, dtype=torch.float64), torch.tensor([4.0])]
+    assert read_once(values) == [2.0, 0.25, 3.0, 1.5, 4.0]
+    assert read_once([1, 2.5]) == [1.0, 2.5]
