@@ -140,8 +140,9 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def summarise(self, weights: dict[str, float], values: dict[str, float]) -> None:
-        """The step's token-weighted loss metrics, summed over the ranks."""
+    def summarise(self, weights: dict, values: dict[str, float]) -> None:
+        """The step's token-weighted loss metrics (`weights`: floats and device tensors), summed over the
+        ranks."""
         head = ("n", "tokens", "flops", "fresh_tokens", "fresh_kl", "computed_tokens")
         totals = all_reduce_sum(read_once([weights[k] for k in (*head, *SUMMED)]))
         n = max(totals[0], 1.0)
@@ -236,7 +237,6 @@ class Updater:
         prox = mb.proximal_logprobs
         if self.cfg.algo.proximal == "detached" or (self.cfg.algo.proximal == "recompute" and first_update):
             prox = logprobs.detach()
-
         batch = TokenBatch(
             logprobs=logprobs,
             behaviour_logprobs=_to(mb.behaviour_logprobs, dev),
