@@ -16,7 +16,7 @@ line). The commands run one after the other in `bash -c`, from the directory `st
 the previous one returned, in the environment `start` ran in (export PYTHONPATH and the like before it).
 Each sees `QUEUE_RESULTS` (write result files there: they come back with the logs) and `QUEUE_DIR`;
 `$QUEUE_DIR/env` is sourced before each command, so a command can set a variable for the later ones by
-appending `NAME=value` to it (bench/queues/h200.txt: a failed GPU test switches the later runs to another
+appending `NAME=value` to it (session 15's queue: a failed GPU test switched the later runs to another
 configuration). `state.json` records every command's exit status and times. Standard library only: it runs
 on the device before anything is installed.
 """

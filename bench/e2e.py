@@ -321,8 +321,8 @@ OOM_MARKS = ("out of memory", "outofmemoryerror")
 
 
 def ran_out_of_memory(logs: dict[str, str]) -> bool:
-    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory: a queue then retries with
-    smaller packs (bench/queues/h200.txt), which would not help a run that failed otherwise."""
+    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory (the row's `oom`): a queue
+    can then retry with smaller packs, which would not help a run that failed otherwise."""
     return any(mark in text.lower() for text in logs.values() for mark in OOM_MARKS)
 
 
