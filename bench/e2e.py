@@ -11,8 +11,10 @@ and the split of a step; the generator's loop modes side by side.
 deploy/configs/qwen2_5_vl_7b_geometry3k.toml` (the learner.toml / generator.toml values) with the layout
 and shapes overridden: random weights with the published Qwen2.5-VL-7B or -3B shapes (policy/presets.py),
 the synthetic colour task at 448x448 (256 image tokens), `--prompts` prompts x 5 samples per step,
-512-token responses forced (sampling.min_tokens = max_tokens), the config's algorithm as a user runs it (4
-PPO mini-batches, the recomputed proximal pass, the KL reference pass at kl_coef 0.01), vLLM at
+512-token responses forced (sampling.min_tokens = max_tokens), the config's algorithm as a user runs it (PPO
+updates of 128 prompts, `--prompts-per-update`: one a step at 128 prompts, where the config's 512-prompt steps
+make four; the recomputed proximal pass for every update after a step's first; the KL reference pass at
+kl_coef 0.01), vLLM at
 `--gpu-memory-utilization` of the GPU, no checkpoints. Random weights earn reward 0, so dynamic sampling is
 off (every group trains: with it on, every group would be skipped).
 On the GPU each K is one launcher run of several minutes: run one K per call and join the files with
@@ -27,8 +29,11 @@ one invocation. From each run's learner/metrics.jsonl, over the steps after the 
   steps/s    steps / wall time between the first and last measured step;
   wait       learner blocked waiting for a step's scored groups (generation + reward not overlapped);
   train      the learner's step (forward, backward, AdamW; the no-grad passes), of which
+  fwd+bwd    the training pass (the micro-batches' forwards and backwards up to the gradient norm),
   prox       the no-grad pass for pi_prox (proximal = recompute), ref the reference model's no-grad pass
-             (with AdamW in host memory partly beside it), and optim the optimizer's updates;
+             (with AdamW in host memory partly beside it), optim the optimizer's updates, and exposed the
+             part of optim that nothing ran beside (train = fwd+bwd + prox + ref + exposed + a little);
+  pass MFU   the learner's MFU (6·N_LM per computed token and its attention) over the training pass alone;
   tokens/s/GPU  prompt + response tokens trained per wall-clock second per GPU (steps/s x tokens/step / GPUs);
   sync       weight broadcast to the generator until it acknowledged;
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
@@ -80,7 +85,12 @@ class BenchConfig:
     model: str = "7b"
     """cuda: 7b | 3b (policy/presets.py shapes, random weights built on the GPU)."""
     prompts: int = 128
-    """cuda: prompts (groups of 5) per optimizer step."""
+    """cuda: prompts (groups of 5) per learner step (between two weight syncs)."""
+    prompts_per_update: int = 128
+    """cuda: prompts per PPO update, so a step makes `prompts` / this many updates (algo.mini_batches). 128 is
+    the reference's global mini-batch (EasyR1's, and the launch config's 512-prompt steps in 4 updates): at
+    128 prompts a step, one update, with the AdamW work per token a user's run has (but no proximal pass,
+    which a 512-prompt step runs over its later updates; bench/results/GPU.md, session 15)."""
     response: int = 512
     """cuda: response tokens, forced."""
     image_side: int = 448
@@ -223,6 +233,7 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--task.train", str(cfg.prompts * (steps + k + 2)), "--warm-start.steps", "0"),
         *("--learner.gpus", "0", "--generator.gpus", "0", "--learner.max-steps", str(steps)),
         *("--learner.algo.groups-per-step", str(cfg.prompts), "--learner.algo.no-dynamic-sampling"),
+        *("--learner.algo.mini-batches", str(cfg.prompts // cfg.prompts_per_update)),
         *("--learner.algo.max-staleness", str(k), "--learner.eval.every", "0", "--learner.eval.no-at-start"),
         *("--learner.checkpoint.every", "-1", "--learner.feeder.epochs", "1"),
         *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),
@@ -358,6 +369,9 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "ref_pass_s": mean("ref_pass_s"),
         "proximal_pass_s": mean("proximal_pass_s"),
         "optimizer_s": mean("optimizer_s"),
+        "optimizer_exposed_s": mean("optimizer_exposed_s"),
+        "train_pass_s": mean("train_pass_s"),
+        "train_pass_mfu": mean("train_pass_mfu"),
         "sync_s": mean("sync_s"),
         "generate_s": mean("generate_s"),
         "mfu": mean("mfu"),
@@ -379,8 +393,8 @@ def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
         f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
-        f"{'train':>6} {'prox':>6} {'ref':>6} {'optim':>6} {'sync':>6} {'generate':>8} {'staleness':>9} "
-        f"{'peak GB':>7}"
+        f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
+        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -392,10 +406,11 @@ def format_table(rows: list[dict]) -> str:
         out.append(
             f"{r['k']:>2} {mode:>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
             f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
-            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('proximal_pass_s', 0):>6.2f} "
-            f"{r.get('ref_pass_s', 0):>6.2f} "
-            f"{r.get('optimizer_s', 0):>6.2f} {r['sync_s']:>6.3f} {r['generate_s']:>8.2f} "
-            f"{r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f}"
+            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('train_pass_s', 0):>7.2f} "
+            f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
+            f"{r.get('optimizer_s', 0):>6.2f} {r.get('optimizer_exposed_s', 0):>7.2f} {r['sync_s']:>6.3f} "
+            f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f} "
+            f"{100 * r.get('train_pass_mfu', 0):>7.1f}%"
         )
     return "\n".join(out)
 
@@ -451,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")
     if cfg.device not in ("cpu", "cuda"):
         raise SystemExit(f"--device must be cpu or cuda, not {cfg.device!r}")
+    if cfg.prompts_per_update < 1 or cfg.prompts % cfg.prompts_per_update:
+        raise SystemExit(f"--prompts ({cfg.prompts}) must be a multiple of --prompts-per-update")
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="parallax-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()  # the GPU runs' time budget counts from here

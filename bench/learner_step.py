@@ -33,7 +33,9 @@ responses, 128 groups per train step (one of deploy/configs/learner.toml's mini-
 a variant that runs has fit next to one. Reported per variant: tokens/s (prompt + image + response
 tokens trained), computed (the share of them its rows computed), LM-MFU = 6 x N_LM x computed
 tokens/s / 989 TFLOP/s (N_LM: learner.metrics.lm_param_count; computed tokens are those trained
-unless prompts are shared), step seconds, the optimizer's and no-grad passes' seconds, peak GPU
+unless prompts are shared), pass MFU = the same over the learner's training pass alone (its
+forwards and backwards, `train_pass_s`; the learner's variants), step seconds, the optimizer's and
+no-grad passes' seconds, peak GPU
 memory, host optimizer state, and the speed-up over padded. Prints a table; writes
 bench/results/learner_step[_<model>].json.
 """
@@ -212,6 +214,7 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
                 {
                     **timers.totals(),
                     "train_s": values["train_s"],
+                    "train_pass_s": values.get("train_pass_s", 0.0),
                     "tokens": values["tokens"],
                     "computed_tokens": computed,
                 }
@@ -251,8 +254,8 @@ def run_variant(cfg, name, model_dir, transport, broker_url, work) -> dict:
 def format_table(report: dict) -> str:
     w = max([34, *map(len, report["variants"])])
     head = (
-        f"{'variant':<{w}} {'tok/s':>8} {'computed':>8} {'LM-MFU':>7} {'step s':>7} {'optim s':>7} "
-        f"{'no-grad s':>9} {'peak GB':>8} {'host GB':>8} {'x padded':>8}"
+        f"{'variant':<{w}} {'tok/s':>8} {'computed':>8} {'LM-MFU':>7} {'pass MFU':>8} {'step s':>7} "
+        f"{'optim s':>7} {'no-grad s':>9} {'peak GB':>8} {'host GB':>8} {'x padded':>8}"
     )
     reserve = (
         f", {report['config']['reserve_frac']:.0%} of the GPU held back"
@@ -267,6 +270,7 @@ def format_table(report: dict) -> str:
         computed = r.get("computed_tokens_per_step", 0) / max(r.get("tokens_per_step", 0), 1) or 1.0
         lines.append(
             f"{name:<{w}} {r['tokens_per_s']:>8.0f} {computed:>8.2f} {100 * r['lm_mfu']:>6.1f}% "
+            f"{100 * r.get('pass_lm_mfu', 0):>7.1f}% "
             f"{r['step_s']:>7.2f} {r.get('optimizer_s', 0):>7.2f} {r.get('no_grad_s', 0):>9.2f} "
             f"{r.get('peak_gb', 0):>8.1f} {r.get('host_state_gb', 0):>8.1f} "
             f"{r.get('speedup_vs_padded', ''):>8}"

@@ -125,6 +125,7 @@ def summarise(rows: list[dict], n_lm: int, peak_tflops: float) -> dict:
     tokens = statistics.median(r["tokens"] for r in rows)
     computed = statistics.median(r.get("computed_tokens", r["tokens"]) for r in rows)  # fewer: shared prompts
     tps = tokens / step
+    train_pass = statistics.median(r.get("train_pass_s", 0.0) for r in rows)  # the learner's; 0 elsewhere
     return {
         "n_lm": n_lm,
         "tokens_per_step": int(tokens),
@@ -133,6 +134,10 @@ def summarise(rows: list[dict], n_lm: int, peak_tflops: float) -> dict:
         "seconds": [round(r["train_s"], 3) for r in rows],
         "tokens_per_s": round(tps, 1),
         "lm_mfu": round(6 * n_lm * computed / step / (peak_tflops * 1e12), 4),
+        "train_pass_s": round(train_pass, 3),
+        "pass_lm_mfu": round(6 * n_lm * computed / train_pass / (peak_tflops * 1e12), 4)
+        if train_pass
+        else 0.0,
         "optimizer_s": round(statistics.median(r.get("optimizer_s", 0.0) for r in rows), 3),
         "no_grad_s": round(statistics.median(r.get("no_grad_s", 0.0) for r in rows), 3),
     }

@@ -211,6 +211,7 @@ class Learner:
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
         flops = values.pop("flops", 0.0)
         values["mfu"] = mfu(flops, values["train_s"], self.peak_flops, self.info.world_size)
+        values["train_pass_mfu"] = mfu(flops, values["train_pass_s"], self.peak_flops, self.info.world_size)
         values.update(gpu_peak(self.info.device))  # the step's high-water mark on this rank's GPU
         self._evaluate(values)
         every = cfg.checkpoint.every

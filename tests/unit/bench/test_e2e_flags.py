@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bench.e2e import BenchConfig, format_table, gpu_args, measure, reference
+from bench.e2e import BenchConfig, format_table, gpu_args, main, measure, reference
 from deploy.plan import GpuInfo, LaunchConfig, learner_memory_gib, plan_gpus
 from runtime.config import load_config
 
@@ -30,14 +30,24 @@ def test_gpu_flags_parse_into_the_reference_shapes(model, k):
     cfg = launch_config(model, k)
     assert cfg.broker == "zmq" and cfg.learner.gpus == cfg.generator.gpus == "0"
     assert cfg.learner.algo.max_staleness == k and cfg.learner.algo.groups_per_step == 128
-    # the algorithm as the reference config has it (what a user runs): 4 mini-batches, pi_prox recomputed
-    assert cfg.learner.algo.mini_batches == 4 and cfg.learner.algo.proximal == "recompute"
+    # the algorithm as the reference config has it (what a user runs): updates of 128 prompts (one a step
+    # here; the config's 512-prompt steps make four), pi_prox recomputed after a step's first update
+    assert cfg.learner.algo.mini_batches == 1 and cfg.learner.algo.proximal == "recompute"
+    reference_config = load_config(LaunchConfig, ["--config", "deploy/configs/qwen2_5_vl_7b_geometry3k.toml"])
+    algo = reference_config.learner.algo
+    assert algo.groups_per_step // algo.mini_batches == 128
+    assert launch_config(model, k, prompts=512).learner.algo.mini_batches == 4
     assert not cfg.learner.algo.dynamic_sampling and cfg.learner.loss.kl_coef > 0
     sampling = cfg.generator.sampling
     assert sampling.n == 5 and sampling.max_tokens == sampling.min_tokens == 512
     assert cfg.task.task == "colour" and cfg.task.image_size == 448
     assert cfg.task.train >= 128 * (cfg.learner.max_steps + k)  # enough prompts for every step and the lead
     assert cfg.learner.metrics.port == cfg.generator.metrics.port == cfg.reward.metrics.port == 0
+
+
+def test_a_step_holds_whole_updates():
+    with pytest.raises(SystemExit, match="multiple of --prompts-per-update"):
+        main(["--device", "cuda", "--prompts", "100"])  # before anything is built
 
 
 @pytest.mark.parametrize("model", ["3b", "7b"])
@@ -72,6 +82,9 @@ def test_measure_times_the_steps_after_the_warmup():
                 "time": 10.0 * i,
                 "tokens": 1000.0,
                 "train_s": 6.0,
+                "train_pass_s": 4.25,
+                "optimizer_exposed_s": 0.75,
+                "train_pass_mfu": 0.375,
                 "wait_s": 4.0,
                 "gpu_peak_gb": peak,
             }
@@ -80,6 +93,9 @@ def test_measure_times_the_steps_after_the_warmup():
     assert row["steps"] == 2 and row["wall_s"] == pytest.approx(20.0)
     assert row["learner_gpu_peak_gb"] == pytest.approx(53.0)
     assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0) and row["train_s"] == pytest.approx(6.0)
+    assert (row["train_pass_s"], row["optimizer_exposed_s"], row["train_pass_mfu"]) == (4.25, 0.75, 0.375)
+    assert " 4.25 " in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}]).splitlines()[2]
+    assert "37.5%" in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}])
     with pytest.raises(RuntimeError, match="only 0 measured steps"):
         measure(lines[:2], k=1, warmup=1)
 

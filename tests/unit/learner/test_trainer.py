@@ -402,6 +402,8 @@ def test_the_kl_pass_beside_the_host_adamw_changes_nothing(
         for name in ("apart", "beside")
     ]
     apart, beside = learners
+    for learner in learners:
+        learner.peak_flops = 1e12  # a made-up peak: CPUs have none, so their MFU is 0
     beside.updater.overlap_ref = True
     assert not apart.updater.overlap_ref  # a CPU learner: off by default
     groups = apart._next_groups()
@@ -420,5 +422,14 @@ def test_the_kl_pass_beside_the_host_adamw_changes_nothing(
         torch.testing.assert_close(mb, ma, rtol=0, atol=1e-6)
     for key in ("kl_ref", "ratio_mean", "clipped_frac", "grad_norm", "tokens"):
         assert values[1][key] == pytest.approx(values[0][key], rel=1e-5), key
+    for v in values:  # the split of the step's time: disjoint parts of it
+        parts = ("train_pass_s", "proximal_pass_s", "ref_pass_s", "optimizer_exposed_s")
+        assert all(v[key] > 0 for key in parts) and sum(v[key] for key in parts) <= v["train_s"]
+        assert v["mfu"] > 0 and v["train_pass_mfu"] == pytest.approx(
+            v["mfu"] * v["train_s"] / v["train_pass_s"]
+        )
+    assert values[0]["optimizer_exposed_s"] == pytest.approx(
+        values[0]["optimizer_s"], abs=0.05
+    )  # nothing beside
     for learner in learners:
         learner.close()
