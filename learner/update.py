@@ -118,17 +118,16 @@ class Updater:
             for i in range(mini.n_micro):
                 real = mini.mine[i] if i < len(mini.mine) else None
                 self.micro_step(real, mini.denom, weights, first_update=update == 0)
-            norm = clip_grad_norm(
-                self.model, self.cfg.optim.grad_clip
-            )  # reads the norm: the backward is done
+            # the norm is read on the host, so the training pass has ended when it returns
+            values["grad_norm"] = norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
             values["train_pass_s"] += time.perf_counter() - t2
             later_ref = plans[update + 1 : update + 2] if beside else []
-            values["grad_norm"] = self.apply_update(norm, later_ref, values, step)
+            self.apply_update(norm, later_ref, values, step)
         self.summarise(weights, values)
 
-    def apply_update(self, norm: float, later_ref: list, values: dict[str, float], step: int) -> float:
+    def apply_update(self, norm: float, later_ref: list, values: dict[str, float], step: int) -> None:
         """AdamW (the KL pass of `later_ref` beside it) unless the gradient norm `norm` is not finite, then
-        the scheduler; returns `norm`. `optimizer_exposed_s`: the part of AdamW's time nothing ran beside."""
+        the scheduler. `optimizer_exposed_s`: the part of AdamW's time nothing ran beside."""
         work = None
         if later_ref:
             work = functools.partial(self.no_grad_pass, later_ref, self.ref, "ref_logprobs")
@@ -145,7 +144,6 @@ class Updater:
                 work()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def summarise(self, weights: dict, values: dict[str, float]) -> None:
         """The step's token-weighted loss metrics (`weights`: floats and device tensors), summed over the
