@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bench.common import param_counts, preset_name
+from learner.metrics import mfu
 
 HOLD: dict[str, int] = {"bytes": 0}
 """Bytes of GPU memory held back for a co-located generator (subtracted from the peaks)."""
@@ -126,6 +127,10 @@ def summarise(rows: list[dict], n_lm: int, peak_tflops: float) -> dict:
     computed = statistics.median(r.get("computed_tokens", r["tokens"]) for r in rows)  # fewer: shared prompts
     tps = tokens / step
     train_pass = statistics.median(r.get("train_pass_s", 0.0) for r in rows)  # the learner's; 0 elsewhere
+
+    def lm_mfu(seconds: float) -> float:  # 6 x N_LM x computed tokens over `seconds` (0 when not timed)
+        return round(mfu(6 * n_lm * computed, seconds, peak_tflops * 1e12), 4)
+
     return {
         "n_lm": n_lm,
         "tokens_per_step": int(tokens),
@@ -133,11 +138,9 @@ def summarise(rows: list[dict], n_lm: int, peak_tflops: float) -> dict:
         "step_s": round(step, 3),
         "seconds": [round(r["train_s"], 3) for r in rows],
         "tokens_per_s": round(tps, 1),
-        "lm_mfu": round(6 * n_lm * computed / step / (peak_tflops * 1e12), 4),
+        "lm_mfu": lm_mfu(step),
         "train_pass_s": round(train_pass, 3),
-        "pass_lm_mfu": round(6 * n_lm * computed / train_pass / (peak_tflops * 1e12), 4)
-        if train_pass
-        else 0.0,
+        "pass_lm_mfu": lm_mfu(train_pass),
         "optimizer_s": round(statistics.median(r.get("optimizer_s", 0.0) for r in rows), 3),
         "no_grad_s": round(statistics.median(r.get("no_grad_s", 0.0) for r in rows), 3),
     }
