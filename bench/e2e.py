@@ -55,7 +55,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -429,22 +428,27 @@ def build_model(cfg: BenchConfig, work: Path) -> Path:
     return out
 
 
+NOTES = {
+    "cpu": "on CPU: its cores shared with other work (load_before/load_after: 1-minute load averages)",
+    "cuda": "one GPU shared by the learner and the generator (time slices, or one context under --mps)",
+}
+"""What the rows' machine was, by `--device`."""
+
+
 def finish(cfg: BenchConfig, rows: list[dict], argv: list[str] | None, extra: dict | None = None) -> int:
     """Speedups over K = 0, the table and the JSON file."""
+    from bench.common import machine
+
     base = reference(rows)
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else None
     report = {
         "bench": "e2e",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "command": "python -m bench.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
-        "note": "on CPU: 2 cores shared with other work (load_before/load_after: 1-minute load averages)",
+        "note": NOTES[cfg.device],
         "results": rows,
         **(extra or {}),
     }
@@ -460,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.merge:
         parts = [json.loads(Path(p).read_text()) for p in cfg.merge]
         rows = [r for part in parts for r in part["results"]]
-        return finish(cfg, rows, argv, {"merged": [p.get("command") for p in parts]})
+        first = parts[0]  # where the rows ran, not where they were merged
+        device = first.get("config", {}).get("device", cfg.device)
+        where = {"date": first["date"], "machine": first["machine"], "note": NOTES.get(device, "")}
+        return finish(cfg, rows, argv, {**where, "merged": [p.get("command") for p in parts]})
     unknown = [m for m in cfg.modes if m not in MODE_FLAGS]
     if unknown:
         raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")

@@ -202,3 +202,24 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet reaped by its parent) is not alive
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_merge_keeps_where_the_rows_ran(tmp_path):
+    """Merged files describe the GPU machine the runs had, not the machine that merged them."""
+    import json
+
+    parts = []
+    for k, steps_per_s in ((0, 0.010), (1, 0.012)):
+        part = tmp_path / f"k{k}.json"
+        row = {"k": k, "steps_per_s": steps_per_s, "step_s": 1 / steps_per_s, "wait_s": 0.0, "train_s": 1.0}
+        row |= {"sync_s": 0.0, "generate_s": 1.0, "staleness": float(k)}
+        gpu = {"cpus": 16, "platform": "gpu-host"}
+        report = {"date": f"2026-12-0{k + 1}", "machine": gpu, "config": {"device": "cuda"}, "results": [row]}
+        part.write_text(json.dumps({**report, "command": f"python -m bench.e2e --ks {k}"}))
+        parts.append(str(part))
+    out = tmp_path / "merged.json"
+    assert main(["--merge", *parts, "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["machine"] == {"cpus": 16, "platform": "gpu-host"} and merged["date"] == "2026-12-01"
+    assert "GPU" in merged["note"] and merged["merged"][1] == "python -m bench.e2e --ks 1"
+    assert merged["results"][1]["speedup_vs_k0"] == pytest.approx(1.2)
