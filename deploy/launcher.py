@@ -11,7 +11,7 @@
         --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
 
 GPU indices count among CUDA_VISIBLE_DEVICES, as usual; which process gets which GPU and how the
-weights travel is decided by deploy.plan.plan_gpus (a shared GPU splits its memory between vLLM's
+weights travel is decided by deploy.layout.plan_gpus (a shared GPU splits its memory between vLLM's
 `--generator.engine.gpu-memory-utilization` and the learner, which starts once vLLM is up).
 Before anything starts, deploy/preflight.py checks the checkpoint (Qwen2.5-VL, parameter count),
 the GPU indices, the memory estimate and that vLLM is importable; a failed start is explained.
@@ -49,9 +49,17 @@ import uuid
 from pathlib import Path
 
 from broker.redis_server import redis_server_argv
+from deploy.layout import GpuPlan, LayoutError, activation_bytes_per_token, gpu_env, plan_gpus
 from deploy.mps import MpsDaemon, check_layout
-from deploy.plan import GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs, write_role_configs
-from deploy.preflight import PreflightError, explain_failure, inspect_model, require_vllm, visible_gpus
+from deploy.plan import LaunchConfig, role_configs, write_role_configs
+from deploy.preflight import (
+    ModelInfo,
+    PreflightError,
+    explain_failure,
+    inspect_model,
+    require_vllm,
+    visible_gpus,
+)
 from deploy.processes import Child, ChildDied, ProcessGroup, child_env, free_port, port_open, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
@@ -113,9 +121,9 @@ class Launcher:
 
     def _pipeline(self) -> None:
         cfg = self.cfg
-        self._plan(n_params=0)  # indices and overlaps, before anything is built
+        self._plan(None)  # indices and overlaps, before anything is built
         model_dir = self._build_model()
-        gpus = self._plan(n_params=inspect_model(model_dir).n_params)
+        gpus = self._plan(inspect_model(model_dir))
         if cfg.mps:  # before any role touches the GPU: a client that finds no daemon runs without MPS
             self.mps = MpsDaemon(self.run_dir)
             self.roles.env.update(self.mps.start(self.infra))
@@ -152,10 +160,17 @@ class Launcher:
         )
         self._train(learner, configs["generator"].metrics.port)
 
-    def _plan(self, n_params: int) -> GpuPlan:
-        """The GPU layout (deploy.plan.plan_gpus) on this machine's GPUs; a GPU run needs vLLM importable."""
+    def _plan(self, model: ModelInfo | None) -> GpuPlan:
+        """The GPU layout (deploy.layout.plan_gpus) on this machine's GPUs, with `model`'s memory (None: the
+        indices and overlaps only); a GPU run needs vLLM importable."""
         cfg = self.cfg
         wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
+        n_params = model.n_params if model else 0
+        parallel = cfg.learner.parallel
+        shape = model.shape if model else None
+        token_bytes = activation_bytes_per_token(
+            shape, parallel.activation_checkpointing, parallel.checkpoint_mode
+        )
         gpus = plan_gpus(
             cfg.learner.gpus,
             cfg.generator.gpus,
@@ -165,6 +180,8 @@ class Launcher:
             kl=cfg.learner.loss.kl_coef > 0,
             master_weights=cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+            pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
+            token_bytes=token_bytes,
         )
         check_layout(cfg.mps, gpus)
         if gpus.kind != "cpu":
@@ -448,21 +465,6 @@ class Launcher:
             f"{summary['final_eval_accuracy']} (best {summary['best_eval_accuracy']}); "
             f"run dir {self.run_dir}; plot {png}"
         )
-
-
-GPU_ENV = {
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # its sampler needs flashinfer, which vLLM does not require
-    "NCCL_NVLS_ENABLE": "0",  # NVLink multicast (NVLS) is not usable on the lent machines
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",  # checkpoints are local directories
-}
-"""Environment of every child on a GPU layout (a value already in the environment wins)."""
-
-
-def gpu_env(environ) -> dict[str, str]:
-    """GPU_ENV, without the variables the user already set."""
-    return {k: v for k, v in GPU_ENV.items() if k not in environ}
 
 
 def _raise_interrupt(signum, frame) -> None:

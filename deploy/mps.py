@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.plan import GpuPlan, LayoutError
+from deploy.layout import GpuPlan, LayoutError
 from deploy.processes import ChildDied, ProcessGroup
 
 CONTROL = "nvidia-cuda-mps-control"

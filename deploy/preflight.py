@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.plan import GpuInfo
+from deploy.layout import DecoderShape, GpuInfo
 from policy.presets import FAMILIES
 
 BUILD_HINT = "python -m policy build --preset small --out DIR"
@@ -45,6 +45,8 @@ class ModelInfo:
     """Parameters counted from the safetensors headers."""
     dtype: str
     """torch_dtype / dtype of config.json (what the checkpoint stores)."""
+    shape: DecoderShape | None = None
+    """The language model's layers and widths (config.json, or its text_config); None when it gives none."""
 
 
 def inspect_model(path: str | Path) -> ModelInfo:
@@ -95,7 +97,17 @@ def inspect_model(path: str | Path) -> ModelInfo:
     n_params = sum(_safetensors_numel(s) for s in shards)
     text = data.get("text_config") or {}
     dtype = str(data.get("torch_dtype") or data.get("dtype") or text.get("dtype") or "")
-    return ModelInfo(path=path.resolve(), n_params=n_params, dtype=dtype)
+    return ModelInfo(path=path.resolve(), n_params=n_params, dtype=dtype, shape=decoder_shape(data))
+
+
+def decoder_shape(config: dict) -> DecoderShape | None:
+    """The decoder's layers, hidden and intermediate sizes from a config.json (Qwen2.5-VL keeps them at the
+    top level, Qwen3-VL and newer transformers in text_config)."""
+    for section in (config.get("text_config") or {}, config):
+        sizes = [section.get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")]
+        if all(isinstance(v, int) and v > 0 for v in sizes):
+            return DecoderShape(*sizes)
+    return None
 
 
 def _safetensors_numel(path: Path) -> int:

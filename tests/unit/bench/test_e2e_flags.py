@@ -12,11 +12,13 @@ import time
 import pytest
 
 from bench.e2e import BenchConfig, format_table, gpu_args, main, measure, reference
-from deploy.plan import GpuInfo, LaunchConfig, learner_memory_gib, plan_gpus
+from deploy.layout import DecoderShape, GpuInfo, activation_bytes_per_token, learner_memory_gib, plan_gpus
+from deploy.plan import LaunchConfig
 from runtime.config import load_config
 
 H200 = [GpuInfo(0, 0, 139.8, "NVIDIA H200")]
 N_PARAMS = {"3b": 3_754_622_976, "7b": 8_292_166_656}  # Qwen2.5-VL-3B / -7B, vision tower included
+SHAPES = {"3b": DecoderShape(36, 2048, 11008), "7b": DecoderShape(28, 3584, 18944)}
 
 
 def launch_config(model: str, k: int, **bench) -> LaunchConfig:
@@ -61,8 +63,13 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
         kl=cfg.learner.loss.kl_coef > 0,
         master_weights=cfg.learner.optim.master_weights,
         gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+        pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
+        token_bytes=activation_bytes_per_token(SHAPES[model], True, cfg.learner.parallel.checkpoint_mode),
     )
     assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
+    # the config's 16k packs: 7B runs 8k beside vLLM (16k ran out of memory there, session 16), 3B keeps 16k
+    assert cfg.learner.batching.max_tokens_per_microbatch == 16384
+    assert plan.pack_tokens == {"3b": 16384, "7b": 8192}[model]
     # one GPU: the fp32 master weights and AdamW states live in host memory (bf16 weights + grads +
     # reference), plus the CUDA-IPC buffer the generator maps (a bf16 copy of the weights)
     ipc_buffer = 2 * N_PARAMS[model] / 2**30

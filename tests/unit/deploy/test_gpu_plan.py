@@ -1,4 +1,4 @@
-"""GPU layout planning (deploy.plan.plan_gpus) and the launcher's preflight checks (deploy/preflight.py).
+"""GPU layout planning (deploy.layout.plan_gpus) and the launcher's preflight checks (deploy/preflight.py).
 
 CPU only: the GPUs are described, never used.
 """
@@ -10,10 +10,20 @@ import struct
 
 import pytest
 
-from deploy.launcher import gpu_env, task_shorthand
-from deploy.plan import CPU_KV_CACHE_GB, GpuInfo, GpuPlan, LaunchConfig, LayoutError, plan_gpus, role_configs
+from deploy.launcher import task_shorthand
+from deploy.layout import (
+    DecoderShape,
+    GpuInfo,
+    GpuPlan,
+    LayoutError,
+    activation_bytes_per_token,
+    gpu_env,
+    plan_gpus,
+)
+from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, role_configs
 from deploy.preflight import (
     PreflightError,
+    decoder_shape,
     explain_failure,
     inspect_model,
     parse_nvidia_smi,
@@ -102,6 +112,72 @@ def test_vllm_share_must_hold_the_weights():
         plan_gpus("0-5", "6", h200s(8), n_params=8_300_000_000, gpu_memory_utilization=0.1)
 
 
+QWEN_7B, QWEN_3B = DecoderShape(28, 3584, 18944), DecoderShape(36, 2048, 11008)
+N_7B, N_3B = 8_292_166_656, 3_754_622_976
+
+
+def test_activation_estimate_matches_the_h200_calibration():
+    # selective checkpointing, per token of a training pack: measured 2.2 MB at 3B and 2.5-2.7 MB at 7B
+    assert activation_bytes_per_token(QWEN_3B, True, "selective") == pytest.approx(2.2e6, rel=0.02)
+    assert activation_bytes_per_token(QWEN_7B, True, "selective:20") == pytest.approx(3.0e6, rel=0.02)
+    full = activation_bytes_per_token(QWEN_7B, True, "full")
+    kept = activation_bytes_per_token(QWEN_7B, False, "selective")
+    assert full < activation_bytes_per_token(QWEN_7B, True, "selective") < kept
+    assert activation_bytes_per_token(None, True, "selective") == 0.0
+
+
+def _shared_h200(n_params, shape, pack_tokens, util=0.3):
+    return plan_gpus(
+        "0",
+        "0",
+        h200s(1, 140.4),
+        n_params=n_params,
+        kl=True,
+        master_weights="auto",
+        gpu_memory_utilization=util,
+        pack_tokens=pack_tokens,
+        token_bytes=activation_bytes_per_token(shape, True, "selective"),
+    )
+
+
+def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
+    # 7B beside vLLM at 0.3 of one H200: 16k packs ran out of memory there, 8k ran (bench/results/GPU.md)
+    plan = _shared_h200(N_7B, QWEN_7B, 16384)
+    assert plan.pack_tokens == 8192 and plan.pack_capped_from == 16384
+    assert "training packs capped at 8192 tokens (the config's 16384" in plan.describe()
+    assert _shared_h200(N_7B, QWEN_7B, 4096).pack_tokens == 4096  # a smaller pack is kept as it is
+    # 3B: 16k packs ran beside vLLM; the config's size stays and the plan says nothing of it
+    three = _shared_h200(N_3B, QWEN_3B, 16384)
+    assert (three.pack_tokens, three.pack_capped_from) == (16384, 0) and "capped" not in three.describe()
+    with pytest.raises(LayoutError, match=r"too little for the activations of a 1024-token training pack"):
+        _shared_h200(N_7B, QWEN_7B, 16384, util=0.52)
+    # without a shape (or a config pack size) nothing is capped
+    assert (
+        plan_gpus(
+            "0",
+            "0",
+            h200s(1),
+            n_params=N_7B,
+            kl=True,
+            master_weights="auto",
+            gpu_memory_utilization=0.3,
+            pack_tokens=16384,
+        ).pack_tokens
+        == 16384
+    )
+
+
+def test_role_configs_run_the_capped_pack_size():
+    cfg = LaunchConfig()
+    cfg.learner.batching.max_tokens_per_microbatch = 16384
+    plan = _shared_h200(N_7B, QWEN_7B, 16384)
+    configs = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)
+    assert configs["learner"].batching.max_tokens_per_microbatch == 8192
+    uncapped = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc", pack_tokens=16384)
+    configs = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=uncapped)
+    assert configs["learner"].batching.max_tokens_per_microbatch == 16384
+
+
 def test_role_configs_take_the_plan():
     cfg = LaunchConfig()
     plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc")
@@ -152,6 +228,15 @@ def _checkpoint(tmp_path, model_type="qwen2_5_vl", shapes=((4, 8), (3,))):
 def test_inspect_model_counts_parameters_from_the_headers(tmp_path):
     info = inspect_model(_checkpoint(tmp_path))
     assert info.n_params == 4 * 8 + 3
+
+
+def test_the_decoder_shape_comes_from_config_json():
+    assert (
+        decoder_shape({"num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944}) == QWEN_7B
+    )
+    nested = {"text_config": {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008}}
+    assert decoder_shape(nested) == QWEN_3B
+    assert decoder_shape({"hidden_size": 3584}) is None and decoder_shape({"text_config": None}) is None
 
 
 def test_a_checkpoint_that_is_not_qwen2_5_vl_is_refused_with_the_fix(tmp_path):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan import LaunchConfig, plan_gpus, role_configs
+from deploy.layout import plan_gpus
+from deploy.plan import LaunchConfig, role_configs
 from generator.config import GeneratorConfig
 from learner.config import LearnerConfig
 from reward_service.config import RewardConfig

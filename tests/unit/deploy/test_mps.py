@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from deploy.layout import GpuPlan, LayoutError
 from deploy.mps import MpsDaemon, check_layout
-from deploy.plan import GpuPlan, LaunchConfig, LayoutError
+from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied, ProcessGroup
 from runtime.config import load_config
 
