@@ -99,6 +99,9 @@ class BenchConfig:
     mps: bool = False
     """cuda: the runs share the GPU under CUDA MPS (`python -m deploy --mps`, deploy/mps.py) instead of
     time slices; rows say so (`mps`), and K = 0 without MPS stays the reference."""
+    mps_generator_sms: int = 100
+    """cuda, with --mps: the generator's cap on the GPU's multiprocessors in percent (`python -m deploy
+    --mps-generator-sms`); rows and run directories say so below 100."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
@@ -238,6 +241,11 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
         *("--learner.metrics.port", "0", "--generator.metrics.port", "0", "--reward.metrics.port", "0"),
         *("--generator.engine.gpu-memory-utilization", str(cfg.gpu_memory_utilization)),
         *(("--mps",) if cfg.mps else ()),
+        *(
+            ("--mps-generator-sms", str(cfg.mps_generator_sms))
+            if cfg.mps and cfg.mps_generator_sms < 100
+            else ()
+        ),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
         *(
@@ -260,8 +268,10 @@ def run_k(
 ) -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
+    sms = cfg.mps_generator_sms if mps else 100
     tokens = f"-{cfg.micro_tokens}t" if cfg.device == "cuda" and cfg.micro_tokens else ""
-    run_dir = work / f"k{k}-{mode}{'-mps' if mps else ''}{tokens}"  # a retry with other packs: its own
+    mps_tag = ("-mps" + (str(sms) if sms < 100 else "")) if mps else ""
+    run_dir = work / f"k{k}-{mode}{mps_tag}{tokens}"  # a retry with other packs or MPS caps: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -292,6 +302,7 @@ def run_k(
         "log_facts": log_facts(logs),
         "mode": mode,
         "mps": mps,
+        "mps_generator_sms": sms,
         "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,
@@ -397,7 +408,8 @@ def format_table(rows: list[dict]) -> str:
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        mode = r.get("mode", "batch") + ("+mps" if r.get("mps") else "")
+        sms = r.get("mps_generator_sms", 100)
+        mode = r.get("mode", "batch") + (("+mps" + (str(sms) if sms < 100 else "")) if r.get("mps") else "")
         if not r.get("steps_per_s"):
             out.append(f"{r['k']:>2} {mode:>8} not timed: {r.get('error')}")
             continue

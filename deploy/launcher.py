@@ -50,7 +50,7 @@ from pathlib import Path
 
 from broker.redis_server import redis_server_argv
 from deploy.layout import GpuPlan, LayoutError, activation_bytes_per_token, gpu_env, plan_gpus
-from deploy.mps import MpsDaemon, check_layout
+from deploy.mps import MpsDaemon, check_layout, generator_env
 from deploy.plan import LaunchConfig, role_configs, write_role_configs
 from deploy.preflight import (
     ModelInfo,
@@ -145,7 +145,12 @@ class Launcher:
         self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
         shared = gpus.kind == "shared"
         generator = self._start(
-            self.roles, "generator", "generator", ["--config", str(paths["generator"])], restart=not shared
+            self.roles,
+            "generator",
+            "generator",
+            ["--config", str(paths["generator"])],
+            env=generator_env(cfg.mps_generator_sms) if cfg.mps else None,
+            restart=not shared,
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
             self._wait_ready(generator, configs["generator"].metrics.port)
@@ -183,7 +188,7 @@ class Launcher:
             pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
             token_bytes=token_bytes,
         )
-        check_layout(cfg.mps, gpus)
+        check_layout(cfg.mps, gpus, cfg.mps_generator_sms)
         if gpus.kind != "cpu":
             require_vllm()
             for group in (self.infra, self.roles):

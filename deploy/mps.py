@@ -15,9 +15,10 @@ the server's, so each role keeps the driver index the plan gave it (the shared G
 is a short path under /tmp (the daemon's Unix sockets must fit 108 bytes), the log directory is
 `<run_dir>/mps/`. At the end the daemon gets `quit` after the roles have stopped. A client that cannot
 reach the daemon silently runs without MPS (the driver's rule), so the launcher waits for the daemon's
-control socket before it starts anything that uses the GPU. Whether CUDA-IPC weight sync and vLLM's
-start-up memory check behave under MPS on a given driver is for the first GPU run with `--mps` to show
-(bench/results/GPU.md).
+control socket before it starts anything that uses the GPU. `--mps-generator-sms P` caps the generator's
+kernels at P % of the multiprocessors (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the
+learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding. CUDA-IPC weight
+sync and vLLM's start-up memory check work under MPS (an H100, bench/results/GPU.md, session 17).
 """
 
 from __future__ import annotations
@@ -35,13 +36,29 @@ from deploy.processes import ChildDied, ProcessGroup
 CONTROL = "nvidia-cuda-mps-control"
 
 
-def check_layout(enabled: bool, gpus: GpuPlan) -> None:
-    """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error."""
+def check_layout(enabled: bool, gpus: GpuPlan, generator_sms: int = 100) -> None:
+    """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error, as is a
+    generator multiprocessor cap outside 1-100 or without --mps."""
     if enabled and gpus.kind != "shared":
         raise LayoutError(
             f"--mps lets the learner and the generator share one GPU, but this layout is {gpus.kind}: "
             "use it with --learner.gpus 0 --generator.gpus 0, or drop --mps"
         )
+    if not 1 <= generator_sms <= 100:
+        raise LayoutError(
+            f"--mps-generator-sms is a percentage of the GPU's multiprocessors (1-100), not {generator_sms}"
+        )
+    if generator_sms < 100 and not enabled:
+        raise LayoutError(
+            f"--mps-generator-sms {generator_sms} caps the generator's share of the GPU under MPS: add --mps"
+        )
+
+
+def generator_env(generator_sms: int) -> dict[str, str]:
+    """The generator's own MPS setting: its multiprocessor cap (none at 100, the driver's default)."""
+    if generator_sms >= 100:
+        return {}
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(generator_sms)}
 
 
 class MpsDaemon:

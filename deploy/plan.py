@@ -160,6 +160,11 @@ class LaunchConfig:
     mps: bool = False
     """On one shared GPU: run the learner and the generator under CUDA MPS, so that their kernels share the
     GPU instead of taking turns in time slices (deploy/mps.py; needs nvidia-cuda-mps-control)."""
+    mps_generator_sms: int = 100
+    """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
+    bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
+    crowded off."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

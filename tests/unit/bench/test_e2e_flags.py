@@ -118,6 +118,14 @@ def test_mps_runs_are_marked_and_never_the_reference():
     assert "batch+mps" in format_table([{**r, "error": "cut"} | {"steps_per_s": 0} for r in rows])
 
 
+def test_a_generator_cap_under_mps_reaches_the_launcher_and_the_row():
+    assert launch_config("7b", 1, mps=True, mps_generator_sms=40).mps_generator_sms == 40
+    assert launch_config("7b", 1, mps=True).mps_generator_sms == 100
+    assert launch_config("7b", 1, mps_generator_sms=40).mps_generator_sms == 100  # without --mps: no cap
+    row = {"k": 1, "mode": "batch", "mps": True, "mps_generator_sms": 40, "steps_per_s": 0, "error": "cut"}
+    assert "batch+mps40" in format_table([row])
+
+
 def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
     from bench.e2e import log_tails, run_logs
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deploy.layout import GpuPlan, LayoutError
-from deploy.mps import MpsDaemon, check_layout
+from deploy.mps import MpsDaemon, check_layout, generator_env
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied, ProcessGroup
 from runtime.config import load_config
@@ -100,3 +100,16 @@ def test_the_group_env_reaches_a_role(fake_control, tmp_path):
             time.sleep(0.05)
         assert (fake_control / "probe").read_text().strip() == str(mps.pipe_dir)
         mps.stop()
+
+
+def test_the_generator_cap_is_checked_and_reaches_only_the_generator():
+    cfg = load_config(LaunchConfig, ["--mps", "--mps-generator-sms", "40"])
+    assert cfg.mps_generator_sms == 40 and LaunchConfig().mps_generator_sms == 100
+    check_layout(True, SHARED, 40)
+    assert generator_env(40) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert generator_env(100) == {}  # no cap: the driver's default, nothing set
+    for bad in (0, 101, -5):
+        with pytest.raises(LayoutError, match="1-100"):
+            check_layout(True, SHARED, bad)
+    with pytest.raises(LayoutError, match="add --mps"):
+        check_layout(False, SHARED, 40)
