@@ -386,6 +386,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "generate_s": mean("generate_s"),
         "mfu": mean("mfu"),
         "learner_gpu_peak_gb": max((x.get("gpu_peak_gb", 0.0) for x in measured), default=0.0),
+        "learner_alloc_retries": max((x.get("gpu_alloc_retries", 0.0) for x in measured), default=0.0),
         "staleness": mean("staleness_mean"),
         "response_len": mean("response_len"),
         "samples_per_step": mean("samples"),

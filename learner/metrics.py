@@ -142,13 +142,18 @@ def mfu(flops: float, seconds: float, peak_flops: float, world_size: int = 1) ->
 
 
 def track_gpu_peak(device: torch.device) -> None:
-    """Start a new high-water mark of the memory allocated on `device` (nothing off CUDA)."""
+    """Start a new high-water mark of the memory allocated on `device`, and a new count of the caching
+    allocator's retries (nothing off CUDA)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def gpu_peak(device: torch.device) -> dict[str, float]:
-    """{"gpu_peak_gb": GB allocated at most since `track_gpu_peak`} on CUDA, {} elsewhere."""
+    """On CUDA, since `track_gpu_peak`: {"gpu_peak_gb": GB allocated at most, "gpu_alloc_retries": times
+    the caching allocator found no free block, emptied its cache and asked the driver again (each one
+    synchronises the device: a learner squeezed beside vLLM shows it here)}; {} elsewhere."""
     if device.type != "cuda":
         return {}
-    return {"gpu_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    return {"gpu_peak_gb": torch.cuda.max_memory_allocated(device) / 1e9, "gpu_alloc_retries": float(retries)}

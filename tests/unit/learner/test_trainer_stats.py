@@ -40,13 +40,19 @@ def test_the_gpu_peak_is_the_high_water_mark_since_the_step_began(monkeypatch):
     from learner.metrics import gpu_peak, track_gpu_peak
 
     assert gpu_peak(torch.device("cpu")) == {}  # no key on CPU: a 0 would read as a measurement
-    mark = {"peak": 7e9}
+    mark = {"peak": 7e9, "num_alloc_retries": 4}
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: mark.update(peak=1e9))
+    monkeypatch.setattr(
+        torch.cuda, "reset_accumulated_memory_stats", lambda d: mark.update(num_alloc_retries=0)
+    )
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: mark["peak"])
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": mark["num_alloc_retries"]}
+    )
     cuda = torch.device("cuda", 0)
-    assert gpu_peak(cuda) == {"gpu_peak_gb": 7.0}
-    track_gpu_peak(cuda)
-    assert gpu_peak(cuda) == {"gpu_peak_gb": 1.0}
+    assert gpu_peak(cuda) == {"gpu_peak_gb": 7.0, "gpu_alloc_retries": 4.0}
+    track_gpu_peak(cuda)  # a new step: a new high-water mark and a new count of retries
+    assert gpu_peak(cuda) == {"gpu_peak_gb": 1.0, "gpu_alloc_retries": 0.0}
 
 
 def test_the_step_metric_sums_are_read_in_order_in_one_transfer():
