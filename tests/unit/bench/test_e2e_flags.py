@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from bench.e2e import BenchConfig, format_table, gpu_args, main, measure, reference
+from bench.e2e import BenchConfig, gpu_args, main
+from bench.e2e_rows import format_table, measure, reference
 from deploy.layout import DecoderShape, GpuInfo, activation_bytes_per_token, learner_memory_gib, plan_gpus
 from deploy.plan import LaunchConfig
 from runtime.config import load_config
@@ -127,7 +128,7 @@ def test_a_generator_cap_under_mps_reaches_the_launcher_and_the_row():
 
 
 def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
-    from bench.e2e import log_tails, run_logs
+    from bench.e2e_rows import log_tails, run_logs
 
     run_dir = tmp_path / "k1-batch"
     (run_dir / "logs").mkdir(parents=True)
@@ -142,7 +143,7 @@ def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
 
 
 def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
-    from bench.e2e import log_facts, run_logs
+    from bench.e2e_rows import log_facts, run_logs
 
     run_dir = tmp_path / "k1-batch"
     (run_dir / "logs").mkdir(parents=True)
@@ -165,7 +166,7 @@ def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
 
 
 def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
-    from bench.e2e import ran_out_of_memory, run_logs
+    from bench.e2e_rows import ran_out_of_memory, run_logs
 
     oom, other = tmp_path / "k1-batch", tmp_path / "k0-batch"
     for run_dir in (oom, other):
