@@ -149,7 +149,7 @@ class Launcher:
             "generator",
             "generator",
             ["--config", str(paths["generator"])],
-            env=generator_env(cfg.mps_generator_sms) if cfg.mps else None,
+            env=generator_env(cfg.mps_generator_sms),  # {} without a cap (check_layout: only under --mps)
             restart=not shared,
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
