@@ -53,7 +53,16 @@ from pathlib import Path
 
 import tyro
 
-from bench.e2e_rows import format_table, log_facts, log_tails, measure, ran_out_of_memory, reference, run_logs
+from bench.e2e_rows import (
+    format_table,
+    log_facts,
+    log_tails,
+    measure,
+    mps_label,
+    ran_out_of_memory,
+    reference,
+    run_logs,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -256,8 +265,8 @@ def run_k(
     mps = cfg.device == "cuda" and cfg.mps
     sms = cfg.mps_generator_sms if mps else 100
     tokens = f"-{cfg.micro_tokens}t" if cfg.device == "cuda" and cfg.micro_tokens else ""
-    mps_tag = ("-mps" + (str(sms) if sms < 100 else "")) if mps else ""
-    run_dir = work / f"k{k}-{mode}{mps_tag}{tokens}"  # a retry with other packs or MPS caps: its own
+    label = mps_label(mps, sms)
+    run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{tokens}"  # other packs or MPS: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()

@@ -109,6 +109,14 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
     }
 
 
+def mps_label(mps: bool, generator_sms: int = 100) -> str:
+    """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps", or
+    "mps40" (MPS with the generator capped at 40 % of the multiprocessors)."""
+    if not mps:
+        return ""
+    return "mps" + (str(generator_sms) if generator_sms < 100 else "")
+
+
 def reference(rows: list[dict]) -> dict:
     """The row every speedup is against: K = 0 with the batch loop if it ran, else the first row."""
     timed = [r for r in rows if r.get("steps_per_s")] or rows
@@ -125,8 +133,8 @@ def format_table(rows: list[dict]) -> str:
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        sms = r.get("mps_generator_sms", 100)
-        mode = r.get("mode", "batch") + (("+mps" + (str(sms) if sms < 100 else "")) if r.get("mps") else "")
+        label = mps_label(r.get("mps", False), r.get("mps_generator_sms", 100))
+        mode = r.get("mode", "batch") + (f"+{label}" if label else "")
         if not r.get("steps_per_s"):
             out.append(f"{r['k']:>2} {mode:>8} not timed: {r.get('error')}")
             continue
