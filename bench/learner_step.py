@@ -57,6 +57,7 @@ import tyro
 
 from bench import learner_workload as inputs
 from bench.common import check_device, write_result
+from bench.step_profile import profile_call
 
 PEAK_TFLOPS = 989.0
 """Dense bf16 peak of an H100/H200 SXM (the LM-MFU denominator)."""
@@ -107,6 +108,10 @@ class BenchConfig:
     """Timed train steps per variant."""
     reserve_frac: float = 0.0
     """Share of the GPU's memory held back for the whole run (a co-located generator's share)."""
+    profile_groups: int = 0
+    """After the timed steps, one more step of this many groups under torch.profiler (0: none): the row's
+    `profile` says how much of it the GPU computed, how often the host waited for it, and the top
+    kernels (bench/step_profile.py)."""
     out: Path | None = None
     """JSON path (default bench/results/learner_step_<model>.json; _cpu for --device cpu)."""
 
@@ -224,6 +229,9 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
         out.update(
             {key: max(p[key] for p in peaks) for key in (peaks[0] if peaks else ())}
         )  # timed steps' peaks
+        if cfg.profile_groups > 0:
+            groups = make.groups(cfg.profile_groups, learner.state.version)
+            _, out["profile"] = profile_call(lambda: learner.train_step(groups), learner.info.device)
     finally:
         # rebinding (not del) frees them even while a traceback still holds this frame
         learner = timers = make = hold = None  # noqa: F841
@@ -275,6 +283,13 @@ def format_table(report: dict) -> str:
             f"{r.get('peak_gb', 0):>8.1f} {r.get('host_state_gb', 0):>8.1f} "
             f"{r.get('speedup_vs_padded', ''):>8}"
         )
+    for name, r in report["variants"].items():
+        if "profile" in r:
+            p = r["profile"]
+            lines.append(
+                f"{name}: profiled step {p['wall_s']:.2f} s, GPU busy {p['gpu_busy_frac']:.0%}, "
+                f"{p['host_syncs']} host syncs; top: " + ", ".join(t["name"][:40] for t in p["top"][:5])
+            )
     return "\n".join(lines)
 
 
