@@ -8,6 +8,7 @@ files into one archive in $OUT (a call brings back at most 8 files: a queue has 
 
     python3 -m bench.device_queue start bench/queues/h200.txt --dir /tmp/queue     # returns at once
     python3 -m bench.device_queue poll 540 --dir /tmp/queue --out "$OUT"           # until done or 540 s
+    python3 -m bench.device_queue poll 570 --until e2e_3b_k0.json --out "$OUT"     # or that result is in
     tar xzf <files_at>/queue.tar.gz -C /tmp/q      # here: state.json, NN.log, results/
     python3 -m bench.device_queue fit-bundle .gpu   # here, before a session: parts that fit beside the tree
 
@@ -107,18 +108,20 @@ def run(qdir: Path) -> None:
     _write_state(qdir, state)
 
 
-def poll(qdir: Path, timeout_s: float, out: Path | None) -> bool:
-    """Report until the queue is done or `timeout_s` passes; copy what finished to `out`. True if done."""
+def poll(qdir: Path, timeout_s: float, out: Path | None, until: str | None = None) -> bool:
+    """Report until the queue is done, `timeout_s` passes or the result file `until` exists; copy what
+    finished to `out`. True if done. A machine without the queue (a fresh one) fails at once."""
     deadline, seen, last_tail = time.monotonic() + timeout_s, set(), time.monotonic()
     while True:
         state = _read_state(qdir)
+        arrived = until is not None and (qdir / "results" / until).exists()
         for step in state["steps"]:
             for event in ("start", "end"):
                 if step.get(event) is not None and (step["index"], event) not in seen:
                     seen.add((step["index"], event))
                     print(_describe(step, event, state["started"]), flush=True)
         running = [s for s in state["steps"] if s["rc"] is None]
-        if state["done"] or time.monotonic() >= deadline:
+        if state["done"] or arrived or time.monotonic() >= deadline:
             break
         if running and time.monotonic() - last_tail >= TAIL_EVERY_S:
             print(_tail(qdir / running[0]["log"]), flush=True)
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     p_poll = sub.add_parser("poll", help="report until the queue is done or TIMEOUT_S passes")
     p_poll.add_argument("timeout_s", type=float)
     p_poll.add_argument("--out", type=Path, default=None, help="copy logs and results here (the call's $OUT)")
+    p_poll.add_argument("--until", default=None, help="return as soon as this file is in the results")
     p_run = sub.add_parser("run", help="(internal) the detached runner")
     for p in (p_start, p_poll, p_run):
         p.add_argument("--dir", type=Path, default=Path("/tmp/queue"), help="the queue's working directory")
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.action == "start":
         start(args.queue, args.dir, args.skip)
     elif args.action == "poll":
-        poll(args.dir, args.timeout_s, args.out)
+        poll(args.dir, args.timeout_s, args.out, args.until)
     else:
         run(args.dir)
 

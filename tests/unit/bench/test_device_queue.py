@@ -117,6 +117,22 @@ def test_a_poll_returns_at_its_timeout_while_a_command_runs_and_a_second_start_i
         os.killpg(pid, signal.SIGTERM)  # the runner leads its own session: bash and sleep go with it
 
 
+def test_a_poll_until_a_result_returns_when_that_file_lands_with_later_commands_still_running(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    queue = tmp_path / "q.txt"
+    queue.write_text('sleep 1; echo 1 > "$QUEUE_RESULTS/first.json"\nsleep 30\n')
+    qdir = tmp_path / "queue"
+    pid = start(queue, qdir)
+    try:
+        t0 = time.monotonic()
+        assert not poll(qdir, timeout_s=25.0, out=None, until="first.json")
+        assert time.monotonic() - t0 < 20 and (qdir / "results/first.json").exists()
+    finally:
+        os.killpg(pid, signal.SIGTERM)
+
+
 def test_a_poll_keeps_a_long_logs_end_only(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     qdir = tmp_path / "queue"
