@@ -55,6 +55,7 @@ import tyro
 
 from bench.e2e_rows import (
     format_table,
+    learner_facts,
     log_facts,
     log_tails,
     measure,
@@ -100,6 +101,11 @@ class BenchConfig:
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
+    checkpoint_mode: str = ""
+    """cuda: the learner's activation recomputation (parallel.checkpoint_mode: selective | full | none; "" =
+    the config's selective). "full" keeps each decoder block's input only, about a fifth of selective's
+    activations at 3B, so packs several times larger fit beside vLLM (`deploy/layout.py`), for a third more
+    forward FLOPs; rows say what the learner ran (`learner_pack_tokens`, `learner_checkpoint_mode`)."""
     launch_config: Path = Path("deploy/configs/qwen2_5_vl_7b_geometry3k.toml")
     """cuda: the launcher config the runs start from."""
     merge: tuple[Path, ...] = ()
@@ -248,6 +254,7 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
             if cfg.micro_tokens
             else ()
         ),
+        *(("--learner.parallel.checkpoint-mode", cfg.checkpoint_mode) if cfg.checkpoint_mode else ()),
     ]
 
 
@@ -264,9 +271,11 @@ def run_k(
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
     sms = cfg.mps_generator_sms if mps else 100
-    tokens = f"-{cfg.micro_tokens}t" if cfg.device == "cuda" and cfg.micro_tokens else ""
+    cuda = cfg.device == "cuda"
+    tokens = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
+    tokens += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
     label = mps_label(mps, sms)
-    run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{tokens}"  # other packs or MPS: its own
+    run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{tokens}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -298,6 +307,7 @@ def run_k(
         "mode": mode,
         "mps": mps,
         "mps_generator_sms": sms,
+        **learner_facts(run_dir),
         "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,

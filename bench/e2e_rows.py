@@ -1,6 +1,8 @@
 """One end-to-end run's row and the table of rows (bench/e2e.py runs them; `python -m bench.e2e` prints it).
 
 From each run's learner/metrics.jsonl, over the steps after the warm-up:
+  learner    the learner's training packs and recomputation as it ran them (its resolved config: `8k sel` =
+             8,192-token packs under selective recomputation, `32k full` = 32k under full);
   steps/s    steps / wall time between the first and last measured step;
   wait       learner blocked waiting for a step's scored groups (generation + reward not overlapped);
   train      the learner's step (forward, backward, AdamW; the no-grad passes), of which
@@ -21,6 +23,7 @@ out of memory (`ran_out_of_memory`): the device keeps no files after the call.
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from pathlib import Path
@@ -109,6 +112,30 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
     }
 
 
+def learner_facts(run_dir: Path) -> dict:
+    """What the run's learner trained with, from the resolved config it wrote (`learner/config.learner.json`,
+    after the launcher's layout capped its packs): pack size, recomputation, compilation; {} without it."""
+    path = run_dir / "learner" / "config.learner.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    return {
+        "learner_pack_tokens": cfg["batching"]["max_tokens_per_microbatch"],
+        "learner_checkpoint_mode": cfg["parallel"]["checkpoint_mode"]
+        if cfg["parallel"]["activation_checkpointing"]
+        else "none",
+        "learner_compile": cfg["parallel"]["compile"],
+    }
+
+
+def learner_label(row: dict) -> str:
+    """A row's packs and recomputation for its table line, e.g. "8k sel" or "32k full" ("" if unknown)."""
+    tokens, mode = row.get("learner_pack_tokens"), row.get("learner_checkpoint_mode")
+    if not tokens:
+        return ""
+    return f"{tokens // 1024}k {(mode or '?').replace('selective', 'sel')}"
+
+
 def mps_label(mps: bool, generator_sms: int = 100) -> str:
     """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps", or
     "mps40" (MPS with the generator capped at 40 % of the multiprocessors)."""
@@ -127,7 +154,8 @@ def reference(rows: list[dict]) -> dict:
 def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
-        f"{'K':>2} {'mode':>8} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} {'wait':>6} "
+        f"{'K':>2} {'mode':>8} {'learner':>9} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} "
+        f"{'wait':>6} "
         f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
         f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8}"
     )
@@ -136,11 +164,11 @@ def format_table(rows: list[dict]) -> str:
         label = mps_label(r.get("mps", False), r.get("mps_generator_sms", 100))
         mode = r.get("mode", "batch") + (f"+{label}" if label else "")
         if not r.get("steps_per_s"):
-            out.append(f"{r['k']:>2} {mode:>8} not timed: {r.get('error')}")
+            out.append(f"{r['k']:>2} {mode:>8} {learner_label(r):>9} not timed: {r.get('error')}")
             continue
         speedup = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else 0.0
         out.append(
-            f"{r['k']:>2} {mode:>8} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
+            f"{r['k']:>2} {mode:>8} {learner_label(r):>9} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
             f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
             f"{r['wait_s']:>6.2f} {r['train_s']:>6.2f} {r.get('train_pass_s', 0):>7.2f} "
             f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "

@@ -239,3 +239,55 @@ def test_a_merge_keeps_where_the_rows_ran(tmp_path):
     assert merged["machine"] == {"cpus": 16, "platform": "gpu-host"} and merged["date"] == "2026-12-01"
     assert "GPU" in merged["note"] and merged["merged"][1] == "python -m bench.e2e --ks 1"
     assert merged["results"][1]["speedup_vs_k0"] == pytest.approx(1.2)
+
+
+H100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+
+
+@pytest.mark.parametrize(
+    ("mode", "asked", "runs"), [("", 8192, 8192), ("full", 32768, 32768), ("", 32768, 8192)]
+)
+def test_full_recomputation_lets_the_3b_run_larger_packs_beside_vllm_on_an_h100(mode, asked, runs):
+    """The queue's 3B rows: selective recomputation fits 8k packs beside vLLM at 0.3 of an H100 (larger ones
+    are capped), full recomputation fits 32k."""
+    cfg = launch_config("3b", 1, micro_tokens=asked, checkpoint_mode=mode)
+    parallel = cfg.learner.parallel
+    assert parallel.checkpoint_mode == (mode or "selective")
+    plan = plan_gpus(
+        cfg.learner.gpus,
+        cfg.generator.gpus,
+        H100,
+        n_params=N_PARAMS["3b"],
+        kl=cfg.learner.loss.kl_coef > 0,
+        master_weights=cfg.learner.optim.master_weights,
+        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+        pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
+        token_bytes=activation_bytes_per_token(SHAPES["3b"], True, parallel.checkpoint_mode),
+    )
+    assert plan.pack_tokens == runs
+
+
+def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
+    import json
+
+    from bench.e2e_rows import learner_facts, learner_label
+
+    assert learner_facts(tmp_path) == {}  # a run that never started its learner
+    (tmp_path / "learner").mkdir()
+    config = {
+        "batching": {"max_tokens_per_microbatch": 32768},
+        "parallel": {"activation_checkpointing": True, "checkpoint_mode": "full", "compile": "elementwise"},
+    }
+    (tmp_path / "learner" / "config.learner.json").write_text(json.dumps(config))
+    facts = learner_facts(tmp_path)
+    assert facts == {
+        "learner_pack_tokens": 32768,
+        "learner_checkpoint_mode": "full",
+        "learner_compile": "elementwise",
+    }
+    assert learner_label(facts) == "32k full"
+    assert learner_label({"learner_pack_tokens": 8192, "learner_checkpoint_mode": "selective"}) == "8k sel"
+    config["parallel"]["activation_checkpointing"] = False
+    (tmp_path / "learner" / "config.learner.json").write_text(json.dumps(config))
+    assert learner_label(learner_facts(tmp_path)) == "32k none"
+    assert learner_label({}) == ""
