@@ -11,17 +11,28 @@ returns fn's result with a summary:
   host_syncs     how many times the host waited for the device (`.item()`, `.tolist()`, `int(tensor)`: the
                  `aten::_local_scalar_dense` calls, and explicit stream / device / event synchronizes);
   top            the `top` operators and kernels by self device time (by self CPU time on CPU): name,
-                 calls, self device ms, self CPU ms.
+                 calls, self device ms, self CPU ms;
+  sync_sites     (CUDA) where the host waited: torch's sync debug mode warns at every synchronizing operation
+                 (`torch.cuda.set_sync_debug_mode`), and each warning is counted by its call site, the
+                 innermost three frames of this repository or transformers ("forward.py:177 < ..."), most
+                 frequent first; `syncs_flagged` is their total (explicit event waits are not flagged).
 No trace file is written: a training step's trace runs to hundreds of megabytes.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SYNC_KEYS = (
     "aten::_local_scalar_dense",
@@ -39,12 +50,59 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with sync_sites(device) as sites, profile(activities=activities) as prof:
         result = fn()
         if cuda:
             torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
-    return result, summarise(prof.key_averages(), wall, cuda, top)
+    summary = summarise(prof.key_averages(), wall, cuda, top)
+    if cuda:
+        summary["syncs_flagged"] = sum(sites.values())
+        summary["sync_sites"] = [{"site": k, "count": n} for k, n in sites.most_common(top)]
+    return result, summary
+
+
+@contextlib.contextmanager
+def sync_sites(device: torch.device) -> Iterator[collections.Counter]:
+    """Count the synchronizing CUDA operations run inside the block by call site (nothing on CPU)."""
+    if device.type != "cuda":
+        yield collections.Counter()
+        return
+    with recording("synchronizing") as counts:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def recording(text: str) -> Iterator[collections.Counter]:
+    """Count the warnings whose message holds `text` by call site instead of printing them (others print)."""
+    counts: collections.Counter = collections.Counter()
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if text in str(message):
+                counts[call_site()] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield counts
+
+
+def call_site(depth: int = 3) -> str:
+    """The innermost `depth` frames of this repository or transformers on the stack, innermost first."""
+    frames = [
+        f
+        for f in traceback.extract_stack()
+        if "site-packages/transformers/" in f.filename
+        or (f.filename.startswith(str(ROOT)) and f.filename != __file__)
+    ]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:depth]) or "?"
 
 
 def summarise(events, wall_s: float, cuda: bool, top: int = 25) -> dict:

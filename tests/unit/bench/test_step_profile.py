@@ -44,3 +44,22 @@ def test_summarise_counts_each_kernel_once():
     assert abs(summary["gpu_busy_frac"] - 0.3) < 1e-9
     assert summary["host_syncs"] == 6
     assert [row["self_device_ms"] for row in summary["top"]] == [0.6, 0.6]
+
+
+def test_warnings_are_counted_by_their_call_site_and_others_still_shown(recwarn):
+    import warnings
+
+    from bench.step_profile import recording
+
+    def synchronizing():
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    with recording("synchronizing") as counts:
+        for _ in range(3):
+            synchronizing()
+        synchronizing()
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert sum(counts.values()) == 4 and len(counts) == 2  # two lines call it
+    site = max(counts, key=counts.get)
+    assert counts[site] == 3 and site.startswith("test_step_profile.py:")
+    assert [str(w.message) for w in recwarn] == ["something else"]
