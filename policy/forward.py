@@ -127,11 +127,9 @@ def varlen_attention(
 
 def _torch_varlen(q, k, v, cu, cu_k, max_len, max_k, scaling, causal) -> torch.Tensor:
     """torch.nn.attention.varlen.varlen_attn; GQA by repeating heads where the kernel cannot."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params()
     kwargs = {"scale": scaling}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -144,6 +142,17 @@ def _torch_varlen(q, k, v, cu, cu_k, max_len, max_k, scaling, causal) -> torch.T
     else:
         kwargs["is_causal"] = causal
     return varlen_attn(q, k, v, cu, cu_k, max_len, max_k, **kwargs)
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword names torch's `varlen_attn` takes (they changed between torch releases), read once: a
+    training step calls it once per layer and pack, forward and backward."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _sdpa_per_sequence(query, key, value, cu, cu_k, dropout, scaling, causal) -> torch.Tensor:

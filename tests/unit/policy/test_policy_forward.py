@@ -190,3 +190,11 @@ def test_split_per_image_takes_both_transformers_layouts_of_deepstack_features()
     assert torch.equal(torch.cat(split), whole)
     already = split_per_image(torch.split(whole, [4, 3]), [4, 3])
     assert all(torch.equal(a, b) for a, b in zip(already, split))
+
+
+def test_varlen_kernel_keywords_are_read_once_and_name_what_the_call_passes():
+    from policy.forward import _varlen_params
+
+    params = _varlen_params()
+    assert "scale" in params and ({"window_size", "is_causal"} & params)
+    assert _varlen_params() is params  # cached: not inspected once per layer and pack
