@@ -37,7 +37,9 @@ class GroupMaker:
         self.pad = tok.convert_tokens_to_ids("<|image_pad|>")
         self.start = tok.convert_tokens_to_ids("<|vision_start|>")
         self.end = tok.convert_tokens_to_ids("<|vision_end|>")
-        self.vocab = min(len(tok), 151643) - 1  # below Qwen's special tokens
+        # below every added token (Qwen's specials from 151643; a local tokenizer's image pad among them):
+        # a random id that is the image pad would make a prompt with more pads than images
+        self.vocab = min([len(tok), 151643, *tok.get_added_vocab().values()])
 
     def _png(self) -> bytes:
         from PIL import Image
