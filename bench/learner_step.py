@@ -81,8 +81,7 @@ class BenchConfig:
     """`python -m bench.learner_step`: padded baseline vs the learner's train step, in one run."""
 
     model: str = "7b"
-    """Model shapes: 7b | 3b (published Qwen2.5-VL shapes, random weights) | tiny (toy widths) | tiny-deep
-    (toy widths at the 3B's depth: on CPU a step's time is then its host part, compute being negligible)."""
+    """Model shapes: 7b | 3b (published Qwen2.5-VL shapes, random weights) | tiny (toy widths)."""
     device: str = "cuda"
     """cuda or cpu (cpu: tiny shapes and small steps unless given; checks the script, not the speed)."""
     config: Path = Path("deploy/configs/learner.toml")
@@ -117,10 +116,10 @@ class BenchConfig:
     """JSON path (default bench/results/learner_step_<model>.json; _cpu for --device cpu)."""
 
     def resolve(self) -> BenchConfig:
-        if self.device == "cpu" and self.model in ("7b", "3b", "tiny-deep"):
+        if self.device == "cpu" and self.model in ("7b", "3b"):
             return dataclasses.replace(
                 self,
-                model="tiny-deep" if self.model == "tiny-deep" else "tiny",
+                model="tiny",
                 groups=min(self.groups, 4),
                 group_size=min(self.group_size, 3),
                 response=min(self.response, 24),

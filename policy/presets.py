@@ -18,9 +18,6 @@ Presets:
   Qwen2.5-0.5B's text widths (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864) at half its depth (12
   layers), and a Qwen2.5-VL vision tower at 1/2 width and 1/4 depth (8 blocks of 640, MLP 2.67x, windowed
   attention with full attention in blocks 3 and 7, as the published tower has in every 8th block).
-- tiny-deep: tiny widths at the published 3B's depth (36 decoder layers, 32 vision blocks): the host's
-  part of a training step (dispatch, Python, autograd), measured on CPU where compute is negligible
-  (`python -m bench.learner_step --device cpu --model tiny-deep`).
 - tiny-fullvocab: tiny widths with Qwen's whole vocabulary and token ids, so inputs written for the
   real models (image token 151655, ...) run on it; GPU tests and `--device cpu` bench runs.
 - qwen3-vl-tiny, qwen3-vl-small: tiny and small as Qwen3-VL (tests; the demo with `--preset`).
@@ -189,11 +186,6 @@ PRESETS: dict[str, Preset] = {
         fullatt_block_indexes=(3, 7),
     ),
     "tiny-fullvocab": _TINY_FULLVOCAB,
-    # tiny widths at the published 3B's depth: a step's compute is negligible, so its CPU time is the
-    # host's part (operator dispatch, Python, autograd) of the 3B's step on a GPU
-    "tiny-deep": dataclasses.replace(
-        _TINY, layers=36, vision_depth=32, fullatt_block_indexes=(7, 15, 23, 31)
-    ),
     # 3 decoder layers: DeepStack's additions after layers 0 and 1 reach the logits
     "qwen3-vl-tiny": _as_qwen3_vl(_TINY, layers=3, vision_depth=3, deepstack=(0, 1)),
     "qwen3-vl-small": _as_qwen3_vl(_SMALL, deepstack=(1, 2)),

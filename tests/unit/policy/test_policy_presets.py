@@ -185,7 +185,6 @@ EVERY_PRESET = {
             max_position_embeddings=128000,
         ),
     ),
-    "tiny-deep": ((128, 36, 4, 2, 256, 32, 64, 2, 128), dict(fullatt_block_indexes=(7, 15, 23, 31))),
     "qwen3-vl-tiny": ((128, 3, 4, 2, 256, 3, 64, 2, 128), dict(_QWEN3, deepstack=(0, 1))),
     "qwen3-vl-small": ((256, 4, 4, 2, 768, 4, 128, 4, 256), dict(_QWEN3, deepstack=(1, 2))),
     "qwen3-vl-tiny-fullvocab": (
