@@ -113,14 +113,13 @@ def summarise(events, wall_s: float, cuda: bool, top: int = 25) -> dict:
             "calls": int(e.count),
             "self_device_ms": _device_us(e) / 1e3,
             "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "range": _is_range(e),  # a record_function span: its device time is not a kernel's
         }
         for e in events
     ]
     kernels_us = sum(_device_us(e) for e in events if _is_kernel(e))
-    if (
-        cuda and not kernels_us
-    ):  # no device-side rows: each kernel's time is its launching operator's self time
-        kernels_us = sum(_device_us(e) for e in events)
+    if cuda and not kernels_us:  # no device-side rows: a kernel's time is its launching operator's
+        kernels_us = sum(_device_us(e) for e in events if not _is_range(e))
     order = "self_device_ms" if cuda else "self_cpu_ms"
     rows.sort(key=lambda r: r[order], reverse=True)
     return {
@@ -142,6 +141,14 @@ def _device_us(event) -> float:
 
 def _is_kernel(event) -> bool:
     """A device-side event (a kernel or memcpy/memset) rather than a host operator that launched one:
-    summing only these counts each kernel once."""
+    summing only these counts each kernel once. A `record_function` range (the optimizer's step, a compiled
+    region) also has a device-side row, its span on the GPU: not a kernel, and it would count its kernels
+    twice (session 19's first summary counted the 2.9 s span of the optimizer's step as busy time)."""
     kind = getattr(event, "device_type", None)
-    return kind is not None and getattr(kind, "name", str(kind)) == "CUDA"
+    device = kind is not None and getattr(kind, "name", str(kind)) == "CUDA"
+    return device and not _is_range(event)
+
+
+def _is_range(event) -> bool:
+    """A `record_function` range (torch's `is_user_annotation`), not an operator or a kernel."""
+    return bool(getattr(event, "is_user_annotation", False))

@@ -22,13 +22,14 @@ def test_profile_call_counts_host_syncs_and_ranks_operators():
     assert len(names) == 5 and "aten::mm" in names
 
 
-def _event(key, self_device_us, device, count=1):
+def _event(key, self_device_us, device, count=1, annotation=False):
     return SimpleNamespace(
         key=key,
         count=count,
         self_device_time_total=self_device_us,
         self_cpu_time_total=10.0,
         device_type=SimpleNamespace(name=device),
+        is_user_annotation=annotation,
     )
 
 
@@ -38,12 +39,14 @@ def test_summarise_counts_each_kernel_once():
         _event("sm90_gemm_kernel", 600.0, "CUDA"),
         _event("cudaStreamSynchronize", 0.0, "CPU", count=4),
         _event("aten::_local_scalar_dense", 0.0, "CPU", count=2),
+        _event("Optimizer.step#AdamW.step", 1500.0, "CUDA", annotation=True),  # a span around kernels
     ]
     summary = summarise(events, wall_s=0.002, cuda=True, top=2)
     assert summary["gpu_busy_s"] == 600e-6
     assert abs(summary["gpu_busy_frac"] - 0.3) < 1e-9
     assert summary["host_syncs"] == 6
-    assert [row["self_device_ms"] for row in summary["top"]] == [0.6, 0.6]
+    assert [row["self_device_ms"] for row in summary["top"]] == [1.5, 0.6]
+    assert summary["top"][0]["range"] and not summary["top"][1]["range"]
 
 
 def test_warnings_are_counted_by_their_call_site_and_others_still_shown(recwarn):
