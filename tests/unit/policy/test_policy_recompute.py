@@ -45,8 +45,9 @@ def test_parse_mode():
         parse_mode("selective:4", 3)
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
 @pytest.mark.parametrize("mode", ["elementwise", "blocks"])
-def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, tiny_model, mode):
+def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, tiny_model, mode, recompute):
     import copy
 
     from policy.compile import apply_compile
@@ -55,7 +56,7 @@ def test_compiled_models_give_the_same_logprobs_and_gradients(tiny_processor, ti
     pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     batch = pack(make_samples(tiny_processor, (1, 0), seed=4), pad)
     model = copy.deepcopy(tiny_model).train()
-    apply_recompute(model, "selective", "full")
+    apply_recompute(model, recompute, "full")
     policy = PackedPolicy(model, chunk_size=16)
 
     def run():
