@@ -272,10 +272,10 @@ def run_k(
     mps = cfg.device == "cuda" and cfg.mps
     sms = cfg.mps_generator_sms if mps else 100
     cuda = cfg.device == "cuda"
-    tokens = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
-    tokens += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
+    learner = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
+    learner += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
     label = mps_label(mps, sms)
-    run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{tokens}"  # other packs, MPS...: its own
+    run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{learner}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
     t0 = time.time()

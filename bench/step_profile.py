@@ -8,8 +8,9 @@ returns fn's result with a summary:
   gpu_busy_s     the summed self time of every kernel (0 on CPU): against wall_s, the share of the call the
                  GPU computed, so a step bound by kernel launches or host work shows up as a low share;
   gpu_busy_frac  gpu_busy_s / wall_s;
-  host_syncs     how many times the host waited for the device (`.item()`, `.tolist()`, `int(tensor)`: the
-                 `aten::_local_scalar_dense` calls, and explicit stream / device / event synchronizes);
+  host_syncs     the host's waits for the device as the profiler records them: `aten::_local_scalar_dense`
+                 (`.item()`, `int(tensor)`) and the CUDA runtime's stream / device / event synchronizes (an
+                 `.item()` counts twice, as the operator and the stream synchronize it issues);
   top            the `top` operators and kernels by self device time (by self CPU time on CPU): name,
                  calls, self device ms, self CPU ms;
   sync_sites     (CUDA) where the host waited: torch's sync debug mode warns at every synchronizing operation
