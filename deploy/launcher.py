@@ -49,7 +49,7 @@ import uuid
 from pathlib import Path
 
 from broker.redis_server import redis_server_argv
-from deploy.layout import GpuPlan, LayoutError, activation_bytes_per_token, gpu_env, plan_gpus
+from deploy.layout import GpuPlan, LayoutError, gpu_env, plan_recompute
 from deploy.mps import MpsDaemon, check_layout, generator_env
 from deploy.plan import LaunchConfig, role_configs, write_role_configs
 from deploy.preflight import (
@@ -166,27 +166,26 @@ class Launcher:
         self._train(learner, configs["generator"].metrics.port)
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
-        """The GPU layout (deploy.layout.plan_gpus) on this machine's GPUs, with `model`'s memory (None: the
-        indices and overlaps only); a GPU run needs vLLM importable."""
+        """The GPU layout (deploy.layout.plan_recompute, plan_gpus) on this machine's GPUs, with `model`'s
+        memory (None: the indices and overlaps only); a GPU run needs vLLM importable."""
         cfg = self.cfg
         wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
         n_params = model.n_params if model else 0
-        parallel = cfg.learner.parallel
-        shape = model.shape if model else None
-        token_bytes = activation_bytes_per_token(
-            shape, parallel.activation_checkpointing, parallel.checkpoint_mode
-        )
-        gpus = plan_gpus(
-            cfg.learner.gpus,
-            cfg.generator.gpus,
-            visible_gpus() if wanted else [],
+        parallel, batching = cfg.learner.parallel, cfg.learner.batching
+        gpus = plan_recompute(
+            parallel.checkpoint_mode,
+            model.shape if model else None,
+            parallel.activation_checkpointing,
+            batching.max_tokens_per_microbatch,
+            batching.no_grad_tokens_per_microbatch,
+            learner_gpus=cfg.learner.gpus,
+            generator_gpus=cfg.generator.gpus,
+            visible=visible_gpus() if wanted else [],
             tp=cfg.generator.tp,
             n_params=n_params,
             kl=cfg.learner.loss.kl_coef > 0,
             master_weights=cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-            pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
-            token_bytes=token_bytes,
         )
         check_layout(cfg.mps, gpus, cfg.mps_generator_sms)
         if gpus.kind != "cpu":

@@ -6,7 +6,9 @@ weights travel between them, and whether the learner's memory fits (`plan_gpus` 
   vLLM's `gpu_memory_utilization` and the learner.
 - split (disjoint GPU sets): NCCL broadcast, one vLLM engine per GPU (or tensor-parallel group).
 On either GPU layout the training packs are capped at the largest that fits beside the learner's states
-(`largest_pack`), and the plan says so when that is below the config's.
+(`largest_pack`), and the plan says so when that is below the config's. With the learner's checkpoint_mode
+"auto", `plan_recompute` also chooses its recomputation: selective where the config's packs fit, else full at
+larger packs.
 
 Memory is estimated, never measured here (the launcher never initialises CUDA): `learner_memory_gib` for the
 states, `activation_bytes_per_token` for a training pack, both calibrated on an H200 (bench/results/GPU.md).
@@ -16,6 +18,7 @@ tests/unit/deploy/test_gpu_plan.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,6 +67,9 @@ class GpuPlan:
     or the largest that fits beside the learner's states when the config's does not (0 = not planned: CPU)."""
     pack_capped_from: int = 0
     """The config's pack size when `pack_tokens` had to be lowered below it (0 = not capped)."""
+    checkpoint_mode: str = ""
+    """The learner's recomputation this layout chose for the config's checkpoint_mode "auto"
+    (`plan_recompute`; "" = the config's own)."""
 
     def describe(self) -> str:
         if self.kind == "cpu":
@@ -75,10 +81,16 @@ class GpuPlan:
             if self.pack_capped_from
             else ""
         )
+        chosen = (
+            f"; {self.checkpoint_mode} recomputation at {self.pack_tokens}-token training packs "
+            "(checkpoint_mode auto)"
+            if self.checkpoint_mode
+            else ""
+        )
         return (
             f"{self.kind} GPUs: learner {self.learner_gpus} (~{self.learner_gib:.1f} GiB each), "
             f"generator engines [{engines}] (up to {self.generator_gib:.1f} GiB each), "
-            f"weights by {self.weight_transport}{capped}"
+            f"weights by {self.weight_transport}{capped}{chosen}"
         )
 
 
@@ -139,6 +151,30 @@ def largest_pack(free_gib: float, token_bytes: float) -> int:
     learner's states, keeping NO_GRAD_MARGIN_GIB; 0 when not even 1024 tokens fit."""
     tokens = int(max(free_gib - NO_GRAD_MARGIN_GIB, 0.0) * 2**30 / token_bytes)
     return 0 if tokens < 1024 else 1 << (tokens.bit_length() - 1)
+
+
+def plan_recompute(
+    mode: str, shape: DecoderShape | None, checkpointing: bool, pack_tokens: int, large_pack: int, **layout
+) -> GpuPlan:
+    """`plan_gpus(**layout)` with the training packs' activation memory under recompute `mode`. "auto"
+    chooses it: selective recomputation at the config's `pack_tokens` where they fit; where the layout would
+    cap them, full recomputation at up to `large_pack` tokens (the no-grad packs' size) if that runs larger
+    packs than selective's cap. Small packs leave the GPU waiting on the host (bench/results/GPU.md, session
+    19); full recomputation holds about a fifth of selective's activations, for a third more forward FLOPs."""
+
+    def at(recompute: str, tokens: int) -> GpuPlan:
+        token_bytes = activation_bytes_per_token(shape, checkpointing, recompute)
+        return plan_gpus(**layout, pack_tokens=tokens, token_bytes=token_bytes)
+
+    if mode != "auto":
+        return at(mode, pack_tokens)
+    selective = at("selective", pack_tokens)
+    if checkpointing and selective.pack_capped_from:
+        full = at("full", max(pack_tokens, large_pack))
+        if full.pack_tokens > selective.pack_tokens:
+            capped = pack_tokens if full.pack_tokens < pack_tokens else 0
+            return dataclasses.replace(full, checkpoint_mode="full", pack_capped_from=capped)
+    return dataclasses.replace(selective, checkpoint_mode="selective")
 
 
 def plan_gpus(

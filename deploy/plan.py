@@ -222,9 +222,13 @@ def role_configs(
         ),
     )
     learner = with_weight_transport(learner, gpus.weight_transport)
-    if gpus.pack_capped_from:  # the config's packs do not fit beside the learner's states (deploy/layout.py)
+    # the layout's training packs: capped to fit, or larger under the recomputation it chose (deploy/layout)
+    if gpus.pack_tokens and gpus.pack_tokens != learner.batching.max_tokens_per_microbatch:
         batching = dataclasses.replace(learner.batching, max_tokens_per_microbatch=gpus.pack_tokens)
         learner = dataclasses.replace(learner, batching=batching)
+    if gpus.checkpoint_mode:  # the config's "auto", resolved
+        parallel = dataclasses.replace(learner.parallel, checkpoint_mode=gpus.checkpoint_mode)
+        learner = dataclasses.replace(learner, parallel=parallel)
     generator = dataclasses.replace(
         cfg.generator,
         gpus=gpus.generator_gpus,

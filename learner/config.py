@@ -172,8 +172,11 @@ class ParallelConfig:
     """Recompute each decoder block's activations in the backward pass."""
     checkpoint_mode: str = "full"
     """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
-    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/) or
-    "selective:<k>" (selective on the first k decoder blocks); see policy/recompute.py."""
+    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/),
+    "selective:<k>" (selective on the first k decoder blocks; see policy/recompute.py) or "auto": the
+    launcher's GPU layout picks selective where the training packs fit, else full recomputation at the
+    no-grad packs' size if that runs larger packs (deploy/layout.py `plan_recompute`); a learner started on
+    its own runs selective."""
     vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
     compile: Literal["", "elementwise", "blocks"] = ""
@@ -191,11 +194,12 @@ class ParallelConfig:
 
     def validate(self) -> None:
         mode, _, blocks = self.checkpoint_mode.partition(":")
-        if self.checkpoint_mode not in ("full", "selective", "none") and not (
+        if self.checkpoint_mode not in ("full", "selective", "none", "auto") and not (
             mode == "selective" and blocks.isdigit()
         ):
             raise ValueError(
-                f"checkpoint_mode {self.checkpoint_mode!r}: expected full, selective, none or selective:<k>"
+                f"checkpoint_mode {self.checkpoint_mode!r}: expected full, selective, none, selective:<k> "
+                "or auto"
             )
 
 

@@ -83,6 +83,15 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def text_checkpoint_mode(cfg: ParallelConfig) -> str:
+    """The decoder blocks' recompute mode: the config's, with "auto" (which the launcher's layout resolves
+    before the learner starts) run as selective by a learner started on its own."""
+    if cfg.checkpoint_mode == "auto":
+        log.info("checkpoint_mode auto outside a launcher's GPU layout: selective recomputation")
+        return "selective"
+    return cfg.checkpoint_mode
+
+
 def apply_parallelism(
     model: nn.Module, cfg: ParallelConfig, device: torch.device, chunk_size: int = 1024
 ) -> PackedPolicy:
@@ -91,12 +100,13 @@ def apply_parallelism(
     `model` is the Hugging Face model; the returned `PackedPolicy` wraps it (`.model`), so its
     parameters keep their Hugging Face names behind `HF_PREFIX`.
     """
-    if cfg.activation_checkpointing and cfg.checkpoint_mode == cfg.vision_checkpoint_mode == "full":
+    text = text_checkpoint_mode(cfg)
+    if cfg.activation_checkpointing and text == cfg.vision_checkpoint_mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif cfg.activation_checkpointing:
         from policy.recompute import apply_recompute
 
-        apply_recompute(model, text=cfg.checkpoint_mode, vision=cfg.vision_checkpoint_mode)
+        apply_recompute(model, text=text, vision=cfg.vision_checkpoint_mode)
     model.config.use_cache = False
     if cfg.compile:
         from policy.compile import apply_compile

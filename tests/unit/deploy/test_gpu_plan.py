@@ -19,6 +19,7 @@ from deploy.layout import (
     activation_bytes_per_token,
     gpu_env,
     plan_gpus,
+    plan_recompute,
 )
 from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, role_configs
 from deploy.preflight import (
@@ -165,6 +166,60 @@ def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
         ).pack_tokens
         == 16384
     )
+
+
+def _auto(n_params, shape, gpus, learner="0", generator="0", pack_tokens=16384, checkpointing=True):
+    return plan_recompute(
+        "auto",
+        shape,
+        checkpointing,
+        pack_tokens,
+        32768,
+        learner_gpus=learner,
+        generator_gpus=generator,
+        visible=gpus,
+        n_params=n_params,
+        kl=True,
+        master_weights="auto",
+        gpu_memory_utilization=0.3,
+    )
+
+
+def test_auto_recomputation_is_selective_where_the_packs_fit_and_full_where_they_would_be_capped():
+    h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+    # 3B beside vLLM: selective fits the config's 16k on an H200; on an H100 it would be capped at 8k, and
+    # full recomputation runs the no-grad packs' 32k instead
+    plan = _auto(N_3B, QWEN_3B, h200s(1))
+    assert (plan.checkpoint_mode, plan.pack_tokens, plan.pack_capped_from) == ("selective", 16384, 0)
+    plan = _auto(N_3B, QWEN_3B, h100)
+    assert (plan.checkpoint_mode, plan.pack_tokens, plan.pack_capped_from) == ("full", 32768, 0)
+    assert "full recomputation at 32768-token training packs (checkpoint_mode auto)" in plan.describe()
+    # 7B beside vLLM on an H200: selective would be capped at 8k (session 16 ran out of memory at 16k)
+    assert _auto(N_7B, QWEN_7B, h200s(1)).checkpoint_mode == "full"
+    # a learner on GPUs of its own keeps selective at the config's packs
+    plan = _auto(N_7B, QWEN_7B, h200s(2), learner="0", generator="1")
+    assert (plan.checkpoint_mode, plan.pack_tokens) == ("selective", 16384)
+    # an explicit mode is the config's own, planned as before
+    explicit = plan_recompute(
+        "selective", QWEN_3B, True, 16384, 32768, learner_gpus="0", generator_gpus="0", visible=h100,
+        n_params=N_3B, kl=True, master_weights="auto", gpu_memory_utilization=0.3,
+    )  # fmt: skip
+    assert (explicit.checkpoint_mode, explicit.pack_tokens, explicit.pack_capped_from) == ("", 8192, 16384)
+    # on CPU nothing is planned: the learner runs selective at its config's packs
+    assert _auto(N_3B, QWEN_3B, [], learner="", generator="").checkpoint_mode == "selective"
+
+
+def test_role_configs_run_the_layouts_recomputation_and_packs():
+    cfg = LaunchConfig()
+    cfg.learner.parallel.checkpoint_mode = "auto"
+    cfg.learner.batching.max_tokens_per_microbatch = 16384
+    plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc", pack_tokens=32768, checkpoint_mode="full")
+    learner = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)["learner"]
+    assert learner.parallel.checkpoint_mode == "full" and learner.batching.max_tokens_per_microbatch == 32768
+    learner.validate()
+    cpu = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=_auto(0, None, [], "", ""))
+    assert cpu["learner"].parallel.checkpoint_mode == "selective"
+    assert cpu["learner"].batching.max_tokens_per_microbatch == 16384
 
 
 def test_role_configs_run_the_capped_pack_size():

@@ -24,3 +24,14 @@ def test_selective_checkpointing_gives_the_gradients_of_no_checkpointing(tiny_mo
     assert ours.keys() == reference.keys() and len(ours) > 10
     for name, grad in reference.items():
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_auto_outside_a_launcher_layout_runs_selective_and_a_bad_mode_is_named():
+    from learner.parallel import text_checkpoint_mode
+
+    cfg = ParallelConfig(checkpoint_mode="auto")
+    cfg.validate()
+    assert text_checkpoint_mode(cfg) == "selective"
+    assert text_checkpoint_mode(ParallelConfig(checkpoint_mode="full")) == "full"
+    with pytest.raises(ValueError, match="checkpoint_mode 'partial'.*or auto"):
+        ParallelConfig(checkpoint_mode="partial").validate()
