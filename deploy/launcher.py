@@ -49,9 +49,9 @@ import uuid
 from pathlib import Path
 
 from broker.redis_server import redis_server_argv
-from deploy.layout import GpuPlan, LayoutError, gpu_env, plan_recompute
+from deploy.layout import GpuPlan, LayoutError, gpu_env
 from deploy.mps import MpsDaemon, check_layout, generator_env
-from deploy.plan import LaunchConfig, role_configs, write_role_configs
+from deploy.plan import LaunchConfig, gpu_plan, role_configs, write_role_configs
 from deploy.preflight import (
     ModelInfo,
     PreflightError,
@@ -166,27 +166,12 @@ class Launcher:
         self._train(learner, configs["generator"].metrics.port)
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
-        """The GPU layout (deploy.layout.plan_recompute, plan_gpus) on this machine's GPUs, with `model`'s
-        memory (None: the indices and overlaps only); a GPU run needs vLLM importable."""
+        """The GPU layout (deploy.plan.gpu_plan) on this machine's GPUs, with `model`'s memory (None: the
+        indices and overlaps only); a GPU run needs vLLM importable."""
         cfg = self.cfg
         wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
         n_params = model.n_params if model else 0
-        parallel, batching = cfg.learner.parallel, cfg.learner.batching
-        gpus = plan_recompute(
-            parallel.checkpoint_mode,
-            model.shape if model else None,
-            parallel.activation_checkpointing,
-            batching.max_tokens_per_microbatch,
-            batching.no_grad_tokens_per_microbatch,
-            learner_gpus=cfg.learner.gpus,
-            generator_gpus=cfg.generator.gpus,
-            visible=visible_gpus() if wanted else [],
-            tp=cfg.generator.tp,
-            n_params=n_params,
-            kl=cfg.learner.loss.kl_coef > 0,
-            master_weights=cfg.learner.optim.master_weights,
-            gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-        )
+        gpus = gpu_plan(cfg, visible_gpus() if wanted else [], n_params, model.shape if model else None)
         check_layout(cfg.mps, gpus, cfg.mps_generator_sms)
         if gpus.kind != "cpu":
             require_vllm()

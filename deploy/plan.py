@@ -21,7 +21,15 @@ from typing import Literal
 import tomli_w
 
 from broker.config import BrokerConfig
-from deploy.layout import SHARED_TRANSPORT, SPLIT_TRANSPORT, GpuPlan, LayoutError
+from deploy.layout import (
+    SHARED_TRANSPORT,
+    SPLIT_TRANSPORT,
+    DecoderShape,
+    GpuInfo,
+    GpuPlan,
+    LayoutError,
+    plan_recompute,
+)
 from generator.config import EngineConfig, GeneratorConfig, SamplingConfig
 from learner.config import (
     AlgoConfig,
@@ -191,6 +199,29 @@ class LaunchConfig:
             "count": 1 / self.task.max_count,
         }
         return chances.get(self.task.task, math.nan)
+
+
+def gpu_plan(
+    cfg: LaunchConfig, visible: list[GpuInfo], n_params: int = 0, shape: DecoderShape | None = None
+) -> GpuPlan:
+    """The launch's GPU layout on the `visible` GPUs (deploy.layout.plan_recompute, plan_gpus) for a model of
+    `n_params` parameters and decoder `shape` (0 / None: the indices and overlaps only)."""
+    parallel, batching = cfg.learner.parallel, cfg.learner.batching
+    return plan_recompute(
+        parallel.checkpoint_mode,
+        shape,
+        parallel.activation_checkpointing,
+        batching.max_tokens_per_microbatch,
+        batching.no_grad_tokens_per_microbatch,
+        learner_gpus=cfg.learner.gpus,
+        generator_gpus=cfg.generator.gpus,
+        visible=visible,
+        tp=cfg.generator.tp,
+        n_params=n_params,
+        kl=cfg.learner.loss.kl_coef > 0,
+        master_weights=cfg.learner.optim.master_weights,
+        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+    )
 
 
 def role_configs(

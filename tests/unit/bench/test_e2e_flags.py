@@ -13,8 +13,8 @@ import pytest
 
 from bench.e2e import BenchConfig, gpu_args, main
 from bench.e2e_rows import format_table, measure, reference
-from deploy.layout import DecoderShape, GpuInfo, activation_bytes_per_token, learner_memory_gib, plan_gpus
-from deploy.plan import LaunchConfig
+from deploy.layout import DecoderShape, GpuInfo, learner_memory_gib
+from deploy.plan import LaunchConfig, gpu_plan
 from runtime.config import load_config
 
 H200 = [GpuInfo(0, 0, 139.8, "NVIDIA H200")]
@@ -56,17 +56,7 @@ def test_a_step_holds_whole_updates():
 @pytest.mark.parametrize("model", ["3b", "7b"])
 def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     cfg = launch_config(model, 1)
-    plan = plan_gpus(
-        cfg.learner.gpus,
-        cfg.generator.gpus,
-        H200,
-        n_params=N_PARAMS[model],
-        kl=cfg.learner.loss.kl_coef > 0,
-        master_weights=cfg.learner.optim.master_weights,
-        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-        pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
-        token_bytes=activation_bytes_per_token(SHAPES[model], True, cfg.learner.parallel.checkpoint_mode),
-    )
+    plan = gpu_plan(cfg, H200, N_PARAMS[model], SHAPES[model])
     assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
     # the config's 16k packs: 7B runs 8k beside vLLM (16k ran out of memory there, session 16), 3B keeps 16k
     assert cfg.learner.batching.max_tokens_per_microbatch == 16384
@@ -245,26 +235,17 @@ H100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
 
 
 @pytest.mark.parametrize(
-    ("mode", "asked", "runs"), [("", 8192, 8192), ("full", 32768, 32768), ("", 32768, 8192)]
+    ("mode", "asked", "runs"),
+    [("", 8192, 8192), ("full", 32768, 32768), ("", 32768, 8192), ("auto", 0, 32768)],
 )
 def test_full_recomputation_lets_the_3b_run_larger_packs_beside_vllm_on_an_h100(mode, asked, runs):
     """The queue's 3B rows: selective recomputation fits 8k packs beside vLLM at 0.3 of an H100 (larger ones
-    are capped), full recomputation fits 32k."""
+    are capped), full recomputation fits 32k, and auto picks full at 32k for the config's 16k."""
     cfg = launch_config("3b", 1, micro_tokens=asked, checkpoint_mode=mode)
-    parallel = cfg.learner.parallel
-    assert parallel.checkpoint_mode == (mode or "selective")
-    plan = plan_gpus(
-        cfg.learner.gpus,
-        cfg.generator.gpus,
-        H100,
-        n_params=N_PARAMS["3b"],
-        kl=cfg.learner.loss.kl_coef > 0,
-        master_weights=cfg.learner.optim.master_weights,
-        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-        pack_tokens=cfg.learner.batching.max_tokens_per_microbatch,
-        token_bytes=activation_bytes_per_token(SHAPES["3b"], True, parallel.checkpoint_mode),
-    )
+    assert cfg.learner.parallel.checkpoint_mode == (mode or "selective")
+    plan = gpu_plan(cfg, H100, N_PARAMS["3b"], SHAPES["3b"])
     assert plan.pack_tokens == runs
+    assert plan.checkpoint_mode == ("full" if mode == "auto" else "")
 
 
 def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
