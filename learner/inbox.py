@@ -17,6 +17,9 @@ worth (`groups_per_step`) of trainable groups is in hand:
     `nonfinite` (the group alone: the step trains on the others);
   * empty groups (a generator rejected the prompt) and, with dynamic sampling, groups whose
     rewards are all equal are skipped and counted.
+The first skip of each kind is logged with its detail (the routine kinds, `redelivered` and
+`zero_variance`, at INFO; the rest as warnings) and kept in `first_skips`: a run whose every group is
+rejected says why.
 Every train group taken or skipped joins `consumed`. The deliveries of a step stay with the
 step until the trainer finished it (`commit()`, which also dead-letters the step's malformed
 groups), and are acked only by `ack_durable()`, which the trainer calls after a checkpoint made
@@ -41,6 +44,9 @@ from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
 
 log = logging.getLogger(__name__)
+
+ROUTINE_SKIPS = ("redelivered", "zero_variance")
+"""Skips that a healthy run makes (a redelivery after a reclaim; dynamic sampling's uniform groups)."""
 
 
 class Inbox:
@@ -78,6 +84,8 @@ class Inbox:
         self._committed: set[str] = set()  # group ids of `unacked` and of committed rejects
         self._held: set[str] = set()  # entry ids taken and not acked yet
         self.skipped: Counter[str] = Counter()
+        self.first_skips: dict[str, str] = {}
+        """The detail of the first skip of each kind (`skipped`'s keys)."""
         self.on_skip = on_skip or (lambda reason: None)
         self.eval_metrics: list[dict[str, float]] = []
 
@@ -160,7 +168,9 @@ class Inbox:
             self.sub.ack([delivery])
             return False
         if delivery.id in self._held:
-            self._skip("redelivered")  # the held delivery is acked with the next checkpoint
+            self._skip(
+                "redelivered", f"entry {delivery.id}"
+            )  # the held delivery is acked with the checkpoint
             return False
         if group.group_id in self.consumed:
             self._dead_letter(delivery, "duplicate", f"group {group.group_id}: already consumed")
@@ -184,14 +194,14 @@ class Inbox:
             self._step_rejects.append(
                 (delivery, group.group_id, reason, f"group {group.group_id}: {problem}")
             )
-            self._skip(reason)
+            self._skip(reason, f"group {group.group_id}: {problem}")
             return False
         self._step.append((delivery, group.group_id))
         if problem == "empty":
-            self._skip("empty")
+            self._skip("empty", f"group {group.group_id}: no samples (its generator rejected the prompt)")
             return False
         if self.cfg.algo.dynamic_sampling and not has_variance([s.reward for s in scored.scores]):
-            self._skip("zero_variance")
+            self._skip("zero_variance", f"group {group.group_id}: every sample has the same reward")
             return False
         return True
 
@@ -213,8 +223,24 @@ class Inbox:
 
     def _dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         self.sub.reject(delivery, reason, detail)
-        self._skip(reason)
+        self._skip(reason, detail)
 
-    def _skip(self, reason: str) -> None:
+    def _skip(self, reason: str, detail: str) -> None:
         self.skipped[reason] += 1
         self.on_skip(reason)
+        if reason not in self.first_skips:
+            self.first_skips[reason] = detail
+            level = logging.INFO if reason in ROUTINE_SKIPS else logging.WARNING
+            log.log(
+                level,
+                "skipped a group (%s): %s; later ones are counted as skipped/%s",
+                reason,
+                detail,
+                reason,
+            )
+
+    def skip_summary(self) -> str:
+        """Skips by kind with the first one's detail, e.g. for a run that ends without training."""
+        if not self.skipped:
+            return "none skipped"
+        return "; ".join(f"{n} {r} (first: {self.first_skips[r]})" for r, n in self.skipped.most_common())

@@ -74,6 +74,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._pending: dict = {}
         self.grads_ready: torch.cuda.Event | None = None
         """Set by step_beside: the streamed copies wait for this event instead of the compute stream."""
+        self.copy_wait_s = 0.0
+        """Seconds the last step's host-memory update waited for its copies (the rest of it is CPU work)."""
         params = [p for group in self.param_groups for p in group["params"]]
         host = sum(_local(p).numel() for p in params if self._state_device(p).type == "cpu")
         if host:  # before allocating: ~100 GB for 7B, which a smaller machine's OOM killer takes later
@@ -122,6 +124,7 @@ class MasterAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ready, self.grads_ready = self.grads_ready, None
+        self.copy_wait_s = 0.0
         for group in self.param_groups:
             items = []
             for p in group["params"]:
@@ -208,7 +211,9 @@ class MasterAdamW(torch.optim.Optimizer):
             if i + n_ring - 1 < len(work):
                 fetch(i + n_ring - 1)
             s = i % n_ring
+            t0 = time.perf_counter()
             copied[s].synchronize()
+            self.copy_wait_s += time.perf_counter() - t0
             buf = ring["buf"][s][: b - a]
             grad = fp32[: b - a]
             grad.copy_(buf)
@@ -220,9 +225,11 @@ class MasterAdamW(torch.optim.Optimizer):
                 written[s] = torch.cuda.Event()
                 written[s].record(stream)
         compute.wait_stream(ring["h2d"])
+        t0 = time.perf_counter()
         for event in written:
             if event is not None:
                 event.synchronize()  # the staging ring is free again before the next step
+        self.copy_wait_s += time.perf_counter() - t0
 
     def _staging(self, device: torch.device) -> dict:
         if self._ring is None:

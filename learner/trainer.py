@@ -40,6 +40,7 @@ from learner.batching import (
 )
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
+from learner.inbox import ROUTINE_SKIPS
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
     apply_parallelism,
@@ -156,13 +157,33 @@ class Learner:
         evaluator = self.inbox.evaluator if self.inbox is not None else None
         if evaluator is not None and self.cfg.eval.at_start and self.state.step == 0:
             evaluator.start(0, self.state.version)
+        first = self.state.step
         while self.state.step < self.cfg.max_steps:
             t0 = time.perf_counter()
             groups = self._next_groups()
             if groups is None:
-                break
+                self._data_ended(trained=self.state.step - first)
+                return
             wait_s = time.perf_counter() - t0
             self.train_step(groups, wait_s=wait_s)
+        log.info("stopping at step %d: max_steps reached", self.state.step)
+
+    def _data_ended(self, trained: int) -> None:
+        """The data ran out (or nothing came for `idle_exit_s`) after `trained` steps of this run: say so, and
+        fail when none was trained and groups were rejected as broken (malformed, non-finite, empty...: a
+        generator or reward service at fault, not a finished run)."""
+        if self.inbox is None:
+            return
+        skips = self.inbox.skip_summary()
+        if trained == 0 and set(self.inbox.skipped) - set(ROUTINE_SKIPS):
+            raise RuntimeError(f"the learner trained no step: the groups it received were skipped ({skips})")
+        log.log(
+            logging.WARNING if trained == 0 else logging.INFO,
+            "stopping at step %d: the data ran out after %d steps of this run (%s)",
+            self.state.step,
+            trained,
+            skips,
+        )
 
     def close(self) -> None:
         """Final checkpoint and acks, Hugging Face export, release sockets and the process group."""

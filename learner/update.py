@@ -127,7 +127,8 @@ class Updater:
 
     def apply_update(self, norm: float, later_ref: list, values: dict[str, float], step: int) -> None:
         """AdamW (the KL pass of `later_ref` beside it) unless the gradient norm `norm` is not finite, then
-        the scheduler. `optimizer_exposed_s`: the part of AdamW's time nothing ran beside."""
+        the scheduler. `optimizer_exposed_s`: the part of AdamW's time nothing ran beside;
+        `optimizer_copy_wait_s`: the part a host-memory AdamW waited for its copies (the rest is CPU work)."""
         work = None
         if later_ref:
             work = functools.partial(self.no_grad_pass, later_ref, self.ref, "ref_logprobs")
@@ -135,6 +136,7 @@ class Updater:
             t0 = time.perf_counter()
             optimizer_s, ref_s = step_beside(self.optimizer, work)
             values["optimizer_s"] += optimizer_s
+            values["optimizer_copy_wait_s"] += getattr(self.optimizer, "copy_wait_s", 0.0)  # host AdamW's
             values["optimizer_exposed_s"] += time.perf_counter() - t0 - ref_s
             values["ref_pass_s"] += ref_s
         else:

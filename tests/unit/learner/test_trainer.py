@@ -94,6 +94,7 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
         "accuracy",
         "tokens_per_s",
         "mfu",
+        "optimizer_copy_wait_s",  # a host-memory AdamW's copy waits (0 here: no GPU to copy from)
     ):
         assert key in lines[0], key
     assert lines[0]["mismatch_kl"] > 0  # behaviour logprobs were made up: the learner disagrees
@@ -107,6 +108,43 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     hist = learner.registry.get_sample_value("parallax_learner_staleness_count")
     assert hist == 9.0  # every sample of the trained groups observed once (3 + 2, then 2 + 2)
+
+
+def test_a_run_whose_every_group_is_rejected_fails_naming_why(
+    tiny_model_dir, redis_server, names, publish, tmp_path, caplog
+):
+    # e.g. a generator that samples at another temperature: the learner trains nothing and must not end
+    # as if its data had simply run out (session 20's capped-generator run ended so, without a word)
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, idle_exit_s=1.0)
+    for seed in (1, 2, 3):
+        publish([1.0, 0.0], seed=seed, temperature=0.7)
+    publish([0.5, 0.5], seed=4)  # zero variance: a routine skip, logged at INFO
+    learner = Learner(cfg, sender=NullSender())
+    with caplog.at_level(logging.INFO, logger="learner"):
+        with pytest.raises(
+            RuntimeError, match=r"trained no step.*3 malformed \(first: group .*temperature 0.7"
+        ):
+            learner.train()
+    learner.close()
+    warned = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "skipped a group" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "(malformed)" in warned[0].getMessage()  # the first of its kind, once
+    assert any("(zero_variance)" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    assert learner.state.step == 0
+
+
+def test_a_run_of_uniform_groups_ends_with_a_warning_not_an_error(
+    tiny_model_dir, redis_server, names, publish, tmp_path, caplog
+):
+    cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, idle_exit_s=1.0)
+    publish([0.5, 0.5], seed=1)
+    learner = Learner(cfg, sender=NullSender())
+    with caplog.at_level(logging.WARNING, logger="learner"):
+        learner.train()  # dynamic sampling skipped everything: nothing broken, nothing to train
+    learner.close()
+    assert learner.state.step == 0
+    assert any("after 0 steps of this run (1 zero_variance" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("every", [100, 0])  # 0: only at the end
