@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -260,6 +261,9 @@ def role_configs(
     if gpus.checkpoint_mode:  # the config's "auto", resolved
         parallel = dataclasses.replace(learner.parallel, checkpoint_mode=gpus.checkpoint_mode)
         learner = dataclasses.replace(learner, parallel=parallel)
+    if gpus.kind != "cpu" and not learner.optim.host_threads:
+        threads = host_adamw_threads(cfg.reward.workers, len(gpus.engines))
+        learner = dataclasses.replace(learner, optim=dataclasses.replace(learner.optim, host_threads=threads))
     generator = dataclasses.replace(
         cfg.generator,
         gpus=gpus.generator_gpus,
@@ -279,6 +283,17 @@ def role_configs(
         cfg.reward, broker=broker(cfg.reward), consumer=cfg.reward.consumer or "reward"
     )
     return {"learner": learner, "generator": generator, "reward": reward}
+
+
+def host_adamw_threads(reward_workers: int, engines: int, cpus: int | None = None) -> int:
+    """The CPU threads of a host-memory AdamW beside the roles this launcher starts on the same machine:
+    every usable CPU but one for each reward worker, two for each vLLM engine (its generator process and its
+    engine core), one for the broker and one for the learner's own thread, which launches the KL pass beside
+    the update. AdamW's ~1,350 small parallel regions a 3B step (three per pinned chunk) each wait for
+    their slowest thread: on all 16 CPUs of an H100 machine its step took 10.2 s beside vLLM's publishing and
+    the reward workers under K = 1 against 1.4 s at K = 0 (bench/results/GPU.md, session 20)."""
+    cpus = cpus or len(os.sched_getaffinity(0))
+    return max(1, cpus - reward_workers - 2 * engines - 2)
 
 
 CPU_KV_CACHE_GB = 0.25

@@ -161,7 +161,8 @@ class OptimConfig:
     is refused by name before anything is allocated). "auto": host on one GPU, params otherwise."""
     host_threads: int = 0
     """master_weights = host: CPU threads of the update (0 = every CPU this process may use, whatever its
-    own torch thread count: the update is memory-bound and runs while the GPU waits)."""
+    own torch thread count: the update is memory-bound and runs while the GPU waits). `python -m deploy` sets
+    it on a GPU layout to leave the roles it starts beside the learner their CPUs (deploy/plan.py)."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from deploy.layout import (
     plan_gpus,
     plan_recompute,
 )
-from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, role_configs
+from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, host_adamw_threads, role_configs
 from deploy.preflight import (
     PreflightError,
     decoder_shape,
@@ -220,6 +220,32 @@ def test_role_configs_run_the_layouts_recomputation_and_packs():
     cpu = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=_auto(0, None, [], "", ""))
     assert cpu["learner"].parallel.checkpoint_mode == "selective"
     assert cpu["learner"].batching.max_tokens_per_microbatch == 16384
+
+
+def test_the_host_adamw_leaves_the_other_roles_their_cpus(monkeypatch):
+    # 16 CPUs, 4 reward workers, one vLLM engine: 16 - 4 - 2 - 2 (broker, the learner's own thread)
+    assert host_adamw_threads(4, 1, cpus=16) == 8
+    assert host_adamw_threads(4, 2, cpus=8) == 1  # never fewer than one
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    cfg = LaunchConfig()
+    cfg.reward.workers = 4
+    plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc")
+    assert (
+        role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)[
+            "learner"
+        ].optim.host_threads
+        == 8
+    )
+    cfg.learner.optim.host_threads = 12  # the config's own count stands
+    assert (
+        role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)[
+            "learner"
+        ].optim.host_threads
+        == 12
+    )
+    cfg.learner.optim.host_threads = 0  # on CPU the update shares the model's memory: nothing to plan
+    cpu = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=_auto(0, None, [], "", ""))
+    assert cpu["learner"].optim.host_threads == 0
 
 
 def test_role_configs_run_the_capped_pack_size():
