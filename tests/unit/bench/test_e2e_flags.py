@@ -58,9 +58,13 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     cfg = launch_config(model, 1)
     plan = gpu_plan(cfg, H200, N_PARAMS[model], SHAPES[model])
     assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
-    # the config's 16k packs: 7B runs 8k beside vLLM (16k ran out of memory there, session 16), 3B keeps 16k
+    # the config's 16k packs and checkpoint_mode auto: selective's would be capped at 8k for the 7B beside
+    # vLLM (16k ran out of memory there, session 16), so it runs full recomputation at 32k; the 3B keeps
+    # selective at 16k
     assert cfg.learner.batching.max_tokens_per_microbatch == 16384
-    assert plan.pack_tokens == {"3b": 16384, "7b": 8192}[model]
+    assert cfg.learner.parallel.checkpoint_mode == "auto"
+    want = {"3b": (16384, "selective"), "7b": (32768, "full")}[model]
+    assert (plan.pack_tokens, plan.checkpoint_mode) == want
     # one GPU: the fp32 master weights and AdamW states live in host memory (bf16 weights + grads +
     # reference), plus the CUDA-IPC buffer the generator maps (a bf16 copy of the weights)
     ipc_buffer = 2 * N_PARAMS[model] / 2**30
@@ -235,17 +239,23 @@ H100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
 
 
 @pytest.mark.parametrize(
-    ("mode", "asked", "runs"),
-    [("", 8192, 8192), ("full", 32768, 32768), ("", 32768, 8192), ("auto", 0, 32768)],
+    ("mode", "asked", "runs", "planned"),
+    [
+        ("selective", 8192, 8192, ""),
+        ("full", 32768, 32768, ""),
+        ("selective", 32768, 8192, ""),
+        ("auto", 0, 32768, "full"),
+        ("", 0, 32768, "full"),  # the config's own: auto
+        ("", 8192, 8192, "selective"),  # auto keeps selective where the packs asked for fit
+    ],
 )
-def test_full_recomputation_lets_the_3b_run_larger_packs_beside_vllm_on_an_h100(mode, asked, runs):
+def test_full_recomputation_lets_the_3b_run_larger_packs_beside_vllm_on_an_h100(mode, asked, runs, planned):
     """The queue's 3B rows: selective recomputation fits 8k packs beside vLLM at 0.3 of an H100 (larger ones
-    are capped), full recomputation fits 32k, and auto picks full at 32k for the config's 16k."""
+    are capped), full recomputation fits 32k, and auto (the config's) picks full at 32k for its 16k."""
     cfg = launch_config("3b", 1, micro_tokens=asked, checkpoint_mode=mode)
-    assert cfg.learner.parallel.checkpoint_mode == (mode or "selective")
+    assert cfg.learner.parallel.checkpoint_mode == (mode or "auto")
     plan = gpu_plan(cfg, H100, N_PARAMS["3b"], SHAPES["3b"])
-    assert plan.pack_tokens == runs
-    assert plan.checkpoint_mode == ("full" if mode == "auto" else "")
+    assert (plan.pack_tokens, plan.checkpoint_mode) == (runs, planned)
 
 
 def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
