@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import shlex
@@ -274,6 +275,7 @@ def run_k(
     cuda = cfg.device == "cuda"
     learner = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
     learner += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
+    learner += f"-x{hashlib.sha1(cfg.extra.encode()).hexdigest()[:6]}" if cfg.extra else ""  # other flags
     label = mps_label(mps, sms)
     run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{learner}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
@@ -308,6 +310,7 @@ def run_k(
         "mps": mps,
         "mps_generator_sms": sms,
         **learner_facts(run_dir),
+        "extra": cfg.extra,
         "device": cfg.device,
         "run_s": time.time() - t0,
         "load_before": load_before,

@@ -115,7 +115,8 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
 
 def learner_facts(run_dir: Path) -> dict:
     """What the run's learner trained with, from the resolved config it wrote (`learner/config.learner.json`,
-    after the launcher's layout capped its packs): pack size, recomputation, compilation; {} without it."""
+    after the launcher's layout capped its packs): pack size, recomputation, compilation, the host AdamW's
+    CPU threads (0: every CPU); {} without it."""
     path = run_dir / "learner" / "config.learner.json"
     if not path.is_file():
         return {}
@@ -126,6 +127,7 @@ def learner_facts(run_dir: Path) -> dict:
         if cfg["parallel"]["activation_checkpointing"]
         else "none",
         "learner_compile": cfg["parallel"]["compile"],
+        "learner_host_threads": cfg.get("optim", {}).get("host_threads", 0),
     }
 
 

@@ -268,6 +268,7 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
     config = {
         "batching": {"max_tokens_per_microbatch": 32768},
         "parallel": {"activation_checkpointing": True, "checkpoint_mode": "full", "compile": "elementwise"},
+        "optim": {"host_threads": 8},
     }
     (tmp_path / "learner" / "config.learner.json").write_text(json.dumps(config))
     facts = learner_facts(tmp_path)
@@ -275,6 +276,7 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
         "learner_pack_tokens": 32768,
         "learner_checkpoint_mode": "full",
         "learner_compile": "elementwise",
+        "learner_host_threads": 8,
     }
     assert learner_label(facts) == "32k full"
     assert learner_label({"learner_pack_tokens": 8192, "learner_checkpoint_mode": "selective"}) == "8k sel"
