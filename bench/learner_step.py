@@ -185,6 +185,7 @@ def learner_config(cfg: BenchConfig, overrides: list[str], model_dir: Path, brok
 
 def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, broker_url, work) -> dict:
     """One learner variant: a warm-up step, then `steps` timed train steps on fresh groups."""
+    from learner.parallel import text_checkpoint_mode
     from learner.trainer import Learner
     from learner.wiring import NullSender
 
@@ -200,7 +201,7 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
             "master_weights": learner.master_weights,
             "param_dtype": str(learner.param_dtype).removeprefix("torch."),
             "max_tokens_per_microbatch": lcfg.batching.max_tokens_per_microbatch,
-            "checkpoint_mode": lcfg.parallel.checkpoint_mode,
+            "checkpoint_mode": text_checkpoint_mode(lcfg.parallel),  # what ran: "auto" runs selective here
             "compile": lcfg.parallel.compile,
         }
         learner.train_step(make.groups(cfg.warmup_groups, learner.state.version))
