@@ -168,9 +168,8 @@ class Inbox:
             self.sub.ack([delivery])
             return False
         if delivery.id in self._held:
-            self._skip(
-                "redelivered", f"entry {delivery.id}"
-            )  # the held delivery is acked with the checkpoint
+            # the held delivery is acked with the next checkpoint
+            self._skip("redelivered", f"entry {delivery.id}")
             return False
         if group.group_id in self.consumed:
             self._dead_letter(delivery, "duplicate", f"group {group.group_id}: already consumed")
