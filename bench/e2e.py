@@ -104,9 +104,10 @@ class BenchConfig:
     16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
     checkpoint_mode: str = ""
     """cuda: the learner's activation recomputation (parallel.checkpoint_mode: selective | full | none | auto;
-    "" = the config's selective). "full" keeps each decoder block's input only, about a fifth of selective's
-    activations at 3B, so packs several times larger fit beside vLLM (`deploy/layout.py`), for a third more
-    forward FLOPs; rows say what the learner ran (`learner_pack_tokens`, `learner_checkpoint_mode`)."""
+    "" = the config's, auto: full at 32k beside vLLM where selective's packs would be capped). "full" keeps
+    each decoder block's input only, about a fifth of selective's activations at 3B, so packs several times
+    larger fit beside vLLM (`deploy/layout.py`), for a third more forward FLOPs; rows say what the learner ran
+    (`learner_pack_tokens`, `learner_checkpoint_mode`)."""
     launch_config: Path = Path("deploy/configs/qwen2_5_vl_7b_geometry3k.toml")
     """cuda: the launcher config the runs start from."""
     merge: tuple[Path, ...] = ()
