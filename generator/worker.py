@@ -26,12 +26,16 @@ The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so 
 and generated twice yields one group id and downstream idempotency drops the copy.
 
 A dead learner does not wedge the loop: the weight receiver retries in its own thread, the engine
-keeps serving its last version, and only prompts that need a newer version wait.
+keeps serving its last version, and only prompts that need a newer version wait. A broken engine does stop
+it: once `NONFINITE_RUN` groups in a row come back with a non-finite logprob in every sample (the learner
+rejects each of them), the worker raises `EngineOutputError` before publishing them, their prompts unacked.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 
@@ -49,6 +53,13 @@ from generator.prepare import make_pool, prepare_batch
 from weights.vllm_apply import WeightLoadError
 
 log = logging.getLogger(__name__)
+
+NONFINITE_RUN = 16
+"""Groups in a row with a non-finite logprob in every sample after which the engine counts as broken."""
+
+
+class EngineOutputError(RuntimeError):
+    """The engine returns unusable output (module docstring); the message says what and the likely cause."""
 
 
 class GeneratorWorker:
@@ -90,6 +101,8 @@ class GeneratorWorker:
 
             self.continuous = ContinuousLoop(self)
         self.published = 0
+        # groups with a non-finite logprob in a sample; in a row with one in every sample (`_check_finite`)
+        self.nonfinite_groups = self.nonfinite_run = 0
         self._held: list[tuple[Delivery, PromptRecord]] = []
         self._stop = threading.Event()
         self.metrics.served_version.set(self.engine.version)
@@ -232,6 +245,7 @@ class GeneratorWorker:
     def _group(
         self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result, images_s: float
     ) -> RolloutGroup:
+        self._check_finite(record.prompt_id, result)
         samples = [
             Rollout.of(
                 token_ids=c.token_ids,
@@ -256,6 +270,29 @@ class GeneratorWorker:
             split=record.split,
             timings={"images": images_s, "generate": result.seconds},
         )
+
+    def _check_finite(self, prompt_id: str, result: Result) -> None:
+        """Count the samples of one group with a non-finite logprob: warn at the first such group (later
+        ones are counted), raise EngineOutputError at the NONFINITE_RUN-th group in a row where every
+        sample has one."""
+        bad = sum(not all(map(math.isfinite, c.logprobs)) for c in result.completions)
+        if not bad:
+            self.nonfinite_run = 0
+            return
+        self.nonfinite_groups += 1
+        if self.nonfinite_groups == 1:
+            log.warning(
+                "prompt %s: %d of %d samples have a non-finite logprob (the learner rejects their group); "
+                "later such groups are counted in nonfinite_groups",
+                prompt_id, bad, len(result.completions),
+            )  # fmt: skip
+        self.nonfinite_run = self.nonfinite_run + 1 if bad == len(result.completions) else 0
+        if self.nonfinite_run >= NONFINITE_RUN:
+            raise EngineOutputError(
+                f"vLLM returned a non-finite logprob in every sample of {self.nonfinite_run} groups in a row "
+                f"(the last for prompt {prompt_id}): its output is unusable, so this generator stops before "
+                f"publishing them (their prompts stay unacked).{_nonfinite_hint(os.environ)}"
+            )
 
     def _publish(self, groups: list[RolloutGroup]) -> bool:
         """Publish, retrying while the rollouts stream is full; False if stopped first (nothing acked)."""
@@ -318,3 +355,15 @@ class GeneratorWorker:
             self.pool.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
         self.transport.close()
+
+
+def _nonfinite_hint(environ) -> str:
+    """The likely cause of non-finite logprobs in this process's environment ("" when none is known)."""
+    cap = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    if not cap:
+        return ""
+    return (
+        f" This process runs under MPS capped at {cap} % of the GPU's SMs (--mps-generator-sms): with the"
+        " cap at 40 every behaviour logprob was NaN on an H100 (bench/results/GPU.md, session 21); run"
+        " without it."
+    )
