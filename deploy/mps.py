@@ -17,7 +17,9 @@ is a short path under /tmp (the daemon's Unix sockets must fit 108 bytes), the l
 reach the daemon silently runs without MPS (the driver's rule), so the launcher waits for the daemon's
 control socket before it starts anything that uses the GPU. `--mps-generator-sms P` caps the generator's
 kernels at P % of the multiprocessors (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the
-learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding. CUDA-IPC weight
+learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding; at 40 % vLLM's
+behaviour logprobs all came back NaN on an H100 (bench/results/GPU.md, session 21), so the cap is not usable
+yet and the generator stops with that error. CUDA-IPC weight
 sync and vLLM's start-up memory check work under MPS (an H100, bench/results/GPU.md, session 17).
 """
 

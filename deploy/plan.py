@@ -173,7 +173,8 @@ class LaunchConfig:
     """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
-    crowded off."""
+    crowded off. Not usable yet: at 40 on an H100, vLLM returned NaN for every behaviour logprob (sessions 20
+    and 21, bench/results/GPU.md), and the generator stops with that error (generator/worker.py)."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
