@@ -61,6 +61,7 @@ from bench.e2e_rows import (
     log_tails,
     measure,
     mps_label,
+    raised,
     ran_out_of_memory,
     reference,
     run_logs,
@@ -302,6 +303,8 @@ def run_k(
         error = f"{error or ''} {e}".strip()
         row = {"k": k, "steps": 0, "steps_per_s": 0.0, "step_s": 0.0, "per_step": lines}
     logs = run_logs(run_dir)  # read once: every field below is drawn from them
+    if error and raised(logs):
+        error = f"{error}; raised: {raised(logs)}"
     return row | {
         "error": error,
         "oom": bool(error) and ran_out_of_memory(logs),

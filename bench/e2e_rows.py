@@ -17,8 +17,9 @@ From each run's learner/metrics.jsonl, over the steps after the warm-up:
              generator's clock: with K >= 1 this overlaps the learner's train time);
   staleness  mean learner version minus the samples' starting version;
   peak GB    the learner's peak GPU memory allocated in a measured step (GPU runs; 0 on CPU).
-A failed run's row keeps its logs' tails and facts (`run_logs`, `log_tails`, `log_facts`) and whether it ran
-out of memory (`ran_out_of_memory`): the device keeps no files after the call.
+A failed run's row keeps its logs' tails and facts (`run_logs`, `log_tails`, `log_facts`), the exceptions its
+processes raised in its error (`raised`) and whether it ran out of memory (`ran_out_of_memory`): the device
+keeps no files after the call.
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def log_facts(logs: dict[str, str], per_log: int = 25) -> dict[str, list[str]]:
     """The first `per_log` FACTS lines of each log of a run (`run_logs`), each cut to 300 characters."""
     facts = {name: [x[:300] for x in text.splitlines() if FACTS.search(x)] for name, text in logs.items()}
     return {name: lines[:per_log] for name, lines in facts.items() if lines}
+
+
+RAISED = re.compile(r"\b(\w*(?:Error|Exception)): (.+)")
+"""The line a Python traceback ends with (`RuntimeError: ...`, `[rank0]: EngineOutputError: ...`)."""
+
+
+def raised(logs: dict[str, str]) -> str:
+    """The last exception each log of a run (`run_logs`) names, "log: Type: message" joined by " | ", each
+    cut to 300 characters ("" when none): what a failed row's error adds to the harness's own."""
+    found = []
+    for name, text in logs.items():
+        matches = RAISED.findall(text)
+        if matches:
+            kind, message = matches[-1]
+            found.append(f"{name}: {kind}: {message}"[:300])
+    return " | ".join(found)
 
 
 OOM_MARKS = ("out of memory", "outofmemoryerror")

@@ -176,6 +176,24 @@ def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
     assert not ran_out_of_memory(run_logs(tmp_path / "never-started"))
 
 
+def test_a_failed_row_names_the_exception_each_process_ended_with(tmp_path):
+    from bench.e2e_rows import raised, run_logs
+
+    run_dir = tmp_path / "k1-batch-mps40"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "learner.log").write_text(
+        "[rank0]: RuntimeError: the learner trained no step: (640 nonfinite)\n--- supervisor: restart 1/3\n"
+        "[rank0]: RuntimeError: the learner trained no step: (1280 nonfinite)\n"
+    )
+    (run_dir / "logs" / "generator.log").write_text("worker.EngineOutputError: vLLM returned NaN\nbye\n")
+    (run_dir / "logs" / "reward.log").write_text("INFO all fine\n")
+    assert raised(run_logs(run_dir)) == (
+        "generator.log: EngineOutputError: vLLM returned NaN"
+        " | learner.log: RuntimeError: the learner trained no step: (1280 nonfinite)"
+    )
+    assert raised(run_logs(tmp_path / "never-started")) == ""
+
+
 STUCK_LAUNCHER = """
 import json, signal, subprocess, sys, time
 child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a role in its own session
