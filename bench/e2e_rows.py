@@ -177,7 +177,7 @@ def format_table(rows: list[dict]) -> str:
         f"{'K':>2} {'mode':>8} {'learner':>9} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} "
         f"{'wait':>6} "
         f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
-        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8}"
+        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8} extra"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -194,6 +194,6 @@ def format_table(rows: list[dict]) -> str:
             f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r.get('optimizer_exposed_s', 0):>7.2f} {r['sync_s']:>6.3f} "
             f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f} "
-            f"{100 * r.get('train_pass_mfu', 0):>7.1f}%"
+            f"{100 * r.get('train_pass_mfu', 0):>7.1f}% {r.get('extra') or ''}".rstrip()
         )
     return "\n".join(out)

@@ -98,6 +98,8 @@ def test_measure_times_the_steps_after_the_warmup():
     assert (row["train_pass_s"], row["optimizer_exposed_s"], row["train_pass_mfu"]) == (4.25, 0.75, 0.375)
     assert " 4.25 " in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}]).splitlines()[2]
     assert "37.5%" in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}])
+    flags = "--learner.optim.host-threads 16"  # rows that differ only in --extra are told apart
+    assert format_table([row | {"sync_s": 0.0, "generate_s": 1.0, "extra": flags}]).endswith(f"% {flags}")
     with pytest.raises(RuntimeError, match="only 0 measured steps"):
         measure(lines[:2], k=1, warmup=1)
 
