@@ -291,9 +291,9 @@ def host_adamw_threads(reward_workers: int, engines: int, cpus: int | None = Non
     every usable CPU but one for each reward worker, two for each vLLM engine (its generator process and its
     engine core), one for the broker and one for the learner's own thread, which launches the KL pass beside
     the update. Each of AdamW's parallel regions (three per pinned chunk, hundreds of chunks a step) waits for
-    its slowest thread: on all 16 CPUs of an H100 machine its step took 10.2 s beside vLLM's publishing and
-    the reward workers under K = 1 against 1.4 s at K = 0 (bench/results/GPU.md, session 20; the next H100
-    queue measures this count against all 16)."""
+    its slowest thread: at 3B under K = 1 beside vLLM and the reward workers on an H100 machine, this count
+    (8 of 16) took 1.5 s a step, its K = 0 time, and all 16 CPUs took 5.6 s (bench/results/GPU.md, session
+    21; 10.2 s on session 20's machine)."""
     cpus = cpus or len(os.sched_getaffinity(0))
     return max(1, cpus - reward_workers - 2 * engines - 2)
 

@@ -162,7 +162,8 @@ class OptimConfig:
     host_threads: int = 0
     """master_weights = host: CPU threads of the update (0 = every CPU this process may use, whatever its
     own torch thread count: the update is memory-bound and runs while the GPU waits). `python -m deploy` sets
-    it on a GPU layout to leave the roles it starts beside the learner their CPUs (deploy/plan.py)."""
+    it on a GPU layout to leave the roles it starts beside the learner their CPUs (deploy/plan.py: at 3B on
+    an H100 machine, 8 of its 16 CPUs took 1.5 s a step beside vLLM, all 16 took 5.6 s)."""
 
 
 @dataclass
