@@ -123,13 +123,24 @@ def test_a_generator_cap_under_mps_reaches_the_launcher_and_the_row():
     assert "batch+mps40" in format_table([row])
 
 
+def write_run(run_dir, launcher: str = "", **logs: str):
+    """A run directory as the launcher leaves it: its own log (if `launcher`) and `logs/<role>.log`."""
+    (run_dir / "logs").mkdir(parents=True)
+    if launcher:
+        run_dir.with_suffix(".log").write_text(launcher)
+    for role, text in logs.items():
+        (run_dir / "logs" / f"{role}.log").write_text(text)
+    return run_dir
+
+
 def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
     from bench.e2e_rows import log_tails, run_logs
 
-    run_dir = tmp_path / "k1-batch"
-    (run_dir / "logs").mkdir(parents=True)
-    run_dir.with_suffix(".log").write_text("[launcher] learner exited with code 1\n")
-    (run_dir / "logs" / "learner.log").write_text("".join(f"line {i}\n" for i in range(100)) + "CUDA OOM\n")
+    run_dir = write_run(
+        tmp_path / "k1-batch",
+        "[launcher] learner exited with code 1\n",
+        learner="".join(f"line {i}\n" for i in range(100)) + "CUDA OOM\n",
+    )
     tails = log_tails(run_logs(run_dir), lines=3)
     assert tails == {
         "k1-batch.log": "[launcher] learner exited with code 1",
@@ -141,15 +152,14 @@ def test_a_failed_run_carries_the_tails_of_its_logs(tmp_path):
 def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
     from bench.e2e_rows import log_facts, run_logs
 
-    run_dir = tmp_path / "k1-batch"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "logs" / "generator.log").write_text(
-        "INFO noise\n"
+    run_dir = write_run(
+        tmp_path / "k1-batch",
+        generator="INFO noise\n"
         "INFO [gpu_worker.py:1] Available KV cache memory: 33.33 GiB\n"
         "INFO [kv_cache_utils.py:2] GPU KV cache size: 970,736 tokens\n"
         "INFO generator.engine: vLLM engine for /m ready in 104.8 s (gpu)\n"
         + "INFO generator.engine: serving policy version 9 (weights loaded in 0.075 s)\n"
-        * 50
+        * 50,
     )
     facts = log_facts(run_logs(run_dir))
     assert facts == {
@@ -164,16 +174,15 @@ def test_every_run_keeps_the_log_lines_an_analysis_needs(tmp_path):
 def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
     from bench.e2e_rows import ran_out_of_memory, run_logs
 
-    oom, other = tmp_path / "k1-batch", tmp_path / "k0-batch"
-    for run_dir in (oom, other):
-        (run_dir / "logs").mkdir(parents=True)
-        run_dir.with_suffix(".log").write_text("[launcher] learner exited with code 1\n")
-    (oom / "logs" / "learner.log").write_text(
-        "step 0\n" * 500
+    died = "[launcher] learner exited with code 1\n"
+    oom = write_run(
+        tmp_path / "k1-batch",
+        died,
+        learner="step 0\n" * 500
         + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
-        + "x\n" * 100
-    )  # far above the tail a row carries
-    (other / "logs" / "learner.log").write_text("RuntimeError: the broker went away\n")
+        + "x\n" * 100,  # far above the tail a row carries
+    )
+    other = write_run(tmp_path / "k0-batch", died, learner="RuntimeError: the broker went away\n")
     assert ran_out_of_memory(run_logs(oom)) and not ran_out_of_memory(run_logs(other))
     assert not ran_out_of_memory(run_logs(tmp_path / "never-started"))
 
@@ -181,14 +190,14 @@ def test_a_run_out_of_gpu_memory_is_told_from_other_failures(tmp_path):
 def test_a_failed_row_names_the_exception_each_process_ended_with(tmp_path):
     from bench.e2e_rows import raised, run_logs
 
-    run_dir = tmp_path / "k1-batch-mps40"
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "logs" / "learner.log").write_text(
-        "[rank0]: RuntimeError: the learner trained no step: (640 nonfinite)\n--- supervisor: restart 1/3\n"
-        "[rank0]: RuntimeError: the learner trained no step: (1280 nonfinite)\n"
+    run_dir = write_run(
+        tmp_path / "k1-batch-mps40",
+        learner="[rank0]: RuntimeError: the learner trained no step: (640 nonfinite)\n"
+        "--- supervisor: restart 1/3\n"
+        "[rank0]: RuntimeError: the learner trained no step: (1280 nonfinite)\n",
+        generator="worker.EngineOutputError: vLLM returned NaN\nbye\n",
+        reward="INFO all fine\n",
     )
-    (run_dir / "logs" / "generator.log").write_text("worker.EngineOutputError: vLLM returned NaN\nbye\n")
-    (run_dir / "logs" / "reward.log").write_text("INFO all fine\n")
     assert raised(run_logs(run_dir)) == (
         "generator.log: EngineOutputError: vLLM returned NaN"
         " | learner.log: RuntimeError: the learner trained no step: (1280 nonfinite)"
