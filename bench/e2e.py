@@ -303,8 +303,8 @@ def run_k(
         error = f"{error or ''} {e}".strip()
         row = {"k": k, "steps": 0, "steps_per_s": 0.0, "step_s": 0.0, "per_step": lines}
     logs = run_logs(run_dir)  # read once: every field below is drawn from them
-    if error and raised(logs):
-        error = f"{error}; raised: {raised(logs)}"
+    exceptions = raised(logs) if error else ""
+    error = f"{error}; raised: {exceptions}" if exceptions else error
     return row | {
         "error": error,
         "oom": bool(error) and ran_out_of_memory(logs),
