@@ -51,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
@@ -100,6 +101,9 @@ class BenchConfig:
     mps_generator_sms: int = 100
     """cuda, with --mps: the generator's cap on the GPU's multiprocessors in percent (`python -m deploy
     --mps-generator-sms`); rows and run directories say so below 100."""
+    mps_generator_priority: Literal["normal", "below-normal"] = "normal"
+    """cuda, with --mps: the generator's MPS client priority (`python -m deploy --mps-generator-priority`);
+    rows and run directories say "-low" below normal."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
@@ -250,6 +254,11 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
             if cfg.mps and cfg.mps_generator_sms < 100
             else ()
         ),
+        *(
+            ("--mps-generator-priority", cfg.mps_generator_priority)
+            if cfg.mps and cfg.mps_generator_priority != "normal"
+            else ()
+        ),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
         *(
@@ -274,11 +283,12 @@ def run_k(
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
     sms = cfg.mps_generator_sms if mps else 100
+    priority = cfg.mps_generator_priority if mps else "normal"
     cuda = cfg.device == "cuda"
     learner = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
     learner += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
     learner += f"-x{hashlib.sha1(cfg.extra.encode()).hexdigest()[:6]}" if cfg.extra else ""  # other flags
-    label = mps_label(mps, sms)
+    label = mps_label(mps, sms, priority)
     run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{learner}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
@@ -313,6 +323,7 @@ def run_k(
         "mode": mode,
         "mps": mps,
         "mps_generator_sms": sms,
+        "mps_generator_priority": priority,
         **learner_facts(run_dir),
         "extra": cfg.extra,
         "device": cfg.device,

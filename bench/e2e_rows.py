@@ -156,12 +156,14 @@ def learner_label(row: dict) -> str:
     return f"{tokens // 1024}k {(mode or '?').replace('selective', 'sel')}"
 
 
-def mps_label(mps: bool, generator_sms: int = 100) -> str:
-    """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps", or
-    "mps40" (MPS with the generator capped at 40 % of the multiprocessors)."""
+def mps_label(mps: bool, generator_sms: int = 100, generator_priority: str = "normal") -> str:
+    """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps",
+    "mps40" (MPS with the generator capped at 40 % of the multiprocessors), "mps-low" (the generator at
+    below-normal MPS client priority)."""
     if not mps:
         return ""
-    return "mps" + (str(generator_sms) if generator_sms < 100 else "")
+    low = "-low" if generator_priority != "normal" else ""
+    return "mps" + (str(generator_sms) if generator_sms < 100 else "") + low
 
 
 def reference(rows: list[dict]) -> dict:
@@ -181,7 +183,9 @@ def format_table(rows: list[dict]) -> str:
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        label = mps_label(r.get("mps", False), r.get("mps_generator_sms", 100))
+        label = mps_label(
+            r.get("mps", False), r.get("mps_generator_sms", 100), r.get("mps_generator_priority", "normal")
+        )
         mode = r.get("mode", "batch") + (f"+{label}" if label else "")
         if not r.get("steps_per_s"):
             out.append(f"{r['k']:>2} {mode:>8} {learner_label(r):>9} not timed: {r.get('error')}")

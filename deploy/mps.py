@@ -19,7 +19,9 @@ control socket before it starts anything that uses the GPU. `--mps-generator-sms
 kernels at P % of the multiprocessors (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the
 learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding; at 40 % vLLM's
 behaviour logprobs all came back NaN on an H100 (bench/results/GPU.md, session 21), so the cap is not usable
-yet and the generator stops with that error. CUDA-IPC weight
+yet and the generator stops with that error. `--mps-generator-priority below-normal` instead lowers the
+generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels
+are scheduled first and decoding fills the multiprocessors they leave, with no cap. CUDA-IPC weight
 sync and vLLM's start-up memory check work under MPS (an H100, bench/results/GPU.md, session 17).
 """
 
@@ -36,11 +38,15 @@ from deploy.layout import GpuPlan, LayoutError
 from deploy.processes import ChildDied, ProcessGroup
 
 CONTROL = "nvidia-cuda-mps-control"
+PRIORITY = {"normal": "0", "below-normal": "1"}
+"""--mps-generator-priority -> CUDA_MPS_CLIENT_PRIORITY (NVIDIA's MPS guide, "Environment Variables")."""
 
 
-def check_layout(enabled: bool, gpus: GpuPlan, generator_sms: int = 100) -> None:
+def check_layout(
+    enabled: bool, gpus: GpuPlan, generator_sms: int = 100, generator_priority: str = "normal"
+) -> None:
     """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error, as is a
-    generator multiprocessor cap outside 1-100 or without --mps."""
+    generator multiprocessor cap outside 1-100, or a cap or a lower priority without --mps."""
     if enabled and gpus.kind != "shared":
         raise LayoutError(
             f"--mps lets the learner and the generator share one GPU, but this layout is {gpus.kind}: "
@@ -54,13 +60,23 @@ def check_layout(enabled: bool, gpus: GpuPlan, generator_sms: int = 100) -> None
         raise LayoutError(
             f"--mps-generator-sms {generator_sms} caps the generator's share of the GPU under MPS: add --mps"
         )
+    if generator_priority not in PRIORITY:
+        raise LayoutError(
+            f"--mps-generator-priority is one of {', '.join(PRIORITY)}, not {generator_priority!r}"
+        )
+    if generator_priority != "normal" and not enabled:
+        raise LayoutError(
+            f"--mps-generator-priority {generator_priority} ranks the generator's work under MPS: add --mps"
+        )
 
 
-def generator_env(generator_sms: int) -> dict[str, str]:
-    """The generator's own MPS setting: its multiprocessor cap (none at 100, the driver's default)."""
-    if generator_sms >= 100:
-        return {}
-    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(generator_sms)}
+def generator_env(generator_sms: int, generator_priority: str = "normal") -> dict[str, str]:
+    """The generator's own MPS settings: its multiprocessor cap (none at 100) and its client priority
+    (nothing set at "normal": the driver's defaults)."""
+    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(generator_sms)} if generator_sms < 100 else {}
+    if generator_priority != "normal":
+        env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITY[generator_priority]
+    return env
 
 
 class MpsDaemon:

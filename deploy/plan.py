@@ -175,6 +175,10 @@ class LaunchConfig:
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
     crowded off. Not usable yet: at 40 on an H100, vLLM returned NaN for every behaviour logprob (sessions 20
     and 21, bench/results/GPU.md), and the generator stops with that error (generator/worker.py)."""
+    mps_generator_priority: Literal["normal", "below-normal"] = "normal"
+    """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
+    K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
+    session 21): a below-normal generator lets the learner's kernels go first and fills what they leave."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

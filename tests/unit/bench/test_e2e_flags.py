@@ -123,6 +123,15 @@ def test_a_generator_cap_under_mps_reaches_the_launcher_and_the_row():
     assert "batch+mps40" in format_table([row])
 
 
+def test_a_lower_generator_priority_under_mps_reaches_the_launcher_and_the_row():
+    low = {"mps_generator_priority": "below-normal"}
+    assert launch_config("3b", 1, mps=True, **low).mps_generator_priority == "below-normal"
+    assert launch_config("3b", 1, **low).mps_generator_priority == "normal"  # without --mps: not passed
+    row = {"k": 1, "mode": "batch", "mps": True, "steps_per_s": 0, "error": "cut", **low}
+    assert "batch+mps-low" in format_table([row])
+    assert "batch+mps " in format_table([{**row, "mps_generator_priority": "normal"}])
+
+
 def write_run(run_dir, launcher: str = "", **logs: str):
     """A run directory as the launcher leaves it: its own log (if `launcher`) and `logs/<role>.log`."""
     (run_dir / "logs").mkdir(parents=True)

@@ -113,3 +113,21 @@ def test_the_generator_cap_is_checked_and_reaches_only_the_generator():
             check_layout(True, SHARED, bad)
     with pytest.raises(LayoutError, match="add --mps"):
         check_layout(False, SHARED, 40)
+
+
+def test_the_generator_priority_is_checked_and_reaches_only_the_generator():
+    cfg = load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "below-normal"])
+    assert cfg.mps_generator_priority == "below-normal" and LaunchConfig().mps_generator_priority == "normal"
+    check_layout(True, SHARED, 100, "below-normal")
+    assert generator_env(100, "below-normal") == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert generator_env(40, "below-normal") == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+        "CUDA_MPS_CLIENT_PRIORITY": "1",
+    }
+    assert generator_env(100, "normal") == {}  # the driver's default: nothing set
+    with pytest.raises(LayoutError, match="add --mps"):
+        check_layout(False, SHARED, 100, "below-normal")
+    with pytest.raises(LayoutError, match="one of normal, below-normal"):
+        check_layout(True, SHARED, 100, "high")
+    with pytest.raises(SystemExit):  # tyro: not one of the choices
+        load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "high"])
