@@ -178,7 +178,8 @@ class LaunchConfig:
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
-    session 21): a below-normal generator lets the learner's kernels go first and fills what they leave."""
+    session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
+    Measured 1.03x at 3B K = 1 on an H100 (session 23), about the spread between runs: not the default yet."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
