@@ -225,14 +225,22 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(queue):
     import tyro
 
     import bench.e2e as e2e
+    import bench.generator as generator
     import bench.learner_step as learner_step
     from deploy.plan import LaunchConfig
     from runtime.config import load_config
 
     invocations = _bench_invocations(queue)
-    assert invocations and {m for m, _ in invocations} <= {"bench.e2e", "bench.learner_step"}
+    assert invocations and {m for m, _ in invocations} <= {
+        "bench.e2e",
+        "bench.generator",
+        "bench.learner_step",
+    }
     for module, argv in invocations:
-        if module == "bench.e2e":
+        if module == "bench.generator":
+            cfg = tyro.cli(generator.GeneratorBench, args=argv)
+            assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
+        elif module == "bench.e2e":
             cfg = tyro.cli(e2e.BenchConfig, args=argv)
             assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
             for k in cfg.ks:
