@@ -1,6 +1,7 @@
 """CUDA MPS on a shared GPU: the learner's and the generator's kernels run side by side.
 
     python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...
+    python -m deploy.mps --mps-generator-sms 40 --timeout-s 360 -- COMMAND...  # alone, as the generator
 
 Without MPS, CUDA gives the GPU to one process at a time (time slices): with K >= 1 the learner and the
 generator both have work, but only one of them runs at any moment, so the asynchronous pipeline overlaps
@@ -23,13 +24,19 @@ yet and the generator stops with that error. `--mps-generator-priority below-nor
 generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels
 are scheduled first and decoding fills the multiprocessors they leave, with no cap. CUDA-IPC weight
 sync and vLLM's start-up memory check work under MPS (an H100, bench/results/GPU.md, session 17).
+
+`python -m deploy.mps` runs one command under this daemon with the generator's cap and priority, and nothing
+beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -128,3 +135,61 @@ class MpsDaemon:
                 pass  # the process group's signals stop it
             self.binary = ""
         shutil.rmtree(self.pipe_dir, ignore_errors=True)
+
+
+def run_alone(
+    command: list[str],
+    run_dir: Path,
+    generator_sms: int = 100,
+    generator_priority: str = "normal",
+    timeout_s: float = 0.0,
+) -> int:
+    """Run `command` under its own MPS daemon with the generator's settings (`generator_env`), alone; its exit
+    code, or 124 when it ran past `timeout_s` (> 0) and was killed with its process group. The daemon quits
+    either way: a timeout here, not around this, is what leaves no daemon behind."""
+    check_layout(True, GpuPlan("shared", "", "", (), "cuda-ipc"), generator_sms, generator_priority)
+    with ProcessGroup(run_dir) as group:
+        mps = MpsDaemon(run_dir)
+        try:
+            env = {**os.environ, **mps.start(group), **generator_env(generator_sms, generator_priority)}
+            child = subprocess.Popen(command, env=env, start_new_session=True)
+            try:
+                return child.wait(timeout=timeout_s or None)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                return 124
+        finally:
+            mps.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.mps", description="Run COMMAND alone under an MPS daemon, as the generator."
+    )
+    parser.add_argument(
+        "--mps-generator-sms", type=int, default=100, help="its SM cap in percent (100: none)"
+    )
+    parser.add_argument("--mps-generator-priority", default="normal", help="normal | below-normal")
+    parser.add_argument(
+        "--run-dir", type=Path, default=Path("runs/mps-alone"), help="logs: DIR/logs, DIR/mps"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=0.0, help="kill COMMAND after this long (0: never)"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    try:
+        return run_alone(
+            command, args.run_dir, args.mps_generator_sms, args.mps_generator_priority, args.timeout_s
+        )
+    except (LayoutError, ChildDied) as e:
+        print(f"deploy.mps: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -131,3 +131,26 @@ def test_the_generator_priority_is_checked_and_reaches_only_the_generator():
         check_layout(True, SHARED, 100, "high")
     with pytest.raises(SystemExit):  # tyro: not one of the choices
         load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "high"])
+
+
+def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fake_control, tmp_path):
+    """`python -m deploy.mps`: the launcher's daemon and the generator's env around one command, which
+    quits the daemon whether the command exits, fails or runs past its timeout."""
+    from deploy.mps import main
+
+    probe = 'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" > "$RECORD/probe"; exit 5'
+    argv = ["--mps-generator-sms", "40", "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", probe]
+    assert main(argv) == 5  # the command's own exit code
+    pipe, cap = (fake_control / "probe").read_text().split()
+    assert cap == "40" and pipe.startswith("/tmp/") and not os.path.exists(pipe)
+    assert (fake_control / "command").read_text() == "quit\n"
+
+    (fake_control / "command").unlink()
+    started = time.monotonic()
+    assert main(["--timeout-s", "0.5", "--run-dir", str(tmp_path / "run"), "--", "sleep", "30"]) == 124
+    assert time.monotonic() - started < 20
+    assert (fake_control / "command").read_text() == "quit\n"
+
+    assert main(["--mps-generator-sms", "0", "--", "true"]) == 2  # checked as the launcher checks it
+    with pytest.raises(SystemExit):
+        main(["--mps-generator-sms", "40"])  # no command
