@@ -117,6 +117,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "optimizer_s": mean("optimizer_s"),
         "optimizer_exposed_s": mean("optimizer_exposed_s"),
         "optimizer_copy_wait_s": mean("optimizer_copy_wait_s"),  # host AdamW: the rest of optimizer_s is CPU
+        "write_lock_wait_s": mean("write_lock_wait_s"),  # cuda-ipc, parameters in the buffer: readers
         "train_pass_s": mean("train_pass_s"),
         "train_pass_mfu": mean("train_pass_mfu"),
         "sync_s": mean("sync_s"),

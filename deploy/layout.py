@@ -189,6 +189,7 @@ def plan_gpus(
     master_weights: str = "params",
     pack_tokens: int = 0,
     token_bytes: float = 0.0,
+    params_in_buffer: bool = False,
 ) -> GpuPlan:
     """THE layout decision: learner and generator GPUs (CUDA_VISIBLE_DEVICES-style indices among
     `visible`) -> a GpuPlan, or a LayoutError that says what to change.
@@ -198,6 +199,8 @@ def plan_gpus(
     else (one side only, a partial overlap, a missing index, a layout whose memory estimate does
     not fit) is an error. Given the config's training pack size and the activation bytes of a token
     (`activation_bytes_per_token`), the plan's `pack_tokens` is that size, or the largest that fits.
+    A shared GPU holds the CUDA-IPC weight buffer too, unless the learner's bf16 parameters live in it
+    (`params_in_buffer`: weight_sync.params_in_buffer with the master weights in host memory).
     """
     learner, generator = _indices(learner_gpus, "learner"), _indices(generator_gpus, "generator")
     if not learner and not generator:
@@ -231,7 +234,8 @@ def plan_gpus(
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
     need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
-    if kind == "shared":
+    bf16_params = master_weights == "host" or (master_weights == "auto" and len(learner) == 1)
+    if kind == "shared" and not (params_in_buffer and bf16_params):
         need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard

@@ -228,6 +228,7 @@ def gpu_plan(
         kl=cfg.learner.loss.kl_coef > 0,
         master_weights=cfg.learner.optim.master_weights,
         gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+        params_in_buffer=cfg.learner.weight_sync.params_in_buffer,
     )
 
 

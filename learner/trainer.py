@@ -99,6 +99,7 @@ class Learner:
         self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
         self.sender = sender if sender is not None else build_sender(self)
+        self.updater.before_write = self.sender.begin_write
         self.state = TrainerState()
         self.inbox = build_inbox(self) if self.info.is_main else None
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)

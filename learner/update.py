@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,8 @@ class Updater:
         self.processor, self.images, self.pixels = processor, images, pixels
         self.overlap_ref = overlap_ref
         self.nonfinite_steps = 0
+        self.before_write: Callable[[], float] = lambda: 0.0
+        """Called before AdamW writes the parameters (the trainer's `WeightSender.begin_write`)."""
         self.version = 0  # of the weights the current step starts from (`run`)
 
     def run(self, samples: list[TrainSample], values: dict[str, float], version: int, step: int) -> None:
@@ -128,11 +131,13 @@ class Updater:
     def apply_update(self, norm: float, later_ref: list, values: dict[str, float], step: int) -> None:
         """AdamW (the KL pass of `later_ref` beside it) unless the gradient norm `norm` is not finite, then
         the scheduler. `optimizer_exposed_s`: the part of AdamW's time nothing ran beside;
-        `optimizer_copy_wait_s`: the part a host-memory AdamW waited for its copies (the rest is CPU work)."""
+        `optimizer_copy_wait_s`: the part a host-memory AdamW waited for its copies (the rest is CPU work);
+        `write_lock_wait_s`: waiting for generators to finish reading parameters that live in their buffer."""
         work = None
         if later_ref:
             work = functools.partial(self.no_grad_pass, later_ref, self.ref, "ref_logprobs")
         if math.isfinite(norm):  # host time (torch's AdamW on CUDA returns before its kernels end)
+            values["write_lock_wait_s"] += self.before_write()
             t0 = time.perf_counter()
             optimizer_s, ref_s = step_beside(self.optimizer, work)
             values["optimizer_s"] += optimizer_s

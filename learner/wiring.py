@@ -25,6 +25,9 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "
 class NullSender:
     """Weight sender used when no generators listen (tests, offline training)."""
 
+    def begin_write(self) -> float:
+        return 0.0
+
     def sync(self, model, version: int, step: int = 0):
         return None
 

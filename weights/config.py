@@ -56,6 +56,11 @@ class WeightSyncConfig:
     "vllm" packs them as vLLM's Qwen2.5-VL holds them (stacked qkv_proj, gate_up_proj), so that applying
     a version inside vLLM's worker is one copy per parameter (weights/vllm_layout.py); "auto" is "vllm"
     for a Qwen2.5-VL model over cuda-ipc (where it halves the sync) and "checkpoint" otherwise."""
+    params_in_buffer: bool = True
+    """cuda-ipc learner: the model's parameters live in the shared buffer (weights/ipc_sender.py), so the
+    GPU holds the weights once (2 bytes a parameter less at bf16: 15.4 GiB at 7B) and a sync copies nothing;
+    the optimizer's writes then wait for a generator that is copying the previous version. Applies to plain
+    parameters of the wire's dtype (bf16 parameters: master weights in host memory); others are copied."""
     checksums: bool = True
     """broadcast: a checksum per bucket; a receiver rejects a version that does not match."""
     keep_last: bool = True

@@ -155,6 +155,12 @@ class WeightSender(abc.ABC):
         self._membership.close()
         self._release()
 
+    def begin_write(self) -> float:
+        """Called before the optimizer writes the parameters; returns the seconds it waited. A transport
+        whose generators read the parameters themselves (cuda-ipc with `params_in_buffer`) locks them out
+        here until the next `sync`; the others have nothing to do."""
+        return 0.0
+
     @abc.abstractmethod
     def sync(self, model: torch.nn.Module, version: int, step: int = 0) -> SyncReport:
         """Make the model's current weights version `version` for every connected generator."""

@@ -168,7 +168,9 @@ def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
     )
 
 
-def _auto(n_params, shape, gpus, learner="0", generator="0", pack_tokens=16384, checkpointing=True):
+def _auto(
+    n_params, shape, gpus, learner="0", generator="0", pack_tokens=16384, checkpointing=True, in_buffer=False
+):
     return plan_recompute(
         "auto",
         shape,
@@ -182,6 +184,7 @@ def _auto(n_params, shape, gpus, learner="0", generator="0", pack_tokens=16384, 
         kl=True,
         master_weights="auto",
         gpu_memory_utilization=0.3,
+        params_in_buffer=in_buffer,
     )
 
 
@@ -207,6 +210,26 @@ def test_auto_recomputation_is_selective_where_the_packs_fit_and_full_where_they
     assert (explicit.checkpoint_mode, explicit.pack_tokens, explicit.pack_capped_from) == ("", 8192, 16384)
     # on CPU nothing is planned: the learner runs selective at its config's packs
     assert _auto(N_3B, QWEN_3B, [], learner="", generator="").checkpoint_mode == "selective"
+
+
+def test_parameters_in_the_weight_buffer_leave_the_learner_a_copy_of_the_weights_more():
+    h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+    apart, inside = _auto(N_7B, QWEN_7B, h200s(1)), _auto(N_7B, QWEN_7B, h200s(1), in_buffer=True)
+    assert apart.learner_gib - inside.learner_gib == pytest.approx(2 * N_7B / 2**30)
+    # 7B on an H200: selective recomputation at the config's 16k packs now fits beside vLLM
+    assert (inside.checkpoint_mode, inside.pack_tokens) == ("selective", 16384)
+    # 7B on an 80 GB GPU: the learner did not fit at all with the buffer apart; now 8k fully recomputed packs
+    with pytest.raises(LayoutError, match="the learner needs at least 63.3 GiB per GPU"):
+        _auto(N_7B, QWEN_7B, h100)
+    small = _auto(N_7B, QWEN_7B, h100, in_buffer=True)
+    assert (small.checkpoint_mode, small.pack_tokens, small.pack_capped_from) == ("full", 8192, 16384)
+    # fp32 parameters on the device (master weights "device") cannot live in a bf16 buffer: no saving
+    kwargs = dict(n_params=N_7B, kl=True, master_weights="device", gpu_memory_utilization=0.3)
+    device = [plan_gpus("0", "0", h200s(1, 400.0), params_in_buffer=b, **kwargs) for b in (False, True)]
+    assert device[0].learner_gib == device[1].learner_gib
+    # and a split layout has no buffer on the learner's GPUs to begin with
+    split = [plan_gpus("0", "1", h200s(2), params_in_buffer=b, n_params=N_7B) for b in (False, True)]
+    assert split[0].learner_gib == split[1].learner_gib
 
 
 def test_role_configs_run_the_layouts_recomputation_and_packs():

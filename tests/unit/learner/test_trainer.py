@@ -45,6 +45,20 @@ def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
     return cfg
 
 
+class CallOrder(NullSender):
+    """A NullSender that records the order of the learner's calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin_write(self) -> float:
+        self.calls.append("begin_write")
+        return 0.0
+
+    def sync(self, model, version: int, step: int = 0):
+        self.calls.append("sync")
+
+
 def _lose_image(scored):
     from broker.schemas import ImageRef
 
@@ -71,10 +85,12 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     publish([0.0, 1.0], seed=8, mutate=_lose_image)  # image not in the blob store: dead-lettered
     publish([1.0, 0.0], seed=9, n_images=2, mutate=_drop_image)  # 2 image pads, 1 image: dead-lettered
     publish([1.0, 0.0], seed=6, n_images=2)  # two images per sample
-    learner = Learner(cfg, sender=NullSender())
+    sender = CallOrder()
+    learner = Learner(cfg, sender=sender)
     before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     learner.train()
     assert learner.state.step == 2 and learner.state.version == 2
+    assert sender.calls == ["begin_write", "sync"] * 2  # AdamW's writes announced before each sync
     after = learner.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     skipped = learner.inbox.skipped

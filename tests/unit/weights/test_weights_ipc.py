@@ -153,3 +153,53 @@ def test_a_learner_that_closes_withdraws_its_announcement_and_is_not_called_agai
     assert any("closed its weight sync" in r.getMessage() for r in said)
     assert not [r for r in said if r.levelno >= logging.WARNING]
     receiver.close()
+
+
+def _in_buffer(model, buffer) -> list[bool]:
+    base = buffer.untyped_storage().data_ptr()
+    return [p.untyped_storage().data_ptr() == base for p in model.parameters()]
+
+
+def test_parameters_live_in_the_buffer_and_writes_wait_for_readers(fake_ipc):
+    model = Tiny()
+    sender, receiver = _pair("gen-a")
+    assert sender.begin_write() == 0.0  # nothing in the buffer yet: nothing to lock
+    sender.sync(model, version=1)
+    assert all(_in_buffer(model, fake_ipc["b"]))  # the buffer is the parameters: no second copy
+    held = receiver.poll()
+    assert held.version == 1
+    threading.Timer(0.1, receiver.mark_served, args=(1,)).start()
+    assert sender.begin_write() >= 0.05  # the optimizer waits for the reader to finish copying
+    assert sender.begin_write() == 0.0  # held until the sync
+    with torch.no_grad():
+        model.a.weight.add_(1.0)  # the optimizer's write, straight into what generators read
+    late = weights.receiver(announced_config(sender.announcement), "gen-late").start()
+    wait_until(lambda: "gen-late" in sender.members(), what="gen-late to join")
+    assert late.poll() is None  # joined mid-write: locked out of the half-written version 1
+    report = sender.sync(model, version=2)
+    assert sorted(report.sent_to) == ["gen-a", "gen-late"]
+    for r in (receiver, late):
+        got = r.poll()
+        assert got.version == 2
+        torch.testing.assert_close(dict(got.named_tensors())["a.weight"], model.a.weight.detach())
+        r.mark_served(2)
+    late.close()
+    receiver.close()
+    sender.close()
+
+
+def test_parameters_stay_apart_when_asked_or_of_another_dtype(fake_ipc):
+    for kwargs in (dict(params_in_buffer=False), dict(send_dtype="bfloat16")):
+        model = Tiny()
+        sender, receiver = _pair("gen-a", **kwargs)
+        sender.sync(model, version=1)
+        assert not any(_in_buffer(model, fake_ipc["b"])) and sender.begin_write() == 0.0
+        with torch.no_grad():
+            model.b.weight.mul_(2.0)
+        sender.sync(model, version=2)  # copied into the buffer as before
+        got = wait_until(receiver.poll, what="version 2")
+        sent = dict(got.named_tensors())["b.weight"].float()
+        torch.testing.assert_close(sent, model.b.weight.detach(), rtol=1e-2, atol=1e-2)  # bf16 on the wire
+        receiver.mark_served(2)
+        receiver.close()
+        sender.close()
