@@ -27,6 +27,12 @@ CONTEXT_GIB = 1.5
 """GPU memory one CUDA process holds before its first tensor (context, cuBLAS workspace)."""
 
 
+ENGINE_OVERHEAD_GIB = 4.7
+"""GPU memory a vLLM engine process holds beyond its `gpu_memory_utilization` share (CUDA context and graphs,
+allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (session 24,
+bench/results/GPU.md). A shared GPU keeps it free for the engine."""
+
+
 class LayoutError(ValueError):
     """A GPU layout that cannot run; the message names the fix."""
 
@@ -239,7 +245,7 @@ def plan_gpus(
         need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
-    room = gib - vllm if kind == "shared" else gib
+    room = gib - vllm - ENGINE_OVERHEAD_GIB if kind == "shared" else gib
     fix = (
         "lower --generator.engine.gpu-memory-utilization, keep the master weights in host memory "
         "(--learner.optim.master-weights host), use a split layout (--learner.gpus 0-5 "

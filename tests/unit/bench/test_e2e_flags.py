@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-from bench.e2e import BenchConfig, gpu_args, main
+from bench.e2e import BenchConfig, gpu_args, launcher_args, main
 from bench.e2e_rows import format_table, measure, reference
 from deploy.layout import DecoderShape, GpuInfo, learner_memory_gib
 from deploy.plan import LaunchConfig, gpu_plan
@@ -58,11 +59,13 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     cfg = launch_config(model, 1)
     plan = gpu_plan(cfg, H200, N_PARAMS[model], SHAPES[model])
     assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
-    # the config's 16k packs and checkpoint_mode auto: both models keep selective at 16k beside vLLM (the
-    # 7B's ran out of memory there while the CUDA-IPC buffer was a second copy of the weights, session 16)
+    # the config's 16k packs and checkpoint_mode auto: selective's would be capped at 8k for the 7B beside
+    # vLLM (16k ran out of memory there, session 16), so it runs full recomputation at 32k; the 3B keeps
+    # selective at 16k
     assert cfg.learner.batching.max_tokens_per_microbatch == 16384
     assert cfg.learner.parallel.checkpoint_mode == "auto"
-    assert (plan.pack_tokens, plan.checkpoint_mode) == (16384, "selective")
+    want = {"3b": (16384, "selective"), "7b": (32768, "full")}[model]
+    assert (plan.pack_tokens, plan.checkpoint_mode) == want
     # one GPU: the fp32 master weights and AdamW states live in host memory (bf16 weights + grads +
     # reference); the bf16 weights are the CUDA-IPC buffer the generator maps (weight_sync.params_in_buffer)
     assert cfg.learner.weight_sync.params_in_buffer
@@ -318,3 +321,11 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
     (tmp_path / "learner" / "config.learner.json").write_text(json.dumps(config))
     assert learner_label(learner_facts(tmp_path)) == "32k none"
     assert learner_label({}) == ""
+
+
+def test_the_queues_extra_flag_keeps_the_weight_copy_apart():
+    # bench/queues: `--extra="--learner.weight-sync.no-params-in-buffer"` is the A/B against the default
+    cfg = BenchConfig(device="cuda", model="3b", extra="--learner.weight-sync.no-params-in-buffer")
+    args = launcher_args(cfg, 1, Path("/models/3b"), Path("/tmp/run"))
+    assert not load_config(LaunchConfig, args).learner.weight_sync.params_in_buffer
+    assert launch_config("3b", 1).learner.weight_sync.params_in_buffer
