@@ -21,7 +21,9 @@ parameter less: 15.4 GiB at 7B) and a sync copies only what did not move. The op
 straight into what generators read, so the learner takes every lock before its first write of a version
 (`begin_write`, called by learner.update before AdamW) and holds it until `sync` publishes the version:
 a generator never copies a half-updated model, and one that polls meanwhile gets nothing (as while a pack
-runs). A generator admitted meanwhile starts locked out too.
+runs). A generator admitted meanwhile starts locked out too. So a generator takes version v between its
+sync and the learner's next AdamW (the next step's first update), no longer: one that polls later waits
+for v + 1.
 """
 
 from __future__ import annotations
