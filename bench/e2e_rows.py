@@ -121,7 +121,8 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "train_pass_s": mean("train_pass_s"),
         "train_pass_mfu": mean("train_pass_mfu"),
         "sync_s": mean("sync_s"),
-        "generate_s": mean("generate_s"),
+        "generate_s": mean("generate_s"),  # the seconds of every generate call the step's groups came from
+        "generate_calls": mean("generate_calls"),  # how many: above 1, generate_s adds calls up
         "mfu": mean("mfu"),
         "learner_gpu_peak_gb": max((x.get("gpu_peak_gb", 0.0) for x in measured), default=0.0),
         "learner_alloc_retries": max((x.get("gpu_alloc_retries", 0.0) for x in measured), default=0.0),

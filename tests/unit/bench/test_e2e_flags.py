@@ -88,9 +88,13 @@ def test_measure_times_the_steps_after_the_warmup():
                 "train_pass_mfu": 0.375,
                 "wait_s": 4.0,
                 "gpu_peak_gb": peak,
+                "generate_s": 3.0 * i,
+                "generate_calls": float(i),
             }
         )
     row = measure(lines, k=1, warmup=1, gpus=1)
+    # generate_s adds up the calls a step's groups came from: the row says how many (steps 2 and 3: 2.5)
+    assert (row["generate_s"], row["generate_calls"]) == (7.5, 2.5)
     assert row["steps"] == 2 and row["wall_s"] == pytest.approx(20.0)
     assert row["learner_gpu_peak_gb"] == pytest.approx(53.0)
     assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0) and row["train_s"] == pytest.approx(6.0)
