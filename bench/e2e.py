@@ -106,7 +106,7 @@ class BenchConfig:
     rows and run directories say "-low" below normal."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
-    16384; 8192 halves the activations, room for the CUDA-IPC buffer beside a 7B learner and vLLM)."""
+    16384; 8192 halves the activations: session 16's 7B rows beside vLLM)."""
     checkpoint_mode: str = ""
     """cuda: the learner's activation recomputation (parallel.checkpoint_mode: selective | full | none | auto;
     "" = the config's, auto: full at 32k beside vLLM where selective's packs would be capped). "full" keeps
