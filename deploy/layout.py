@@ -100,6 +100,12 @@ class GpuPlan:
         )
 
 
+def bf16_parameters(master_weights: str, ranks: int) -> bool:
+    """Whether the learner's parameters are bf16 with the fp32 master weights in host memory ("host", and
+    "auto" on one rank: learner.parallel.resolve_master_weights on a GPU)."""
+    return master_weights == "host" or (master_weights == "auto" and ranks == 1)
+
+
 def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str = "params") -> float:
     """A lower bound on the learner's GPU memory per rank, by where the fp32 master weights live
     (learner.config.OptimConfig.master_weights): "params"/"device": weights, gradients and AdamW moments,
@@ -107,7 +113,7 @@ def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str 
     "host" (and "auto" on one rank): bf16 weights and gradients only, 4 bytes. The bf16 reference model of
     the KL term adds 2 (sharded). Activations come on top."""
     ranks = max(ranks, 1)
-    if master_weights == "host" or (master_weights == "auto" and ranks == 1):
+    if bf16_parameters(master_weights, ranks):
         states = 4 * n_params
     elif master_weights == "device":
         states = 16 * n_params
@@ -240,8 +246,7 @@ def plan_gpus(
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
     need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
-    bf16_params = master_weights == "host" or (master_weights == "auto" and len(learner) == 1)
-    if kind == "shared" and not (params_in_buffer and bf16_params):
+    if kind == "shared" and not (params_in_buffer and bf16_parameters(master_weights, len(learner))):
         need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
     vllm = gpu_memory_utilization * gib
     weights = 2 * n_params / tp / 2**30  # bf16 weights of one engine's shard
