@@ -173,13 +173,14 @@ class LaunchConfig:
     """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
-    crowded off. Not usable yet: at 40 on an H100, vLLM returned NaN for every behaviour logprob (sessions 20
-    and 21, bench/results/GPU.md), and the generator stops with that error (generator/worker.py)."""
+    crowded off. Not usable: at 40 on an H100, vLLM returned NaN for every behaviour logprob, beside the
+    learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25); the generator stops with that
+    error (generator/worker.py)."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
     session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
-    Measured 1.03x at 3B K = 1 on an H100 (session 23), about the spread between runs: not the default yet."""
+    Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25): not the default."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

@@ -117,6 +117,11 @@ class Engine:
         self.on_cpu = current_platform.is_cpu()
         self.in_process = resolve_in_process(self.config.in_process, self.tp, self.on_cpu)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        if not self.in_process and not self.on_cpu:
+            # vLLM forks its engine core unless it sees CUDA initialised here; a fork after anything that
+            # only counted the devices (torch poisons fork then) fails in the child with "Cannot
+            # re-initialize CUDA in forked subprocess" (bench/results/GPU.md, session 25). Spawn always.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         from weights.vllm_worker import EXTENSION
