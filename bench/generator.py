@@ -85,6 +85,9 @@ class GeneratorBench:
     """cuda: vLLM's engine core in its own process (Parallax's default) or in this one."""
     gpu_memory_utilization: float = 0.4
     """cuda: vLLM's share of the GPU."""
+    enforce_eager: bool = False
+    """cuda: run vLLM eagerly, without CUDA graphs or torch.compile (to tell a fault of the graphs from one
+    of the kernels, as the MPS cap's NaN logprobs, bench/queues/h100.txt)."""
     out: Path = Path("bench/results/generator.json")
     """Where the JSON result goes."""
 
@@ -129,7 +132,7 @@ def build_engine(cfg: GeneratorBench):
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/parallax-vllm-cache")
     cuda = cfg.device == "cuda"
     settings = dict(
-        enforce_eager=not cuda,
+        enforce_eager=not cuda or cfg.enforce_eager,
         in_process=None if cuda and cfg.engine_core == "process" else True,
         max_num_seqs=1024 if cuda else 256,
         max_model_len=4096 if cuda else 1024,
