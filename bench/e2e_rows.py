@@ -147,15 +147,18 @@ def learner_facts(run_dir: Path) -> dict:
         else "none",
         "learner_compile": cfg["parallel"]["compile"],
         "learner_host_threads": cfg.get("optim", {}).get("host_threads", 0),
+        "learner_reference_location": cfg["parallel"].get("reference_location", "device"),
     }
 
 
 def learner_label(row: dict) -> str:
-    """A row's packs and recomputation for its table line, e.g. "8k sel" or "32k full" ("" if unknown)."""
+    """A row's packs and recomputation for its table line, e.g. "8k sel" or "32k full", with " ref@host" where
+    the KL reference model lived in host memory ("" if unknown)."""
     tokens, mode = row.get("learner_pack_tokens"), row.get("learner_checkpoint_mode")
     if not tokens:
         return ""
-    return f"{tokens // 1024}k {(mode or '?').replace('selective', 'sel')}"
+    host = " ref@host" if row.get("learner_reference_location") == "host" else ""
+    return f"{tokens // 1024}k {(mode or '?').replace('selective', 'sel')}{host}"
 
 
 def mps_label(mps: bool, generator_sms: int = 100, generator_priority: str = "normal") -> str:

@@ -19,8 +19,12 @@ tests/unit/deploy/test_gpu_plan.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+log = logging.getLogger(__name__)
 
 SHARED_TRANSPORT, SPLIT_TRANSPORT = "cuda-ipc", "broadcast"
 CONTEXT_GIB = 1.5
@@ -31,6 +35,10 @@ ENGINE_OVERHEAD_GIB = 4.7
 """GPU memory a vLLM engine process holds beyond its `gpu_memory_utilization` share (CUDA context and graphs,
 allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (session 24,
 bench/results/GPU.md). A shared GPU keeps it free for the engine."""
+REFERENCE_RESIDENT_FRACTION = 0.2
+"""Of a KL reference model in host memory (learner/reference.py), the share the GPU still holds while it
+scores: the root's embeddings and lm_head (0.14 of Qwen2.5-VL-7B, 0.16 of -3B) and the decoder blocks in
+flight (two of 28 or 36)."""
 
 
 class LayoutError(ValueError):
@@ -76,6 +84,9 @@ class GpuPlan:
     checkpoint_mode: str = ""
     """The learner's recomputation this layout chose for the config's checkpoint_mode "auto"
     (`plan_recompute`; "" = the config's own)."""
+    reference_location: str = ""
+    """Where the KL reference model lives in this layout for the config's reference_location "auto"
+    (`plan_reference`: "device" or "host"; "" = the config's own)."""
 
     def describe(self) -> str:
         if self.kind == "cpu":
@@ -93,10 +104,15 @@ class GpuPlan:
             if self.checkpoint_mode
             else ""
         )
+        reference = (
+            "; the KL reference model in host memory (reference_location auto)"
+            if self.reference_location == "host"
+            else ""
+        )
         return (
             f"{self.kind} GPUs: learner {self.learner_gpus} (~{self.learner_gib:.1f} GiB each), "
             f"generator engines [{engines}] (up to {self.generator_gib:.1f} GiB each), "
-            f"weights by {self.weight_transport}{capped}{chosen}"
+            f"weights by {self.weight_transport}{capped}{chosen}{reference}"
         )
 
 
@@ -106,12 +122,15 @@ def bf16_parameters(master_weights: str, ranks: int) -> bool:
     return master_weights == "host" or (master_weights == "auto" and ranks == 1)
 
 
-def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str = "params") -> float:
+def learner_memory_gib(
+    n_params: int, ranks: int, kl: bool, master_weights: str = "params", reference: str = "device"
+) -> float:
     """A lower bound on the learner's GPU memory per rank, by where the fp32 master weights live
     (learner.config.OptimConfig.master_weights): "params"/"device": weights, gradients and AdamW moments,
     16 bytes a parameter (sharded over the ranks with "params"), plus one gathered bf16 copy for the forward;
     "host" (and "auto" on one rank): bf16 weights and gradients only, 4 bytes. The bf16 reference model of
-    the KL term adds 2 (sharded). Activations come on top."""
+    the KL term adds 2 (sharded), or REFERENCE_RESIDENT_FRACTION of that with `reference` "host".
+    Activations come on top."""
     ranks = max(ranks, 1)
     if bf16_parameters(master_weights, ranks):
         states = 4 * n_params
@@ -120,6 +139,8 @@ def learner_memory_gib(n_params: int, ranks: int, kl: bool, master_weights: str 
     else:
         states = 16 * n_params / ranks + (2 * n_params if ranks > 1 else 0)
     ref = 2 * n_params / ranks if kl else 0
+    if reference == "host":
+        ref *= REFERENCE_RESIDENT_FRACTION
     return (states + ref) / 2**30 + CONTEXT_GIB
 
 
@@ -189,6 +210,25 @@ def plan_recompute(
     return dataclasses.replace(selective, checkpoint_mode="selective")
 
 
+def plan_reference(location: str, kl: bool, plan: Callable[[str], GpuPlan]) -> GpuPlan:
+    """`plan(reference)` with the KL reference model where the config's `location` puts it; "auto" with a KL
+    term: on the device where that layout fits, else in host memory (learner/reference.py) if that one
+    does; the plan says which (`reference_location`). Without a KL term there is no reference model."""
+    if not kl or location != "auto":
+        return plan("device" if location == "auto" else location)
+    try:
+        return dataclasses.replace(plan("device"), reference_location="device")
+    except LayoutError as on_device:
+        try:
+            chosen = plan("host")
+        except LayoutError:
+            raise on_device from None
+        log.info(
+            "the KL reference model goes to host memory: on the GPU the learner would not fit (%s)", on_device
+        )
+        return dataclasses.replace(chosen, reference_location="host")
+
+
 def plan_gpus(
     learner_gpus: str,
     generator_gpus: str,
@@ -202,6 +242,7 @@ def plan_gpus(
     pack_tokens: int = 0,
     token_bytes: float = 0.0,
     params_in_buffer: bool = False,
+    reference: str = "device",
 ) -> GpuPlan:
     """THE layout decision: learner and generator GPUs (CUDA_VISIBLE_DEVICES-style indices among
     `visible`) -> a GpuPlan, or a LayoutError that says what to change.
@@ -212,7 +253,8 @@ def plan_gpus(
     not fit) is an error. Given the config's training pack size and the activation bytes of a token
     (`activation_bytes_per_token`), the plan's `pack_tokens` is that size, or the largest that fits.
     A shared GPU holds the CUDA-IPC weight buffer too, unless the learner's bf16 parameters live in it
-    (`params_in_buffer`: weight_sync.params_in_buffer with the master weights in host memory).
+    (`params_in_buffer`: weight_sync.params_in_buffer with the master weights in host memory). `reference`:
+    where the KL reference model lives, "device" or "host" (`plan_reference` resolves the config's "auto").
     """
     learner, generator = _indices(learner_gpus, "learner"), _indices(generator_gpus, "generator")
     if not learner and not generator:
@@ -245,7 +287,7 @@ def plan_gpus(
         )
     kind = "shared" if overlap else "split"
     gib = min(by_index[i].memory_gib for i in {*learner, *generator})
-    need = learner_memory_gib(n_params, len(learner), kl, master_weights) if n_params else 0.0
+    need = learner_memory_gib(n_params, len(learner), kl, master_weights, reference) if n_params else 0.0
     if kind == "shared" and not (params_in_buffer and bf16_parameters(master_weights, len(learner))):
         need += 2 * n_params / 2**30  # the CUDA-IPC buffer the generator maps (weights/ipc_sender.py)
     vllm = gpu_memory_utilization * gib
@@ -253,8 +295,9 @@ def plan_gpus(
     room = gib - vllm - ENGINE_OVERHEAD_GIB if kind == "shared" else gib
     fix = (
         "lower --generator.engine.gpu-memory-utilization, keep the master weights in host memory "
-        "(--learner.optim.master-weights host), use a split layout (--learner.gpus 0-5 "
-        "--generator.gpus 6-7) or a smaller model"
+        "(--learner.optim.master-weights host)"
+        + (", the KL reference model too (--learner.parallel.reference-location host)" if kl else "")
+        + ", use a split layout (--learner.gpus 0-5 --generator.gpus 6-7) or a smaller model"
         if kind == "shared"
         else "give the learner more GPUs (--learner.gpus) or use a smaller model"
     )

@@ -30,6 +30,7 @@ from deploy.layout import (
     GpuPlan,
     LayoutError,
     plan_recompute,
+    plan_reference,
 )
 from generator.config import EngineConfig, GeneratorConfig, SamplingConfig
 from learner.config import (
@@ -215,22 +216,28 @@ def gpu_plan(
     """The launch's GPU layout on the `visible` GPUs (deploy.layout.plan_recompute, plan_gpus) for a model of
     `n_params` parameters and decoder `shape` (0 / None: the indices and overlaps only)."""
     parallel, batching = cfg.learner.parallel, cfg.learner.batching
-    return plan_recompute(
-        parallel.checkpoint_mode,
-        shape,
-        parallel.activation_checkpointing,
-        batching.max_tokens_per_microbatch,
-        batching.no_grad_tokens_per_microbatch,
-        learner_gpus=cfg.learner.gpus,
-        generator_gpus=cfg.generator.gpus,
-        visible=visible,
-        tp=cfg.generator.tp,
-        n_params=n_params,
-        kl=cfg.learner.loss.kl_coef > 0,
-        master_weights=cfg.learner.optim.master_weights,
-        gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-        params_in_buffer=cfg.learner.weight_sync.params_in_buffer,
-    )
+    kl = cfg.learner.loss.kl_coef > 0
+
+    def plan(reference: str) -> GpuPlan:
+        return plan_recompute(
+            parallel.checkpoint_mode,
+            shape,
+            parallel.activation_checkpointing,
+            batching.max_tokens_per_microbatch,
+            batching.no_grad_tokens_per_microbatch,
+            learner_gpus=cfg.learner.gpus,
+            generator_gpus=cfg.generator.gpus,
+            visible=visible,
+            tp=cfg.generator.tp,
+            n_params=n_params,
+            kl=kl,
+            master_weights=cfg.learner.optim.master_weights,
+            gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
+            params_in_buffer=cfg.learner.weight_sync.params_in_buffer,
+            reference=reference,
+        )
+
+    return plan_reference(parallel.reference_location, kl, plan)
 
 
 def role_configs(
@@ -268,6 +275,9 @@ def role_configs(
         learner = dataclasses.replace(learner, batching=batching)
     if gpus.checkpoint_mode:  # the config's "auto", resolved
         parallel = dataclasses.replace(learner.parallel, checkpoint_mode=gpus.checkpoint_mode)
+        learner = dataclasses.replace(learner, parallel=parallel)
+    if gpus.reference_location:  # the config's "auto", resolved
+        parallel = dataclasses.replace(learner.parallel, reference_location=gpus.reference_location)
         learner = dataclasses.replace(learner, parallel=parallel)
     if gpus.kind != "cpu" and not learner.optim.host_threads:
         threads = host_adamw_threads(cfg.reward.workers, len(gpus.engines))

@@ -51,8 +51,9 @@ from learner.parallel import (
     param_dtype,
     resolve_master_weights,
 )
+from learner.reference import build_reference
 from learner.update import Updater
-from learner.wiring import build_inbox, build_reference, build_sender, guess_peak_flops
+from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
 from runtime.config import write_resolved

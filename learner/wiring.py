@@ -137,24 +137,3 @@ def build_sender(learner):
     )
     sender.start()
     return sender
-
-
-def build_reference(learner):
-    """The frozen reference model of the KL term: bf16 on the GPU whatever the master weights (FSDP2 would
-    cast fp32 ones to bf16 for compute), sharded and compiled like the policy, no activation checkpointing
-    (its pass keeps no activations)."""
-    from learner.config import ParallelConfig
-    from learner.parallel import apply_parallelism
-    from policy.loading import load_model
-
-    cfg = learner.cfg
-    bf16 = learner.info.device.type == "cuda" and cfg.parallel.mixed_precision
-    dtype = torch.bfloat16 if bf16 else learner.param_dtype
-    ref = load_model(cfg.model, dtype=dtype, device=learner.info.device)
-    ref.eval().requires_grad_(False)
-    pcfg = ParallelConfig(
-        activation_checkpointing=False,
-        mixed_precision=cfg.parallel.mixed_precision,
-        compile=cfg.parallel.compile,
-    )
-    return apply_parallelism(ref, pcfg, learner.info.device)

@@ -73,6 +73,15 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     assert plan.learner_gib + plan.generator_gib < 139.8
 
 
+def test_gpu_flags_plan_the_7b_on_an_80_gb_card_with_its_reference_in_host_memory():
+    h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+    seven = gpu_plan(launch_config("7b", 1), h100, N_PARAMS["7b"], SHAPES["7b"])
+    assert (seven.reference_location, seven.checkpoint_mode, seven.pack_tokens) == ("host", "full", 16384)
+    # the 3B fits with its reference on the GPU (full recomputation at 32k, as measured in sessions 20-25)
+    three = gpu_plan(launch_config("3b", 1), h100, N_PARAMS["3b"], SHAPES["3b"])
+    assert (three.reference_location, three.checkpoint_mode, three.pack_tokens) == ("device", "full", 32768)
+
+
 def test_measure_times_the_steps_after_the_warmup():
     lines = [{"step": 0, "time": 0.0}]  # a metrics line without groups (e.g. an evaluation) is not a step
     for i in range(1, 4):
@@ -318,6 +327,7 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
         "learner_checkpoint_mode": "full",
         "learner_compile": "elementwise",
         "learner_host_threads": 8,
+        "learner_reference_location": "device",  # a config from before the field reads as the device
     }
     assert learner_label(facts) == "32k full"
     assert learner_label({"learner_pack_tokens": 8192, "learner_checkpoint_mode": "selective"}) == "8k sel"
@@ -325,6 +335,12 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
     (tmp_path / "learner" / "config.learner.json").write_text(json.dumps(config))
     assert learner_label(learner_facts(tmp_path)) == "32k none"
     assert learner_label({}) == ""
+    host = {
+        "learner_pack_tokens": 16384,
+        "learner_checkpoint_mode": "full",
+        "learner_reference_location": "host",
+    }
+    assert learner_label(host) == "16k full ref@host"
 
 
 def test_the_queues_extra_flag_keeps_the_weight_copy_apart():

@@ -5,6 +5,7 @@ CPU only: the GPUs are described, never used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -20,6 +21,7 @@ from deploy.layout import (
     gpu_env,
     plan_gpus,
     plan_recompute,
+    plan_reference,
 )
 from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, host_adamw_threads, role_configs
 from deploy.preflight import (
@@ -169,7 +171,15 @@ def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
 
 
 def _auto(
-    n_params, shape, gpus, learner="0", generator="0", pack_tokens=16384, checkpointing=True, in_buffer=False
+    n_params,
+    shape,
+    gpus,
+    learner="0",
+    generator="0",
+    pack_tokens=16384,
+    checkpointing=True,
+    in_buffer=False,
+    reference="device",
 ):
     return plan_recompute(
         "auto",
@@ -185,6 +195,7 @@ def _auto(
         master_weights="auto",
         gpu_memory_utilization=0.3,
         params_in_buffer=in_buffer,
+        reference=reference,
     )
 
 
@@ -231,6 +242,48 @@ def test_parameters_in_the_weight_buffer_leave_the_learner_a_copy_of_the_weights
     # and a split layout has no buffer on the learner's GPUs to begin with
     split = [plan_gpus("0", "1", h200s(2), params_in_buffer=b, n_params=N_7B) for b in (False, True)]
     assert split[0].learner_gib == split[1].learner_gib
+
+
+def test_auto_puts_the_reference_model_in_host_memory_only_where_the_learner_does_not_fit_otherwise():
+    h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+
+    def layout(gpus):
+        return lambda reference: _auto(N_7B, QWEN_7B, gpus, in_buffer=True, reference=reference)
+
+    # 7B beside vLLM on an 80 GB card: with the reference on the GPU no training pack fits (session 24's
+    # out-of-memory); in host memory the GPU keeps its embeddings, lm_head and the blocks in flight
+    host = plan_reference("auto", True, layout(h100))
+    on_device = _auto(N_7B, QWEN_7B, h200s(1), in_buffer=True)
+    assert host.reference_location == "host"
+    assert on_device.learner_gib - host.learner_gib == pytest.approx(0.8 * 2 * N_7B / 2**30)
+    assert (host.checkpoint_mode, host.pack_tokens) == ("full", 16384)  # 32k would not fit beside vLLM
+    assert "the KL reference model in host memory (reference_location auto)" in host.describe()
+    # where it fits (an H200), it stays on the GPU; an explicit location is the config's own
+    assert plan_reference("auto", True, layout(h200s(1))).reference_location == "device"
+    assert plan_reference("host", True, layout(h200s(1))).reference_location == ""
+    with pytest.raises(
+        LayoutError, match=r"the KL reference model too \(--learner.parallel.reference-location"
+    ):
+        plan_reference("device", True, layout(h100))
+    # without a KL term there is no reference model to place
+    assert plan_reference("auto", False, layout(h200s(1))).reference_location == ""
+
+
+def test_role_configs_run_the_layouts_reference_location():
+    cfg = LaunchConfig()
+    plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc", reference_location="host")
+    learner = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)["learner"]
+    assert learner.parallel.reference_location == "host"
+    kept = role_configs(
+        cfg,
+        _p("/r"),
+        _p("/m"),
+        _p("/d"),
+        "zmq://x:1",
+        "ns",
+        gpus=dataclasses.replace(plan, reference_location=""),
+    )
+    assert kept["learner"].parallel.reference_location == cfg.learner.parallel.reference_location == "auto"
 
 
 def test_role_configs_run_the_layouts_recomputation_and_packs():
