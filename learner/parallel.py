@@ -117,7 +117,7 @@ def apply_parallelism(
     if not distributed() or (low_precision and dist.get_world_size() == 1):
         # bf16 parameters on one rank: FSDP2 would only add a second copy of the parameters and gradients
         return root
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if low_precision:
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -128,7 +128,15 @@ def apply_parallelism(
     # one rank: the gathered (bf16) parameters are this rank's own, so freeing them after the forward only
     # buys a second gather-and-cast per block in the backward pass
     reshard = cfg.reshard_after_forward and dist.get_world_size() > 1
-    kwargs = dict(mp_policy=mp, reshard_after_forward=reshard)
+    shard_blocks(model, root, mp_policy=mp, reshard_after_forward=reshard)
+    return root
+
+
+def shard_blocks(model: nn.Module, root: nn.Module, **kwargs) -> nn.ModuleList:
+    """`fully_shard(..., **kwargs)` per vision block, the vision tower, per decoder block, then `root`
+    (embeddings, final norm, lm_head: what no block holds); returns the decoder blocks."""
+    from torch.distributed.fsdp import fully_shard
+
     visual, layers = vision_tower(model), decoder_layers(model)
     if visual is not None:
         for block in visual.blocks:
@@ -136,8 +144,8 @@ def apply_parallelism(
         fully_shard(visual, **kwargs)
     for layer in layers:
         fully_shard(layer, **kwargs)
-    fully_shard(root, **kwargs)  # root: embeddings, norm, lm_head
-    return root
+    fully_shard(root, **kwargs)
+    return layers
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:

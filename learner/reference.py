@@ -77,9 +77,9 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
     by block in its forward; returns the `PackedPolicy` root. Needs a process group (the learner has one on
     every GPU, a one-rank group on a single GPU)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from learner.parallel import decoder_layers, vision_tower
+    from learner.parallel import shard_blocks
     from policy.forward import PackedPolicy
 
     if not dist.is_initialized():
@@ -89,15 +89,9 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
     model.eval()
     model.config.use_cache = False
     root = PackedPolicy(model, chunk_size=chunk_size)
-    kwargs = dict(offload_policy=CPUOffloadPolicy(pin_memory=pin), reshard_after_forward=True)
-    visual, layers = vision_tower(model), decoder_layers(model)
-    if visual is not None:
-        for block in visual.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(visual, **kwargs)
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(root, **kwargs)
+    layers = shard_blocks(
+        model, root, offload_policy=CPUOffloadPolicy(pin_memory=pin), reshard_after_forward=True
+    )
     for layer, following in zip(layers, list(layers)[1:]):
         layer.set_modules_to_forward_prefetch([following])
     if pin:

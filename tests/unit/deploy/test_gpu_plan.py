@@ -274,15 +274,8 @@ def test_role_configs_run_the_layouts_reference_location():
     plan = GpuPlan("shared", "0", "0", ((0,),), "cuda-ipc", reference_location="host")
     learner = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)["learner"]
     assert learner.parallel.reference_location == "host"
-    kept = role_configs(
-        cfg,
-        _p("/r"),
-        _p("/m"),
-        _p("/d"),
-        "zmq://x:1",
-        "ns",
-        gpus=dataclasses.replace(plan, reference_location=""),
-    )
+    plan = dataclasses.replace(plan, reference_location="")
+    kept = role_configs(cfg, _p("/r"), _p("/m"), _p("/d"), "zmq://x:1", "ns", gpus=plan)
     assert kept["learner"].parallel.reference_location == cfg.learner.parallel.reference_location == "auto"
 
 
