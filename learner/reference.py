@@ -9,7 +9,7 @@
           the current one computes (`set_modules_to_forward_prefetch`). The GPU holds one or two blocks and
           the root's embeddings and lm_head instead of the whole model: what lets a 7B learner share an 80 GB
           card with its vLLM (deploy/layout.py chooses it for "auto"). Each no-grad pack copies the model
-          to the GPU once (15 GB at 7B, about 0.3 s over PCIe 5 at pinned speed), hidden behind the pack's
+          to the GPU once (16.6 GB at 7B, about 0.3 s over PCIe 5 at pinned speed), hidden behind the pack's
           compute where the packs are large (`batching.no_grad_tokens_per_microbatch`). Not compiled: the
           reference pass keeps its eager kernels rather than mixing torch.compile with the offload hooks.
   auto    the launcher's GPU layout resolves it (host only where the device does not fit); a learner started
@@ -52,18 +52,17 @@ def build_reference(learner):
     device = learner.info.device
     bf16 = device.type == "cuda" and cfg.parallel.mixed_precision
     dtype = torch.bfloat16 if bf16 else learner.param_dtype
-    if reference_location(cfg.parallel.reference_location, device) == "host":
-        ref = load_model(cfg.model, dtype=dtype, device="cpu")
+    host = reference_location(cfg.parallel.reference_location, device) == "host"
+    ref = load_model(cfg.model, dtype=dtype, device="cpu" if host else device)
+    ref.eval().requires_grad_(False)
+    if host:
         n_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) // learner.info.world_size
         check_host_memory(
             n_bytes,
             "the KL reference model in host memory (parallel.reference_location=host)",
             "keep it on the GPU (--learner.parallel.reference-location device) or use more learner GPUs",
         )
-        ref.requires_grad_(False)
         return offload_to_host(ref, device)
-    ref = load_model(cfg.model, dtype=dtype, device=device)
-    ref.eval().requires_grad_(False)
     pcfg = ParallelConfig(
         activation_checkpointing=False,
         mixed_precision=cfg.parallel.mixed_precision,
