@@ -4,7 +4,7 @@
 
 `parallel.reference_location` says where its bf16 weights live:
   device  on the GPU, sharded and compiled like the policy (2 bytes a parameter over the ranks);
-  host    in pinned host memory: FSDP2's own CPU offload (`CPUOffloadPolicy`) copies each block's weights
+  host    in page-locked host memory: FSDP2's own CPU offload (`CPUOffloadPolicy`) copies each block's weights
           to the GPU for its forward and frees them after it, the next decoder block's copy issued while
           the current one computes (`set_modules_to_forward_prefetch`). The GPU holds one or two blocks and
           the root's embeddings and lm_head instead of the whole model: what lets a 7B learner share an 80 GB
@@ -16,23 +16,22 @@
           on its own keeps the model on the device.
 On a CPU run every location is host memory, and "host" builds the same plain model as "device".
 
-torch's pinned allocator rounds each block up to a power of two (a 7B MLP weight of 136 MB would take
-256 MB, the whole model about twice its size); `limit_pinned_rounding` stops that above 64 MB (torch's
-`pinned_max_round_threshold_mb`), and where a torch has no such setting the weights stay in pageable memory.
+The shards are page-locked where they lie (`page_lock`: cudaHostRegister) rather than copied by FSDP2 into
+torch's pinned allocator, which rounds each block up to a power of two (a 7B MLP weight of 136 MB would take
+256 MB, the whole model about twice its size); the torch that stops that (`pinned_max_round_threshold_mb`)
+is newer than the GPU image's 2.11. Where registering fails the weights stay pageable (slower copies).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from runtime.hostmem import check_host_memory
 
 log = logging.getLogger(__name__)
-
-PINNED_ROUND_MB = 64
-"""Pinned host blocks above this many MB are allocated at their size, not rounded up to a power of two."""
 
 
 def reference_location(location: str, device: torch.device) -> str:
@@ -72,9 +71,9 @@ def build_reference(learner):
 
 
 def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
-    """`model` (frozen, on CPU) under FSDP2 with its weights in pinned host memory, streamed to `device` block
-    by block in its forward; returns the `PackedPolicy` root. Needs a process group (the learner has one on
-    every GPU, a one-rank group on a single GPU)."""
+    """`model` (frozen, on CPU) under FSDP2 with its weights in page-locked host memory, streamed to `device`
+    block by block in its forward; returns the `PackedPolicy` root. Needs a process group (the learner has
+    one on every GPU, a one-rank group on a single GPU)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -83,36 +82,56 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
 
     if not dist.is_initialized():
         raise RuntimeError("a reference model in host memory needs a process group (learner.parallel)")
-    # pinned where its blocks can be allocated at their size; else pageable (slower copies, no doubling)
-    pin = device.type == "cuda" and limit_pinned_rounding()
     model.eval()
     model.config.use_cache = False
-    root = PackedPolicy(model, chunk_size=chunk_size)
+    root = PackedPolicy(model, chunk_size=chunk_size, device=device)
     layers = shard_blocks(
-        model, root, offload_policy=CPUOffloadPolicy(pin_memory=pin), reshard_after_forward=True
+        model, root, offload_policy=CPUOffloadPolicy(pin_memory=False), reshard_after_forward=True
     )
     for layer, following in zip(layers, list(layers)[1:]):
         layer.set_modules_to_forward_prefetch([following])
-    if pin:
-        torch.cuda.empty_cache()  # each block passed through the GPU on its way to pinned memory
+    pinned = device.type == "cuda" and page_lock(root)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # each block passed through the GPU on its way to host memory
     log.info(
         "KL reference model in %s host memory: %.2f GB, streamed to %s block by block",
-        "pinned" if pin else "pageable",
+        "page-locked" if pinned else "pageable",
         sum(p.numel() * p.element_size() for p in root.parameters()) / 1e9,
         device,
     )
     return root
 
 
-def limit_pinned_rounding(mb: int = PINNED_ROUND_MB) -> bool:
-    """Stop torch's pinned allocator from rounding blocks above `mb` MB up to a power of two (module
-    docstring); False (logged) where this torch has no such setting."""
-    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    try:
-        if setting is None:
-            raise RuntimeError("no torch._C._accelerator_setAllocatorSettings")
-        setting(f"pinned_max_round_threshold_mb:{mb}")
-    except RuntimeError as e:
-        log.warning("this torch cannot limit pinned-memory rounding (%s): the reference stays pageable", e)
-        return False
+def page_lock(module: torch.nn.Module) -> bool:
+    """Page-lock the host storage of `module`'s parameters where it lies (cudaHostRegister), so that FSDP2's
+    non-blocking copies to the GPU run at DMA speed without a second, rounded-up pinned copy; the memory stays
+    registered for the process's life (the reference's). False (logged) where CUDA refuses."""
+    storages = {}
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        storage = local.untyped_storage()
+        if storage.device.type == "cpu" and storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    cudart = torch.cuda.cudart()
+    for start, size in page_spans(storages.items(), os.sysconf("SC_PAGE_SIZE")):
+        err = cudart.cudaHostRegister(start, size, 0)
+        if int(err) != 0:
+            log.warning(
+                "cudaHostRegister failed (%s): the reference's weights stay pageable",
+                cudart.cudaGetErrorString(err),
+            )
+            return False
     return True
+
+
+def page_spans(blocks, page: int) -> list[tuple[int, int]]:
+    """(start, size) of the whole pages under the (address, size) `blocks`, pages shared by two blocks merged
+    into one span: CUDA registers each page once, and small heap blocks can share a page."""
+    spans = sorted((addr // page * page, -(-(addr + size) // page) * page) for addr, size in blocks)
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in merged]

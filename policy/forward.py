@@ -230,8 +230,11 @@ class PackedPolicy(nn.Module):
         vision_varlen: bool = True,
         banned_token_ids: list[int] | None = None,
         compile_logprobs: bool = False,
+        device: torch.device | None = None,
     ):
-        """compile_logprobs: fuse each chunk's fp32 log-softmax / gather / entropy with torch.compile.
+        """device: where the forward runs (default: where the model's weights are; pass the GPU for a model
+        whose weights live in host memory and are streamed to it, learner/reference.offload_to_host).
+        compile_logprobs: fuse each chunk's fp32 log-softmax / gather / entropy with torch.compile.
         banned_token_ids: tokens the generator never samples (default: the image and video pad tokens,
         which Parallax's vLLM sampler bans); their logits are masked out before the softmax so that the
         learner's distribution is exactly the one the behaviour logprobs came from. Pass [] to disable."""
@@ -243,6 +246,7 @@ class PackedPolicy(nn.Module):
             banned_token_ids = [model.config.image_token_id, getattr(model.config, "video_token_id", None)]
         self.banned_token_ids = sorted({int(t) for t in banned_token_ids if t is not None})
         self.compile_logprobs = compile_logprobs
+        self.compute_device = device
         enable_packed_attention(model, vision=vision_varlen)
 
     def forward(
@@ -275,7 +279,7 @@ class PackedPolicy(nn.Module):
     def hidden_states(self, batch: PackedBatch, run_vision_always: bool = False) -> torch.Tensor:
         """(1, total, hidden) final hidden states of the packed row."""
         inner = self.model.model
-        input_ids = batch.input_ids.to(self.model.device)
+        input_ids = batch.input_ids.to(self.compute_device or self.model.device)
         embeds = inner.get_input_embeddings()(input_ids)
         extra = {}
         if batch.pixel_values is not None:

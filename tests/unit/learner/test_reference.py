@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner.reference import limit_pinned_rounding, offload_to_host, reference_location
+from learner.reference import offload_to_host, page_spans, reference_location
 from policy.forward import PackedPolicy
 from policy.packing import pack
 
@@ -55,5 +55,11 @@ def test_where_the_reference_is_built():
     assert reference_location("host", cpu) == "device"  # on CPU the model is in host memory anyway
 
 
-def test_pinned_rounding_limit_is_a_setting_this_torch_accepts():
-    assert limit_pinned_rounding() is True
+def test_page_spans_cover_every_block_and_register_each_page_once():
+    page = 4096
+    blocks = [(10 * page + 100, 50), (10 * page + 200, page), (20 * page, 2 * page), (30 * page - 8, 16)]
+    spans = page_spans(blocks, page)
+    assert spans == [(10 * page, 2 * page), (20 * page, 2 * page), (29 * page, 2 * page)]
+    for addr, size in blocks:  # each block lies inside one span
+        assert any(lo <= addr and addr + size <= lo + n for lo, n in spans)
+    assert page_spans([], page) == []
