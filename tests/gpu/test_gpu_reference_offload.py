@@ -3,6 +3,8 @@ same model on the GPU does, holding only its root and the blocks in flight on th
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -24,13 +26,14 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu():
         config, n=6, seed=3, text_tokens=24, image_side=224, response=(20, 60), group_size=3
     )
     batch = pack(samples, config.image_token_id).to("cuda")
-    on_gpu = PackedPolicy(build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=0).eval())
+    # one set of weights for both (built on the GPU, the CUDA generator would draw other ones)
+    cpu_model = build_model("tiny-fullvocab", "cpu", torch.bfloat16, seed=0).requires_grad_(False)
+    on_gpu = PackedPolicy(copy.deepcopy(cpu_model).to("cuda").eval())
     with torch.no_grad():
         want, _ = on_gpu(batch)
     del on_gpu
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    cpu_model = build_model("tiny-fullvocab", "cpu", torch.bfloat16, seed=0).requires_grad_(False)
     ref = offload_to_host(cpu_model, info.device)
     shard = next(p for n, p in ref.named_parameters() if "layers.0.mlp.up_proj" in n).to_local()
     assert shard.device.type == "cpu" and shard.is_pinned()  # page-locked in place (cudaHostRegister)
