@@ -273,7 +273,9 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
 def launcher_args(cfg: BenchConfig, k: int, model: Path, run_dir: Path, mode: str = "batch") -> list[str]:
     """Every flag of one launcher run: the pipeline's (GPU or CPU), the run's, the mode's, --extra."""
     flags = gpu_args(cfg, k, model) if cfg.device == "cuda" else cpu_args(cfg, k, model)
-    args = [*flags, "--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0"]
+    run = ("--run-dir", str(run_dir), "--progress", "off", "--max-minutes", "0")
+    # a failed process ends the row (restarted, it would hide the failure and restart the clock)
+    args = [*flags, *run, "--max-restarts", "0"]
     return [*args, *MODE_FLAGS[mode], *shlex.split(cfg.extra)]
 
 

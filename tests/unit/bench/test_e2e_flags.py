@@ -49,6 +49,13 @@ def test_gpu_flags_parse_into_the_reference_shapes(model, k):
     assert cfg.learner.metrics.port == cfg.generator.metrics.port == cfg.reward.metrics.port == 0
 
 
+def test_a_failed_process_ends_the_row_rather_than_restarting(tmp_path):
+    for device in ("cuda", "cpu"):
+        cfg = BenchConfig(device=device, model="3b")
+        args = launcher_args(cfg, 1, Path("/models/3b"), tmp_path / "run")
+        assert load_config(LaunchConfig, args).max_restarts == 0
+
+
 def test_a_step_holds_whole_updates():
     with pytest.raises(SystemExit, match="multiple of --prompts-per-update"):
         main(["--device", "cuda", "--prompts", "100"])  # before anything is built
