@@ -195,10 +195,10 @@ class ParallelConfig:
     """torch.distributed backend; empty = nccl on GPU, gloo on CPU."""
     reference_location: Literal["device", "host", "auto"] = "auto"
     """Where the KL term's frozen bf16 reference model lives (learner/reference.py): "device" (the GPU,
-    sharded over the ranks), "host" (pinned host memory, streamed to the GPU block by block in its forward:
-    what lets a 7B learner share an 80 GB card with its vLLM) or "auto": the launcher's GPU layout picks host
-    only where the learner does not fit otherwise (deploy/layout.py); a learner started on its own keeps it
-    on the device. CPU runs ignore it."""
+    sharded over the ranks), "host" (page-locked host memory, streamed to the GPU block by block in its
+    forward: what lets a 7B learner share an 80 GB card with its vLLM) or "auto": the launcher's GPU layout
+    picks host only where the learner does not fit otherwise (deploy/layout.py); a learner started on its own
+    keeps it on the device. CPU runs ignore it."""
 
     def validate(self) -> None:
         mode, _, blocks = self.checkpoint_mode.partition(":")

@@ -9,7 +9,7 @@
           the current one computes (`set_modules_to_forward_prefetch`). The GPU holds one or two blocks and
           the root's embeddings and lm_head instead of the whole model: what lets a 7B learner share an 80 GB
           card with its vLLM (deploy/layout.py chooses it for "auto"). Each no-grad pack copies the model
-          to the GPU once (16.6 GB at 7B, about 0.3 s over PCIe 5 at pinned speed), hidden behind the pack's
+          to the GPU once (16.6 GB at 7B, about 0.4 s over PCIe 5 page-locked), hidden behind the pack's
           compute where the packs are large (`batching.no_grad_tokens_per_microbatch`). Not compiled: the
           reference pass keeps its eager kernels rather than mixing torch.compile with the offload hooks.
   auto    the launcher's GPU layout resolves it (host only where the device does not fit); a learner started
