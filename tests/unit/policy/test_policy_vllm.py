@@ -60,6 +60,10 @@ def llm(sharp_dir, tmp_path_factory):
         del engine
     finally:
         mp.undo()
+        # the in-process engine's torch.distributed world, which a later learner in this process would join
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
 
 
 def test_vllm_samples_with_images_and_logprobs_match_packed_forward(llm, sharp_dir, family_processor):
