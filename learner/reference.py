@@ -16,16 +16,20 @@
           on its own keeps the model on the device.
 On a CPU run every location is host memory, and "host" builds the same plain model as "device".
 
-The shards are page-locked where they lie (`page_lock`: cudaHostRegister) rather than copied by FSDP2 into
-torch's pinned allocator, which rounds each block up to a power of two (a 7B MLP weight of 136 MB would take
-256 MB, the whole model about twice its size); the torch that stops that (`pinned_max_round_threshold_mb`)
-is newer than the GPU image's 2.11. Where registering fails the weights stay pageable (slower copies).
+The shards are moved into one anonymous memory map of their own (`into_host_slab`) and that map is page-locked
+(`page_lock`: cudaHostRegister), rather than copied by FSDP2 into torch's pinned allocator, which rounds each
+block up to a power of two (a 7B MLP weight of 136 MB would take 256 MB, the whole model about twice its size;
+the torch that stops that, `pinned_max_round_threshold_mb`, is newer than the GPU image's 2.11). The map is
+the reference's alone: registering heap pages in place would also lock the neighbours that share them, and a
+later copy into such a neighbour fails (cudaErrorInvalidValue; GPU.md, session 27). Where registering fails
+the weights stay pageable (slower copies).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import mmap
+import weakref
 
 import torch
 
@@ -90,49 +94,76 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
     )
     for layer, following in zip(layers, list(layers)[1:]):
         layer.set_modules_to_forward_prefetch([following])
-    pinned = False
+    slab = into_host_slab(root)
+    pinned = device.type == "cuda" and page_lock(root, slab, device)
     if device.type == "cuda":
-        pinned = page_lock(root)
         torch.cuda.empty_cache()  # each block passed through the GPU on its way to host memory
     log.info(
         "KL reference model in %s host memory: %.2f GB, streamed to %s block by block",
         "page-locked" if pinned else "pageable",
-        sum(p.numel() * p.element_size() for p in root.parameters()) / 1e9,
+        slab.numel() / 1e9,
         device,
     )
     return root
 
 
-def page_lock(module: torch.nn.Module) -> bool:
-    """Page-lock the host storage of `module`'s parameters where it lies (cudaHostRegister), so that FSDP2's
-    non-blocking copies to the GPU run at DMA speed without a second, rounded-up pinned copy; the memory stays
-    registered for the process's life (the reference's). False (logged) where CUDA refuses."""
-    storages = {}
-    for param in module.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        storage = local.untyped_storage()
-        if storage.device.type == "cpu" and storage.nbytes():
-            storages[storage.data_ptr()] = storage.nbytes()
+SLAB_ALIGN = 512  # bytes between two shards in the slab: a multiple of every dtype's size and of cache lines
+
+
+@torch.no_grad()
+def into_host_slab(module: torch.nn.Module) -> torch.Tensor:
+    """Move the host shards of `module`'s parameters into one anonymous memory map (returned as a uint8
+    tensor) that no other allocation shares. Module by module, each shard's tensor is re-pointed in place
+    (`set_`) and the module's load-state-dict hooks run, through which FSDP2 re-reads its shards
+    (`reset_sharded_param`, what it does after `load_state_dict`) and drops the old copy. A shard FSDP2 pads
+    (uneven sharding over ranks) it copies back out: that one stays outside the slab, pageable."""
+    shards = {id(local): local for local in map(host_shard, module.parameters()) if local is not None}
+    offsets, total = {}, 0
+    for key, local in shards.items():
+        offsets[key] = total
+        total += -(-local.nbytes // SLAB_ALIGN) * SLAB_ALIGN
+    page = mmap.PAGESIZE
+    slab = torch.frombuffer(mmap.mmap(-1, max(-(-total // page) * page, page)), dtype=torch.uint8)
+    for owner in module.modules():
+        moved = [local for local in map(host_shard, owner.parameters(recurse=False)) if id(local) in offsets]
+        for local in moved:
+            offset = offsets.pop(id(local))
+            slab[offset : offset + local.nbytes].view(local.dtype).view(local.shape).copy_(local)
+            local.set_(slab.untyped_storage(), offset // local.element_size(), local.shape, local.stride())
+        if moved:
+            owner.load_state_dict({}, strict=False)  # FSDP2's post-load hooks: its shards re-read
+    module.load_state_dict({}, strict=False)  # a shared parameter's hook may sit on its other module
+    return slab
+
+
+def host_shard(param: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding this rank's part of `param` where it is in host memory and not empty, else None: a
+    DTensor's own local tensor, the one FSDP2 re-reads (`to_local()` returns an alias of it)."""
+    local = getattr(param, "_local_tensor", param)
+    return local if local.device.type == "cpu" and local.numel() else None
+
+
+def page_lock(module: torch.nn.Module, slab: torch.Tensor, device: torch.device) -> bool:
+    """Page-lock `slab` (cudaHostRegister) so that FSDP2's copies to the GPU run at DMA speed; it is
+    unregistered when `module` is collected, before the slab can be unmapped. False (logged) where CUDA
+    refuses."""
     cudart = torch.cuda.cudart()
-    for start, size in page_spans(storages.items(), os.sysconf("SC_PAGE_SIZE")):
-        err = cudart.cudaHostRegister(start, size, 0)
-        if int(err) != 0:
-            log.warning(
-                "cudaHostRegister failed (%s): the reference's weights stay pageable",
-                cudart.cudaGetErrorString(err),
-            )
-            return False
+    err = cudart.cudaHostRegister(slab.data_ptr(), slab.nbytes, 0)
+    if int(err) != 0:
+        log.warning(
+            "cudaHostRegister failed (%s): the reference's weights stay pageable",
+            cudart.cudaGetErrorString(err),
+        )
+        clear_cuda_error(device)
+        return False
+    weakref.finalize(module, cudart.cudaHostUnregister, slab.data_ptr()).atexit = False
     return True
 
 
-def page_spans(blocks, page: int) -> list[tuple[int, int]]:
-    """(start, size) of the whole pages under the (address, size) `blocks`, pages shared by two blocks merged
-    into one span: CUDA registers each page once, and small heap blocks can share a page."""
-    spans = sorted((addr // page * page, -(-(addr + size) // page) * page) for addr, size in blocks)
-    merged: list[list[int]] = []
-    for lo, hi in spans:
-        if merged and lo < merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return [(lo, hi - lo) for lo, hi in merged]
+def clear_cuda_error(device: torch.device) -> None:
+    """A failed CUDA runtime call stays CUDA's last error until read, and torch's next kernel launch check
+    reads it and raises it as its own; torch binds no cudaGetLastError, so one launch here consumes it."""
+    try:
+        torch.ones(1, device=device).add_(1)
+    except RuntimeError:
+        pass

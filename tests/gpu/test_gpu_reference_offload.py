@@ -46,3 +46,31 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu():
     blocks = sum(p.numel() * 2 for n, p in ref.named_parameters() if ".layers." in n)
     # the root (embeddings, lm_head) may stay gathered; the decoder blocks went back to host memory
     assert torch.cuda.memory_allocated() - before < total - blocks // 2
+
+
+def test_host_memory_around_the_page_locked_reference_stays_usable():
+    """Session 27: a second learner in one process (bench.learner_step's variants) failed its first copy from
+    the GPU into new host memory (cudaErrorInvalidValue), the old registration having locked heap pages that
+    the new allocations shared. The reference now lives in a memory map of its own, unregistered when it is
+    collected: host tensors around it and a second reference after it copy as any others."""
+    import gc
+
+    from learner.parallel import init_distributed
+    from learner.reference import offload_to_host
+    from policy.builder import build_model
+
+    info = init_distributed()
+    sizes = [1 << 10, 3 << 12, 5 << 16, 7 << 18, 3 << 21, 5 << 22]  # 1 KB to 20 MB, heap and mapped
+    for _ in range(2):  # the second reference comes after the first is collected
+        churn = [torch.empty(64 << 20, dtype=torch.uint8) for _ in range(3)]  # raises glibc's mmap threshold
+        del churn
+        ref = offload_to_host(
+            build_model("tiny", "cpu", torch.bfloat16, seed=0).requires_grad_(False), info.device
+        )
+        for size in sizes * 4:
+            src = torch.arange(size, device=info.device, dtype=torch.int32)
+            host = src.to("cpu")  # device to host into a fresh allocation
+            assert int(host[-1]) == size - 1
+            assert int(host.to(info.device)[size // 2]) == size // 2
+        del ref
+        gc.collect()

@@ -4,12 +4,13 @@ gives the same logprobs, and where each location is built."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from learner.reference import offload_to_host, page_spans, reference_location
+from learner.reference import SLAB_ALIGN, into_host_slab, offload_to_host, reference_location
 from policy.forward import PackedPolicy
 from policy.packing import pack
 
@@ -55,11 +56,36 @@ def test_where_the_reference_is_built():
     assert reference_location("host", cpu) == "device"  # on CPU the model is in host memory anyway
 
 
-def test_page_spans_cover_every_block_and_register_each_page_once():
-    page = 4096
-    blocks = [(10 * page + 100, 50), (10 * page + 200, page), (20 * page, 2 * page), (30 * page - 8, 16)]
-    spans = page_spans(blocks, page)
-    assert spans == [(10 * page, 2 * page), (20 * page, 2 * page), (29 * page, 2 * page)]
-    for addr, size in blocks:  # each block lies inside one span
-        assert any(lo <= addr and addr + size <= lo + n for lo, n in spans)
-    assert page_spans([], page) == []
+def test_the_offloaded_weights_live_in_the_slab_and_fsdp_reads_them_there(
+    one_rank_group, tiny_processor, tiny_model
+):
+    """FSDP2 streams each block from the slab itself: every shard's storage is the slab's, and zeroing the
+    slab zeroes the model (every logit 0: every token equally likely)."""
+    from tests.fixtures.models import make_samples
+
+    pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    batch = pack(make_samples(tiny_processor, (1, 0, 1), seed=5), pad)
+    ref = offload_to_host(copy.deepcopy(tiny_model).requires_grad_(False), torch.device("cpu"), chunk_size=16)
+    slab = next(ref.parameters()).to_local().untyped_storage()
+    n_bytes = sum(p.to_local().nbytes for p in ref.parameters())
+    assert n_bytes <= slab.nbytes() < n_bytes + SLAB_ALIGN * len(list(ref.parameters())) + 4096
+    for param in ref.parameters():
+        assert param.to_local().untyped_storage().data_ptr() == slab.data_ptr()
+    with torch.no_grad():
+        before, _ = ref(batch)
+        torch.empty(0, dtype=torch.uint8).set_(slab).zero_()
+        after, _ = ref(batch)
+    vocab = tiny_model.lm_head.weight.shape[0]
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, torch.full_like(after, after[0].item()))  # every token equally likely
+    assert abs(after[0].item() + math.log(vocab)) < 0.01  # over the vocabulary (less any ids it masks)
+
+
+def test_a_plain_model_moves_into_the_slab_with_its_values():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3)).requires_grad_(False)
+    want = {name: p.clone() for name, p in model.named_parameters()}
+    slab = into_host_slab(model)
+    assert slab.numel() % 4096 == 0 and slab.numel() >= 4 * SLAB_ALIGN  # four shards, each aligned
+    for name, param in model.named_parameters():
+        assert param.untyped_storage().data_ptr() == slab.data_ptr()
+        torch.testing.assert_close(param, want[name], rtol=0, atol=0)
