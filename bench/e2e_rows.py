@@ -45,10 +45,10 @@ def log_tails(logs: dict[str, str], lines: int = 40) -> dict[str, str]:
 
 FACTS = re.compile(
     r"KV cache|concurrency|Model loading took|memory profiling|Graph capturing|ready in|torch.compile|"
-    r"joined|gpu_peak|took \d|serving policy version [0-3] "
+    r"joined|gpu_peak|took \d|serving policy version [0-3] |KL reference model in|cudaHostRegister"
 )
-"""Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start and first
-versions): an analysis needs them (bench/results/GPU.md)."""
+"""Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start, where its KL
+reference lives and first versions): an analysis needs them (bench/results/GPU.md)."""
 
 
 def log_facts(logs: dict[str, str], per_log: int = 25) -> dict[str, list[str]]:

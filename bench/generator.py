@@ -88,6 +88,11 @@ class GeneratorBench:
     enforce_eager: bool = False
     """cuda: run vLLM eagerly, without CUDA graphs or torch.compile (to tell a fault of the graphs from one
     of the kernels, as the MPS cap's NaN logprobs, bench/queues/h100.txt)."""
+    attention_backend: str = ""
+    """cuda: vLLM's attention backend for the language model by name ("" = vLLM's choice), the engine's
+    `attention_backend`."""
+    mm_encoder_attention_backend: str = ""
+    """cuda: the same for the vision encoder, the engine's `mm_encoder_attention_backend`."""
     out: Path = Path("bench/results/generator.json")
     """Where the JSON result goes."""
 
@@ -139,6 +144,8 @@ def build_engine(cfg: GeneratorBench):
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         kv_cache_gb=0.0 if cuda else 0.5,
         keep_rollback_copy=False,
+        attention_backend=cfg.attention_backend,
+        mm_encoder_attention_backend=cfg.mm_encoder_attention_backend,
     )
     engine = Engine(
         checkpoint(cfg),

@@ -49,6 +49,12 @@ class EngineConfig:
     waves, each as long as its longest response, the last at a small batch (`validate` warns)."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (fast start; on CPU also disables dynamo, see engine.py)."""
+    attention_backend: str = ""
+    """vLLM's attention backend for the language model by its name in vLLM (FLASH_ATTN, TRITON_ATTN,
+    FLASHINFER, ...); "" = vLLM's choice for the GPU."""
+    mm_encoder_attention_backend: str = ""
+    """vLLM's attention backend for the vision encoder by name (FLASH_ATTN, TORCH_SDPA, ...); "" = vLLM's
+    choice."""
     in_process: bool | None = None
     """Where vLLM's engine core runs. None (default): in its own process on CUDA (vLLM's default mode, which
     overlaps scheduling and output processing with the GPU: faster than the in-process core,

@@ -139,6 +139,10 @@ class Engine:
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,  # the weight loaders, called by name (no pickled callables)
         )
+        if self.config.attention_backend:
+            kwargs["attention_backend"] = self.config.attention_backend
+        if self.config.mm_encoder_attention_backend:
+            kwargs["mm_encoder_attn_backend"] = self.config.mm_encoder_attention_backend
         kv_gb = self.config.kv_cache_gb or (1.0 if self.on_cpu else 0.0)
         if kv_gb:  # a fixed KV cache: vLLM skips its memory profiling (other processes may share the GPU)
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))

@@ -29,7 +29,14 @@ def engine(family_model_dir, tmp_path_factory):
 
     engine = Engine(
         family_model_dir,
-        EngineConfig(max_model_len=256, max_images=2, kv_cache_gb=0.25),
+        # the backends by name, as a GPU user would pick them (vLLM's CPU ones): the names reach vLLM
+        EngineConfig(
+            max_model_len=256,
+            max_images=2,
+            kv_cache_gb=0.25,
+            attention_backend="CPU_ATTN",
+            mm_encoder_attention_backend="TORCH_SDPA",
+        ),
         SamplingConfig(n=4, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, eval_n=1, eval_temperature=0.0),
         run_dir=tmp_path_factory.mktemp("generator-run"),
     )
