@@ -95,8 +95,9 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
     for layer, following in zip(layers, list(layers)[1:]):
         layer.set_modules_to_forward_prefetch([following])
     slab = into_host_slab(root)
-    pinned = device.type == "cuda" and page_lock(root, slab, device)
+    pinned = False
     if device.type == "cuda":
+        pinned = page_lock(root, slab, device)
         torch.cuda.empty_cache()  # each block passed through the GPU on its way to host memory
     log.info(
         "KL reference model in %s host memory: %.2f GB, streamed to %s block by block",

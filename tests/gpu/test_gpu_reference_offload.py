@@ -36,7 +36,7 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu():
     before = torch.cuda.memory_allocated()
     ref = offload_to_host(cpu_model, info.device)
     shard = next(p for n, p in ref.named_parameters() if "layers.0.mlp.up_proj" in n).to_local()
-    assert shard.device.type == "cpu" and shard.is_pinned()  # page-locked in place (cudaHostRegister)
+    assert shard.device.type == "cpu" and shard.is_pinned()  # its memory map page-locked (cudaHostRegister)
     with torch.no_grad():
         got, _ = ref(batch)
         again, _ = ref(batch)
