@@ -65,7 +65,7 @@ def test_host_memory_around_the_page_locked_reference_stays_usable():
         churn = [torch.empty(64 << 20, dtype=torch.uint8) for _ in range(3)]  # raises glibc's mmap threshold
         del churn
         ref = offload_to_host(
-            build_model("tiny", "cpu", torch.bfloat16, seed=0).requires_grad_(False), info.device
+            build_model("tiny-fullvocab", "cpu", torch.bfloat16, seed=0).requires_grad_(False), info.device
         )
         for size in sizes * 4:
             src = torch.arange(size, device=info.device, dtype=torch.int32)
