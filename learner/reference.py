@@ -10,8 +10,10 @@
           the root's embeddings and lm_head instead of the whole model: what lets a 7B learner share an 80 GB
           card with its vLLM (deploy/layout.py chooses it for "auto"). Each no-grad pack copies the model
           to the GPU once (16.6 GB at 7B, about 0.4 s over PCIe 5 page-locked), hidden behind the pack's
-          compute where the packs are large (`batching.no_grad_tokens_per_microbatch`). Not compiled: the
-          reference pass keeps its eager kernels rather than mixing torch.compile with the offload hooks.
+          compute where the packs are large (`batching.no_grad_tokens_per_microbatch`). With
+          `parallel.compile = "elementwise"` its norms, SiLU products and logprob chunks run the same fused
+          kernels as on the device (pure functions inside a block, beneath FSDP2's hooks); "blocks" would
+          compile the modules FSDP2 hooks, so under it the host reference stays eager.
   auto    the launcher's GPU layout resolves it (host only where the device does not fit); a learner started
           on its own keeps the model on the device.
 On a CPU run every location is host memory, and "host" builds the same plain model as "device".
@@ -65,7 +67,8 @@ def build_reference(learner):
             "the KL reference model in host memory (parallel.reference_location=host)",
             "keep it on the GPU (--learner.parallel.reference-location device) or use more learner GPUs",
         )
-        return offload_to_host(ref, device)
+        compile = "elementwise" if cfg.parallel.compile == "elementwise" else ""
+        return offload_to_host(ref, device, compile=compile)
     pcfg = ParallelConfig(
         activation_checkpointing=False,
         mixed_precision=cfg.parallel.mixed_precision,
@@ -74,10 +77,11 @@ def build_reference(learner):
     return apply_parallelism(ref, pcfg, device)
 
 
-def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
+def offload_to_host(model, device: torch.device, chunk_size: int = 1024, compile: str = ""):
     """`model` (frozen, on CPU) under FSDP2 with its weights in page-locked host memory, streamed to `device`
     block by block in its forward; returns the `PackedPolicy` root. Needs a process group (the learner has
-    one on every GPU, a one-rank group on a single GPU)."""
+    one on every GPU, a one-rank group on a single GPU). `compile`: "" (eager) or "elementwise"
+    (policy/compile.py)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -88,7 +92,13 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024):
         raise RuntimeError("a reference model in host memory needs a process group (learner.parallel)")
     model.eval()
     model.config.use_cache = False
-    root = PackedPolicy(model, chunk_size=chunk_size, device=device)
+    if compile not in ("", "elementwise"):
+        raise ValueError(f"a reference in host memory compiles elementwise or not at all, not {compile!r}")
+    if compile:
+        from policy.compile import apply_compile
+
+        apply_compile(model, compile)
+    root = PackedPolicy(model, chunk_size=chunk_size, device=device, compile_logprobs=bool(compile))
     layers = shard_blocks(
         model, root, offload_policy=CPUOffloadPolicy(pin_memory=False), reshard_after_forward=True
     )

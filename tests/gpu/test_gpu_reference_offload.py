@@ -11,10 +11,14 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu():
+@pytest.mark.parametrize("compile", ["", "elementwise"])
+def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu(compile):
+    """Eager: bit for bit. Compiled elementwise (the learner's default) on both sides: the same fused kernels,
+    though inductor may specialise them differently for the gathered weights' alignment, so within 1e-3."""
     from learner.parallel import init_distributed
     from learner.reference import offload_to_host
     from policy.builder import build_model
+    from policy.compile import apply_compile
     from policy.forward import PackedPolicy
     from policy.packing import pack
     from policy.presets import model_config
@@ -28,20 +32,24 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu():
     batch = pack(samples, config.image_token_id).to("cuda")
     # one set of weights for both (built on the GPU, the CUDA generator would draw other ones)
     cpu_model = build_model("tiny-fullvocab", "cpu", torch.bfloat16, seed=0).requires_grad_(False)
-    on_gpu = PackedPolicy(copy.deepcopy(cpu_model).to("cuda").eval())
+    gpu_model = copy.deepcopy(cpu_model).to("cuda").eval()
+    if compile:
+        apply_compile(gpu_model, compile)
+    on_gpu = PackedPolicy(gpu_model, compile_logprobs=bool(compile))
     with torch.no_grad():
         want, _ = on_gpu(batch)
     del on_gpu
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    ref = offload_to_host(cpu_model, info.device)
+    ref = offload_to_host(cpu_model, info.device, compile=compile)
     shard = next(p for n, p in ref.named_parameters() if "layers.0.mlp.up_proj" in n).to_local()
     assert shard.device.type == "cpu" and shard.is_pinned()  # its memory map page-locked (cudaHostRegister)
     with torch.no_grad():
         got, _ = ref(batch)
         again, _ = ref(batch)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    tol = 1e-3 if compile else 0.0
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
     total = sum(p.numel() * 2 for p in ref.parameters())
     blocks = sum(p.numel() * 2 for n, p in ref.named_parameters() if ".layers." in n)
     # the root (embeddings, lm_head) may stay gathered; the decoder blocks went back to host memory

@@ -43,6 +43,33 @@ def test_offloaded_reference_scores_like_the_plain_model(one_rank_group, tiny_pr
     torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
+def test_offloaded_reference_compiled_elementwise_scores_like_the_eager_model(
+    one_rank_group, tiny_processor, tiny_model
+):
+    """The learner's default `parallel.compile = "elementwise"`: the offloaded reference's norms and SiLU
+    products are compiled beneath FSDP2's hooks, and its logprobs agree with the eager plain model's."""
+    from tests.fixtures.models import make_samples
+
+    pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    batch = pack(make_samples(tiny_processor, (1, 0, 1), seed=5), pad)
+    plain = PackedPolicy(copy.deepcopy(tiny_model).eval(), chunk_size=16)
+    model = copy.deepcopy(tiny_model).requires_grad_(False)
+    ref = offload_to_host(model, torch.device("cpu"), chunk_size=16, compile="elementwise")
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(m._compiled_call_impl is not None for m in norms)
+    assert ref.compile_logprobs
+    with torch.no_grad():
+        want, _ = plain(batch)
+        got, _ = ref(batch)
+        again, _ = ref(batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="elementwise or not at all"):
+        offload_to_host(
+            copy.deepcopy(tiny_model).requires_grad_(False), torch.device("cpu"), compile="blocks"
+        )
+
+
 def test_offload_without_a_process_group_says_so(tiny_model):
     with pytest.raises(RuntimeError, match="needs a process group"):
         offload_to_host(copy.deepcopy(tiny_model), torch.device("cpu"))
