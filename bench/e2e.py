@@ -66,6 +66,7 @@ from bench.e2e_rows import (
     ran_out_of_memory,
     reference,
     run_logs,
+    sharing,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,6 +364,7 @@ def finish(cfg: BenchConfig, rows: list[dict], argv: list[str] | None, extra: di
     base = reference(rows)
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else None
+        r |= sharing(r, base)
     report = {
         "bench": "e2e",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

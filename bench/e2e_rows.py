@@ -16,7 +16,12 @@ From each run's learner/metrics.jsonl, over the steps after the warm-up:
   generate   generator seconds in the vLLM calls that produced the step's groups (on the
              generator's clock: with K >= 1 this overlaps the learner's train time);
   staleness  mean learner version minus the samples' starting version;
-  peak GB    the learner's peak GPU memory allocated in a measured step (GPU runs; 0 on CPU).
+  peak GB    the learner's peak GPU memory allocated in a measured step (GPU runs; 0 on CPU);
+  shared     (`sharing`) on the reference row: the bound on any K's speedup, its step over its train time
+             (generation wholly hidden at no cost to the learner); on a K >= 1 row: the work the GPU did
+             while both ran, in GPUs (the learner's progress over the generation window, 1 - its slowdown
+             over the reference's train time / generate, plus the generator's, the reference's generate /
+             this row's); 1.00 = no gain from sharing, 2.00 = neither slowed the other.
 A failed run's row keeps its logs' tails and facts (`run_logs`, `log_tails`, `log_facts`), the exceptions its
 processes raised in its error (`raised`) and whether it ran out of memory (`ran_out_of_memory`): the device
 keeps no files after the call.
@@ -178,13 +183,29 @@ def reference(rows: list[dict]) -> dict:
     return next(first, timed[0])
 
 
+def sharing(row: dict, base: dict) -> dict:
+    """What sharing the hardware gave `row` against the reference row `base` (see `shared` above):
+    {"overlap_bound": ...} for the reference row, {"learner_slowdown_s", "shared_gpus"} for a K >= 1 row,
+    {} where either is untimed or the generation window is empty."""
+    timed = row.get("steps_per_s") and base.get("steps_per_s") and base.get("train_s")
+    if not timed:
+        return {}
+    if row is base:
+        return {"overlap_bound": base["step_s"] / base["train_s"]}
+    if row["k"] == 0 or not row.get("generate_s"):
+        return {}
+    slowdown = row["train_s"] - base["train_s"]
+    shared = 1 - slowdown / row["generate_s"] + base["generate_s"] / row["generate_s"]
+    return {"learner_slowdown_s": slowdown, "shared_gpus": shared}
+
+
 def format_table(rows: list[dict]) -> str:
     base = reference(rows)
     head = (
         f"{'K':>2} {'mode':>8} {'learner':>9} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} "
         f"{'wait':>6} "
         f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
-        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8} extra"
+        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8} {'shared':>6} extra"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -196,6 +217,9 @@ def format_table(rows: list[dict]) -> str:
             out.append(f"{r['k']:>2} {mode:>8} {learner_label(r):>9} not timed: {r.get('error')}")
             continue
         speedup = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else 0.0
+        share = sharing(r, base)
+        shared = share.get("overlap_bound") or share.get("shared_gpus")
+        shared = f"{shared:.2f}" + ("<" if "overlap_bound" in share else "") if shared else ""
         out.append(
             f"{r['k']:>2} {mode:>8} {learner_label(r):>9} {r.get('tokens_per_s_per_gpu', 0):>9.0f} "
             f"{r['steps_per_s']:>8.3f} {speedup:>7.2f}x {r['step_s']:>7.2f} "
@@ -203,6 +227,6 @@ def format_table(rows: list[dict]) -> str:
             f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r.get('optimizer_exposed_s', 0):>7.2f} {r['sync_s']:>6.3f} "
             f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f} "
-            f"{100 * r.get('train_pass_mfu', 0):>7.1f}% {r.get('extra') or ''}".rstrip()
+            f"{100 * r.get('train_pass_mfu', 0):>7.1f}% {shared:>6} {r.get('extra') or ''}".rstrip()
         )
     return "\n".join(out)

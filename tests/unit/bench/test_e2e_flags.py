@@ -118,7 +118,7 @@ def test_measure_times_the_steps_after_the_warmup():
     assert " 4.25 " in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}]).splitlines()[2]
     assert "37.5%" in format_table([row | {"sync_s": 0.0, "generate_s": 1.0}])
     flags = "--learner.optim.host-threads 16"  # rows that differ only in --extra are told apart
-    assert format_table([row | {"sync_s": 0.0, "generate_s": 1.0, "extra": flags}]).endswith(f"% {flags}")
+    assert format_table([row | {"sync_s": 0.0, "generate_s": 1.0, "extra": flags}]).endswith(f" {flags}")
     with pytest.raises(RuntimeError, match="only 0 measured steps"):
         measure(lines[:2], k=1, warmup=1)
 
@@ -356,3 +356,26 @@ def test_the_queues_extra_flag_keeps_the_weight_copy_apart():
     args = launcher_args(cfg, 1, Path("/models/3b"), Path("/tmp/run"))
     assert not load_config(LaunchConfig, args).learner.weight_sync.params_in_buffer
     assert launch_config("3b", 1).learner.weight_sync.params_in_buffer
+
+
+def test_sharing_is_the_work_both_did_while_they_shared_the_gpu():
+    """Session 28's 7B rows by hand: K = 0 81.9 s a step (train 61.7, generate 18.9); K = 1 under MPS
+    trained 74.8 s beside 32.5 s of generation: the learner lost 13.1 s, so it got 60 % of its solo speed
+    in the window, the generator 58 %, 1.18 GPUs of work from one; the reference row's bound is its step
+    over its train time."""
+    from bench.e2e_rows import sharing
+
+    k0 = {"k": 0, "steps_per_s": 1 / 81.9, "step_s": 81.9, "train_s": 61.7, "generate_s": 18.9}
+    k1 = {"k": 1, "steps_per_s": 1 / 75.3, "step_s": 75.3, "train_s": 74.8, "generate_s": 32.5}
+    assert sharing(k0, k0) == {"overlap_bound": pytest.approx(81.9 / 61.7)}
+    share = sharing(k1, k0)
+    assert share["learner_slowdown_s"] == pytest.approx(13.1)
+    assert share["shared_gpus"] == pytest.approx((1 - 13.1 / 32.5) + 18.9 / 32.5)
+    assert 1.17 < share["shared_gpus"] < 1.19
+    assert sharing({**k1, "steps_per_s": 0.0}, k0) == {} and sharing({**k1, "generate_s": 0.0}, k0) == {}
+    assert "1.18" in format_table(
+        [
+            k0 | {"wait_s": 20.2, "sync_s": 0.0, "staleness": 0.0},
+            k1 | {"wait_s": 0.5, "sync_s": 0.0, "staleness": 1.0},
+        ]
+    )
