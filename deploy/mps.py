@@ -20,12 +20,13 @@ control socket before it starts anything that uses the GPU. `--mps-generator-sms
 kernels at P % of the multiprocessors (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the
 learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding; at 40 % vLLM's
 behaviour logprobs all came back NaN on an H100, beside the learner (bench/results/GPU.md, session 21) and
-with vLLM alone under the daemon (session 25), so the cap is not usable and the generator stops with that
-error. `--mps-generator-priority below-normal` instead lowers the
+with vLLM alone under the daemon (session 25), eager and under other attention backends too (sessions 27
+and 29), so the cap is not usable and the generator stops with that error (`python -m bench.mps_check` under
+the cap tests its operations one by one). `--mps-generator-priority below-normal` instead lowers the
 generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels
-are scheduled first and decoding fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on
-an H100, session 25: the step is the learner's either way). CUDA-IPC weight
-sync and vLLM's start-up memory check work under MPS (an H100, bench/results/GPU.md, session 17).
+are scheduled first and decoding fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an
+H100, session 25: the step is the learner's either way). CUDA-IPC weight sync and vLLM's start-up memory check
+work under MPS (an H100, bench/results/GPU.md, session 17).
 
 `python -m deploy.mps` runs one command under this daemon with the generator's cap and priority, and nothing
 beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).

@@ -364,6 +364,6 @@ def _nonfinite_hint(environ) -> str:
         return ""
     return (
         f" This process runs under MPS capped at {cap} % of the GPU's SMs (--mps-generator-sms): with the"
-        " cap at 40 every behaviour logprob was NaN on an H100, with or without the learner beside it"
-        " (bench/results/GPU.md, sessions 21 and 25); run without it."
+        " cap at 40 every behaviour logprob was NaN on an H100, with or without the learner beside it and"
+        " under every attention backend tried (bench/results/GPU.md, sessions 21, 25 and 29); run without it."
     )

@@ -227,6 +227,7 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(queue):
     import bench.e2e as e2e
     import bench.generator as generator
     import bench.learner_step as learner_step
+    import bench.mps_check as mps_check
     from deploy.plan import LaunchConfig
     from runtime.config import load_config
 
@@ -235,9 +236,13 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(queue):
         "bench.e2e",
         "bench.generator",
         "bench.learner_step",
+        "bench.mps_check",
     }
     for module, argv in invocations:
-        if module == "bench.generator":
+        if module == "bench.mps_check":
+            cfg = tyro.cli(mps_check.Config, args=argv)
+            assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
+        elif module == "bench.generator":
             cfg = tyro.cli(generator.GeneratorBench, args=argv)
             assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
         elif module == "bench.e2e":
