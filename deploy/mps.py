@@ -9,24 +9,25 @@ little more than each one's idle gaps (host-memory AdamW, packing, scheduling). 
 Multi-Process Service both processes are clients of one MPS server and their kernels share the
 multiprocessors, the way a compute-bound training step and memory-bound decoding can.
 
-With `--mps` the launcher starts the MPS control daemon (`nvidia-cuda-mps-control -f`, installed with
-the driver) before the roles and gives every role its pipe and log directories (CUDA_MPS_PIPE_DIRECTORY,
-CUDA_MPS_LOG_DIRECTORY). The daemon runs without CUDA_VISIBLE_DEVICES: an MPS client numbers GPUs among
-the server's, so each role keeps the driver index the plan gave it (the shared GPU). The pipe directory
-is a short path under /tmp (the daemon's Unix sockets must fit 108 bytes), the log directory is
-`<run_dir>/mps/`. At the end the daemon gets `quit` after the roles have stopped. A client that cannot
-reach the daemon silently runs without MPS (the driver's rule), so the launcher waits for the daemon's
-control socket before it starts anything that uses the GPU. `--mps-generator-sms P` caps the generator's
-kernels at P % of the multiprocessors (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the
-learner's compute-bound kernels are never crowded off the GPU by memory-bound decoding; at 40 % vLLM's
-behaviour logprobs all came back NaN on an H100, beside the learner (bench/results/GPU.md, session 21) and
-with vLLM alone under the daemon (session 25), eager and under other attention backends too (sessions 27
-and 29), so the cap is not usable and the generator stops with that error (`python -m bench.mps_check` under
-the cap tests its operations one by one). `--mps-generator-priority below-normal` instead lowers the
-generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels
-are scheduled first and decoding fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an
-H100, session 25: the step is the learner's either way). CUDA-IPC weight sync and vLLM's start-up memory check
-work under MPS (an H100, bench/results/GPU.md, session 17).
+With `--mps` the launcher starts the MPS control daemon (`nvidia-cuda-mps-control -f`, installed with the
+driver) before the roles and gives every role its pipe and log directories (CUDA_MPS_PIPE_DIRECTORY,
+CUDA_MPS_LOG_DIRECTORY). The daemon runs without CUDA_VISIBLE_DEVICES: an MPS client numbers GPUs among the
+server's, so each role keeps the driver index the plan gave it (the shared GPU). The pipe directory is a short
+path under /tmp (the daemon's Unix sockets must fit 108 bytes), the log directory is `<run_dir>/mps/`. At the
+end the daemon gets `quit` after the roles have stopped. A client that cannot reach the daemon silently runs
+without MPS (the driver's rule), so the launcher waits for the daemon's control socket before it starts
+anything that uses the GPU. `--mps-generator-sms P` caps the generator's kernels at P % of the multiprocessors
+(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the learner's compute-bound kernels are never
+crowded off the GPU by memory-bound decoding; at 40 % vLLM's behaviour logprobs all came back NaN on an H100,
+beside the learner (bench/results/GPU.md, session 21) and with vLLM alone under the daemon (session 25), eager
+and under other attention backends too (sessions 27 and 29), because three of four bf16 cuBLAS GEMMs come back
+wrong under the cap (session 30: `python -m bench.mps_check` under the cap tests the operations one by one and
+sweeps the GEMMs over BLAS settings), so the cap is not usable and the generator stops with that error.
+`--mps-generator-priority below-normal` instead lowers the generator's MPS client priority
+(CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels are scheduled first and decoding
+fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, session 25: the step is the
+learner's either way). CUDA-IPC weight sync and vLLM's start-up memory check work under MPS (an H100,
+bench/results/GPU.md, session 17).
 
 `python -m deploy.mps` runs one command under this daemon with the generator's cap and priority, and nothing
 beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).

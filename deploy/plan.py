@@ -176,7 +176,8 @@ class LaunchConfig:
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
     crowded off. Not usable: at 40 on an H100, vLLM returned NaN for every behaviour logprob, beside the
     learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25), eager and under other attention
-    backends too (sessions 27 and 29); the generator stops with that error (generator/worker.py)."""
+    backends too (sessions 27 and 29), because cuBLAS GEMMs come back wrong under the cap (session 30,
+    bench.mps_check); the generator stops with that error (generator/worker.py)."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,

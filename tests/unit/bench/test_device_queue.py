@@ -228,6 +228,7 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(queue):
     import bench.generator as generator
     import bench.learner_step as learner_step
     import bench.mps_check as mps_check
+    import bench.mps_gemms as mps_gemms
     from deploy.plan import LaunchConfig
     from runtime.config import load_config
 
@@ -237,9 +238,13 @@ def test_every_bench_in_the_queue_parses_into_a_valid_gpu_configuration(queue):
         "bench.generator",
         "bench.learner_step",
         "bench.mps_check",
+        "bench.mps_gemms",
     }
     for module, argv in invocations:
-        if module == "bench.mps_check":
+        if module == "bench.mps_gemms":  # a gate: an earlier row's sweep and one of its settings
+            path, setting = argv
+            assert Path(path).parent == Path("/results") and setting in mps_gemms.settings("cuda")
+        elif module == "bench.mps_check":
             cfg = tyro.cli(mps_check.Config, args=argv)
             assert cfg.device == "cuda" and cfg.out.parent == Path("/results")
         elif module == "bench.generator":

@@ -1,11 +1,14 @@
-"""bench/mps_check.py: each operation against its fp32 CPU reference; a non-finite output is not ok."""
+"""bench/mps_check.py and its GEMM sweep: each operation against its fp32 CPU reference; a non-finite or
+unwritten output is not ok."""
 
 import json
 
 import pytest
 import torch
 
-from bench.mps_check import compare, main
+from bench.mps_check import SHAPES, compare, main
+from bench.mps_gemms import gemm_row, gemm_shapes, operands, settings
+from bench.mps_gemms import main as gemm_main
 
 
 def test_every_torch_operation_agrees_with_its_reference_on_cpu(tmp_path):
@@ -25,3 +28,42 @@ def test_a_nan_or_a_wrong_value_is_not_ok():
     assert bad["finite"] is False and bad["ok"] is False
     off = compare(torch.tensor([1.0, -2.0, 3.3]), ref, "bfloat16")
     assert off["finite"] and off["rel_error"] == pytest.approx(0.1) and off["ok"] is False
+
+
+def test_the_gemm_sweep_covers_every_shape_under_every_cpu_setting(tmp_path):
+    out = tmp_path / "check.json"
+    assert main(["--device", "cpu", "--shapes", "tiny", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["gemm_sweep"]
+    assert len(sweep) == len(gemm_shapes(SHAPES["tiny"])) * len(settings("cpu")) == 20
+    assert sweep[0]["operation"].startswith("gemm lm_head"), "the reverse of the first table's order"
+    assert {r["setting"] for r in sweep} == {"default", "fp32 reductions", "fp16", "fp32 no tf32"}
+    assert all(r["ok"] and r["repeat_ok"] and r["unwritten"] == 0 for r in sweep)
+    qkv = next(r for r in sweep if "qkv+bias" in r["operation"])
+    assert qkv["operation"].endswith("5x64x128"), "64 + 2 x 16-wide heads x 2 KV heads"
+
+
+def test_a_gemm_that_never_writes_its_output_is_unwritten_and_not_ok(monkeypatch):
+    inputs, ref = operands(((3, 8), (4, 8), False))
+    monkeypatch.setattr(torch, "matmul", lambda a, b, out: out)
+    row = gemm_row("skipped", inputs, ref, "default", "bfloat16", settings("cpu")["default"][1], "cpu")
+    assert row["unwritten"] == 1.0 and row["finite"] is False and row["ok"] is False
+
+
+def test_blas_library_choices_are_offered_only_on_cuda():
+    assert {"cublas", "cublaslt"} <= set(settings("cuda")) and not {"cublas", "cublaslt"} & set(
+        settings("cpu")
+    )
+
+
+def test_a_setting_holds_only_where_it_ran_every_gemm_right(tmp_path, capsys):
+    rows = [
+        {"setting": "cublaslt", "ok": True, "repeat_ok": True},
+        {"setting": "cublaslt", "ok": True, "repeat_ok": False},
+        {"setting": "default", "ok": True, "repeat_ok": True},
+    ]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"gemm_sweep": rows}))
+    assert gemm_main([str(path), "default"]) == 0
+    assert gemm_main([str(path), "cublaslt"]) == 1, "a wrong repeat is not right"
+    assert gemm_main([str(path), "cublas"]) == 1, "a setting that never ran does not hold"
+    assert "not every GEMM right" in capsys.readouterr().out
