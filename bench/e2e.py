@@ -105,6 +105,9 @@ class BenchConfig:
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """cuda, with --mps: the generator's MPS client priority (`python -m deploy --mps-generator-priority`);
     rows and run directories say "-low" below normal."""
+    mps_generator_blas: Literal["default", "cublaslt"] = "default"
+    """cuda, with --mps: the BLAS library torch prefers in the generator's processes (`python -m deploy
+    --mps-generator-blas`); rows and run directories say "-lt" for cuBLASLt."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations: session 16's 7B rows beside vLLM)."""
@@ -260,6 +263,11 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
             if cfg.mps and cfg.mps_generator_priority != "normal"
             else ()
         ),
+        *(
+            ("--mps-generator-blas", cfg.mps_generator_blas)
+            if cfg.mps and cfg.mps_generator_blas != "default"
+            else ()
+        ),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
         *(
@@ -287,11 +295,12 @@ def run_k(
     mps = cfg.device == "cuda" and cfg.mps
     sms = cfg.mps_generator_sms if mps else 100
     priority = cfg.mps_generator_priority if mps else "normal"
+    blas = cfg.mps_generator_blas if mps else "default"
     cuda = cfg.device == "cuda"
     learner = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
     learner += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
     learner += f"-x{hashlib.sha1(cfg.extra.encode()).hexdigest()[:6]}" if cfg.extra else ""  # other flags
-    label = mps_label(mps, sms, priority)
+    label = mps_label(mps, sms, priority, blas)
     run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{learner}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
@@ -327,6 +336,7 @@ def run_k(
         "mps": mps,
         "mps_generator_sms": sms,
         "mps_generator_priority": priority,
+        "mps_generator_blas": blas,
         **learner_facts(run_dir),
         "extra": cfg.extra,
         "device": cfg.device,

@@ -12,9 +12,9 @@ names the operations that break there: torch's (cuBLAS GEMMs at decode, prefill 
 log-softmax, SDPA) and, where vLLM imports, vLLM's own (RMSNorm, SiLU x up, the sampler's logprob kernel).
 Rows: operation, shape, whether every output is finite, the largest error over the reference's largest
 magnitude, and ok (finite and within the dtype's tolerance). The JSON also records the cap in the environment
-and the multiprocessor count torch reports under it. Session 30 (an H100 at 40 %): three of the four bf16 GEMMs
-wrong, everything else right; the GEMM sweep that follows the rows (bench/mps_gemms.py) looks for why and for a
-BLAS setting that stays right.
+and the multiprocessor count torch reports under it. Session 30 (an H100 at 40 %): three of the four bf16
+GEMMs wrong, everything else right; the GEMM sweep that follows the rows (bench/mps_gemms.py) looks for why
+and for a BLAS setting that stays right.
 """
 
 from __future__ import annotations

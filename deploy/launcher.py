@@ -150,7 +150,8 @@ class Launcher:
             "generator",
             "generator",
             ["--config", str(paths["generator"])],
-            env=generator_env(cfg.mps_generator_sms, cfg.mps_generator_priority),  # {}: no --mps settings
+            # {}: no --mps settings
+            env=generator_env(cfg.mps_generator_sms, cfg.mps_generator_priority, cfg.mps_generator_blas),
             restart=not shared,
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
@@ -173,7 +174,7 @@ class Launcher:
         wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
         n_params = model.n_params if model else 0
         gpus = gpu_plan(cfg, visible_gpus() if wanted else [], n_params, model.shape if model else None)
-        check_layout(cfg.mps, gpus, cfg.mps_generator_sms, cfg.mps_generator_priority)
+        check_layout(cfg.mps, gpus, cfg.mps_generator_sms, cfg.mps_generator_priority, cfg.mps_generator_blas)
         if gpus.kind != "cpu":
             require_vllm()
             for group in (self.infra, self.roles):

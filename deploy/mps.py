@@ -51,13 +51,20 @@ from deploy.processes import ChildDied, ProcessGroup
 CONTROL = "nvidia-cuda-mps-control"
 PRIORITY = {"normal": "0", "below-normal": "1"}
 """--mps-generator-priority -> CUDA_MPS_CLIENT_PRIORITY (NVIDIA's MPS guide, "Environment Variables")."""
+BLAS = {"default": {}, "cublaslt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"}}
+"""--mps-generator-blas -> the generator's environment: the BLAS library torch prefers in its processes
+(`torch.backends.cuda.preferred_blas_library`; the variable reaches vLLM's engine process too)."""
 
 
 def check_layout(
-    enabled: bool, gpus: GpuPlan, generator_sms: int = 100, generator_priority: str = "normal"
+    enabled: bool,
+    gpus: GpuPlan,
+    generator_sms: int = 100,
+    generator_priority: str = "normal",
+    generator_blas: str = "default",
 ) -> None:
     """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error, as is a
-    generator multiprocessor cap outside 1-100, or a cap or a lower priority without --mps."""
+    generator multiprocessor cap outside 1-100, or a cap, a lower priority or a BLAS choice without --mps."""
     if enabled and gpus.kind != "shared":
         raise LayoutError(
             f"--mps lets the learner and the generator share one GPU, but this layout is {gpus.kind}: "
@@ -79,15 +86,23 @@ def check_layout(
         raise LayoutError(
             f"--mps-generator-priority {generator_priority} ranks the generator's work under MPS: add --mps"
         )
+    if generator_blas not in BLAS:
+        raise LayoutError(f"--mps-generator-blas is one of {', '.join(BLAS)}, not {generator_blas!r}")
+    if generator_blas != "default" and not enabled:
+        raise LayoutError(
+            f"--mps-generator-blas {generator_blas} is the generator's BLAS library under MPS: add --mps"
+        )
 
 
-def generator_env(generator_sms: int, generator_priority: str = "normal") -> dict[str, str]:
-    """The generator's own MPS settings: its multiprocessor cap (none at 100) and its client priority
-    (nothing set at "normal": the driver's defaults)."""
+def generator_env(
+    generator_sms: int, generator_priority: str = "normal", generator_blas: str = "default"
+) -> dict[str, str]:
+    """The generator's own MPS settings: its multiprocessor cap (none at 100), its client priority and its
+    BLAS library (nothing set at "normal" and "default": the driver's and torch's defaults)."""
     env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(generator_sms)} if generator_sms < 100 else {}
     if generator_priority != "normal":
         env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITY[generator_priority]
-    return env
+    return env | BLAS[generator_blas]
 
 
 class MpsDaemon:
@@ -147,15 +162,19 @@ def run_alone(
     generator_sms: int = 100,
     generator_priority: str = "normal",
     timeout_s: float = 0.0,
+    generator_blas: str = "default",
 ) -> int:
     """Run `command` under its own MPS daemon with the generator's settings (`generator_env`), alone; its exit
     code, or 124 when it ran past `timeout_s` (> 0) and was killed with its process group. The daemon quits
     either way: a timeout here, not around this, is what leaves no daemon behind."""
-    check_layout(True, GpuPlan("shared", "", "", (), "cuda-ipc"), generator_sms, generator_priority)
+    check_layout(
+        True, GpuPlan("shared", "", "", (), "cuda-ipc"), generator_sms, generator_priority, generator_blas
+    )
     with ProcessGroup(run_dir) as group:
         mps = MpsDaemon(run_dir)
         try:
-            env = {**os.environ, **mps.start(group), **generator_env(generator_sms, generator_priority)}
+            settings = generator_env(generator_sms, generator_priority, generator_blas)
+            env = {**os.environ, **mps.start(group), **settings}
             child = subprocess.Popen(command, env=env, start_new_session=True)
             try:
                 return child.wait(timeout=timeout_s or None)
@@ -175,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "--mps-generator-sms", type=int, default=100, help="its SM cap in percent (100: none)"
     )
     parser.add_argument("--mps-generator-priority", default="normal", help="normal | below-normal")
+    parser.add_argument("--mps-generator-blas", default="default", help="default | cublaslt")
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/mps-alone"), help="logs: DIR/logs, DIR/mps"
     )
@@ -188,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the command to run after --")
     try:
         return run_alone(
-            command, args.run_dir, args.mps_generator_sms, args.mps_generator_priority, args.timeout_s
+            command,
+            args.run_dir,
+            args.mps_generator_sms,
+            args.mps_generator_priority,
+            args.timeout_s,
+            args.mps_generator_blas,
         )
     except (LayoutError, ChildDied) as e:
         print(f"deploy.mps: {e}", file=sys.stderr)

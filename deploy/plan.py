@@ -183,6 +183,11 @@ class LaunchConfig:
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
     session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
     Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25): not the default."""
+    mps_generator_blas: Literal["default", "cublaslt"] = "default"
+    """Under --mps: the BLAS library torch prefers in the generator's processes ("cublaslt":
+    TORCH_BLAS_PREFER_CUBLASLT=1 in its environment only). For --mps-generator-sms: under the cap bf16
+    cuBLAS GEMMs came back wrong on an H100 (session 30); whether cuBLASLt stays right there is what
+    bench.mps_check's GEMM sweep measures next, so this is a diagnostic, not yet a fix."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

@@ -133,16 +133,37 @@ def test_the_generator_priority_is_checked_and_reaches_only_the_generator():
         load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "high"])
 
 
+def test_the_generator_blas_library_is_checked_and_reaches_only_the_generator():
+    cfg = load_config(
+        LaunchConfig, ["--mps", "--mps-generator-sms", "40", "--mps-generator-blas", "cublaslt"]
+    )
+    assert cfg.mps_generator_blas == "cublaslt" and LaunchConfig().mps_generator_blas == "default"
+    check_layout(True, SHARED, 40, "normal", "cublaslt")
+    assert generator_env(40, "normal", "cublaslt") == {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+        "TORCH_BLAS_PREFER_CUBLASLT": "1",
+    }
+    assert generator_env(40, "normal", "default") == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    with pytest.raises(LayoutError, match="add --mps"):
+        check_layout(False, SHARED, 100, "normal", "cublaslt")
+    with pytest.raises(LayoutError, match="one of default, cublaslt"):
+        check_layout(True, SHARED, 100, "normal", "cublas")
+
+
 def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fake_control, tmp_path):
     """`python -m deploy.mps`: the launcher's daemon and the generator's env around one command, which
     quits the daemon whether the command exits, fails or runs past its timeout."""
     from deploy.mps import main
 
-    probe = 'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" > "$RECORD/probe"; exit 5'
-    argv = ["--mps-generator-sms", "40", "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", probe]
+    probe = (
+        'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $TORCH_BLAS_PREFER_CUBLASLT"'
+        ' > "$RECORD/probe"; exit 5'
+    )
+    blas = ["--mps-generator-blas", "cublaslt"]
+    argv = ["--mps-generator-sms", "40", *blas, "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", probe]
     assert main(argv) == 5  # the command's own exit code
-    pipe, cap = (fake_control / "probe").read_text().split()
-    assert cap == "40" and pipe.startswith("/tmp/") and not os.path.exists(pipe)
+    pipe, cap, lt = (fake_control / "probe").read_text().split()
+    assert cap == "40" and lt == "1" and pipe.startswith("/tmp/") and not os.path.exists(pipe)
     assert (fake_control / "command").read_text() == "quit\n"
 
     (fake_control / "command").unlink()
