@@ -67,8 +67,8 @@ def build_reference(learner):
             "the KL reference model in host memory (parallel.reference_location=host)",
             "keep it on the GPU (--learner.parallel.reference-location device) or use more learner GPUs",
         )
-        compile = "elementwise" if cfg.parallel.compile == "elementwise" else ""
-        return offload_to_host(ref, device, compile=compile)
+        mode = "elementwise" if cfg.parallel.compile == "elementwise" else ""
+        return offload_to_host(ref, device, compile_mode=mode)
     pcfg = ParallelConfig(
         activation_checkpointing=False,
         mixed_precision=cfg.parallel.mixed_precision,
@@ -77,10 +77,10 @@ def build_reference(learner):
     return apply_parallelism(ref, pcfg, device)
 
 
-def offload_to_host(model, device: torch.device, chunk_size: int = 1024, compile: str = ""):
+def offload_to_host(model, device: torch.device, chunk_size: int = 1024, compile_mode: str = ""):
     """`model` (frozen, on CPU) under FSDP2 with its weights in page-locked host memory, streamed to `device`
     block by block in its forward; returns the `PackedPolicy` root. Needs a process group (the learner has
-    one on every GPU, a one-rank group on a single GPU). `compile`: "" (eager) or "elementwise"
+    one on every GPU, a one-rank group on a single GPU). `compile_mode`: "" (eager) or "elementwise"
     (policy/compile.py)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -88,17 +88,19 @@ def offload_to_host(model, device: torch.device, chunk_size: int = 1024, compile
     from learner.parallel import shard_blocks
     from policy.forward import PackedPolicy
 
+    if compile_mode not in ("", "elementwise"):
+        raise ValueError(
+            f"a reference in host memory compiles elementwise or not at all, not {compile_mode!r}"
+        )
     if not dist.is_initialized():
         raise RuntimeError("a reference model in host memory needs a process group (learner.parallel)")
     model.eval()
     model.config.use_cache = False
-    if compile not in ("", "elementwise"):
-        raise ValueError(f"a reference in host memory compiles elementwise or not at all, not {compile!r}")
-    if compile:
+    if compile_mode:
         from policy.compile import apply_compile
 
-        apply_compile(model, compile)
-    root = PackedPolicy(model, chunk_size=chunk_size, device=device, compile_logprobs=bool(compile))
+        apply_compile(model, compile_mode)
+    root = PackedPolicy(model, chunk_size=chunk_size, device=device, compile_logprobs=bool(compile_mode))
     layers = shard_blocks(
         model, root, offload_policy=CPUOffloadPolicy(pin_memory=False), reshard_after_forward=True
     )

@@ -11,8 +11,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("compile", ["", "elementwise"])
-def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu(compile):
+@pytest.mark.parametrize("compile_mode", ["", "elementwise"])
+def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu(compile_mode):
     """Eager: bit for bit. Compiled elementwise (the learner's default) on both sides: the same fused kernels,
     though inductor may specialise them differently for the gathered weights' alignment, so within 1e-3."""
     from learner.parallel import init_distributed
@@ -33,21 +33,21 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu(compile):
     # one set of weights for both (built on the GPU, the CUDA generator would draw other ones)
     cpu_model = build_model("tiny-fullvocab", "cpu", torch.bfloat16, seed=0).requires_grad_(False)
     gpu_model = copy.deepcopy(cpu_model).to("cuda").eval()
-    if compile:
-        apply_compile(gpu_model, compile)
-    on_gpu = PackedPolicy(gpu_model, compile_logprobs=bool(compile))
+    if compile_mode:
+        apply_compile(gpu_model, compile_mode)
+    on_gpu = PackedPolicy(gpu_model, compile_logprobs=bool(compile_mode))
     with torch.no_grad():
         want, _ = on_gpu(batch)
     del on_gpu
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    ref = offload_to_host(cpu_model, info.device, compile=compile)
+    ref = offload_to_host(cpu_model, info.device, compile_mode=compile_mode)
     shard = next(p for n, p in ref.named_parameters() if "layers.0.mlp.up_proj" in n).to_local()
     assert shard.device.type == "cpu" and shard.is_pinned()  # its memory map page-locked (cudaHostRegister)
     with torch.no_grad():
         got, _ = ref(batch)
         again, _ = ref(batch)
-    tol = 1e-3 if compile else 0.0
+    tol = 1e-3 if compile_mode else 0.0
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     torch.testing.assert_close(again, got, rtol=0, atol=0)
     total = sum(p.numel() * 2 for p in ref.parameters())

@@ -54,7 +54,7 @@ def test_offloaded_reference_compiled_elementwise_scores_like_the_eager_model(
     batch = pack(make_samples(tiny_processor, (1, 0, 1), seed=5), pad)
     plain = PackedPolicy(copy.deepcopy(tiny_model).eval(), chunk_size=16)
     model = copy.deepcopy(tiny_model).requires_grad_(False)
-    ref = offload_to_host(model, torch.device("cpu"), chunk_size=16, compile="elementwise")
+    ref = offload_to_host(model, torch.device("cpu"), chunk_size=16, compile_mode="elementwise")
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(m._compiled_call_impl is not None for m in norms)
     assert ref.compile_logprobs
@@ -66,7 +66,7 @@ def test_offloaded_reference_compiled_elementwise_scores_like_the_eager_model(
     torch.testing.assert_close(again, got, rtol=0, atol=0)
     with pytest.raises(ValueError, match="elementwise or not at all"):
         offload_to_host(
-            copy.deepcopy(tiny_model).requires_grad_(False), torch.device("cpu"), compile="blocks"
+            copy.deepcopy(tiny_model).requires_grad_(False), torch.device("cpu"), compile_mode="blocks"
         )
 
 
