@@ -23,6 +23,8 @@ beside the learner (bench/results/GPU.md, session 21) and with vLLM alone under 
 and under other attention backends too (sessions 27 and 29), because three of four bf16 cuBLAS GEMMs come back
 wrong under the cap (session 30: `python -m bench.mps_check` under the cap tests the operations one by one and
 sweeps the GEMMs over BLAS settings), so the cap is not usable and the generator stops with that error.
+`--mps-generator-blas cublaslt` makes torch prefer cuBLASLt in the generator's processes
+(TORCH_BLAS_PREFER_CUBLASLT=1 in its environment only): the diagnostic for a cap that cuBLASLt may survive.
 `--mps-generator-priority below-normal` instead lowers the generator's MPS client priority
 (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels are scheduled first and decoding
 fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, session 25: the step is the
