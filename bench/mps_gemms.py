@@ -13,7 +13,9 @@ that wrote wrong numbers; the shapes run in the reverse of mps_check's order, so
 but was wrong there points at the process's state, not the shape; `repeat_ok` is a second call of the same
 GEMM, profiled for the names of the kernels it launched. Settings: torch's choice, cuBLAS or cuBLASLt
 preferred (`preferred_blas_library`, which `TORCH_BLAS_PREFER_CUBLASLT=1` sets for a whole process such as
-vLLM's), bf16 reductions in fp32, fp16, and fp32 without TF32.
+vLLM's), bf16 reductions in fp32, fp16, fp32 without TF32, and torch's choice on a CUDA green context of 40 %
+of the SMs this process sees (`torch.cuda.green_contexts`: another way to hold a process to part of the GPU,
+without MPS; its kernels are told of all the SMs, where MPS reports the cap).
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ def settings(device: str) -> dict[str, tuple[str, Callable]]:
         finally:
             setattr(owner, name, before)
 
+    @contextmanager
+    def green(fraction: float) -> Iterator[None]:
+        from torch.cuda.green_contexts import GreenContext
+
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        whole_groups = max(8, int(sms * fraction) // 8 * 8)  # Hopper hands SMs out in groups of 8
+        context = GreenContext.create(whole_groups, torch.cuda.current_device())
+        context.set_context()
+        try:
+            with torch.cuda.stream(context.Stream()):
+                yield
+            torch.cuda.synchronize()
+        finally:
+            context.pop_context()
+
     matmul = torch.backends.cuda.matmul
     chosen = {
         "default": ("bfloat16", nullcontext),
@@ -75,6 +92,7 @@ def settings(device: str) -> dict[str, tuple[str, Callable]]:
     if device == "cuda":
         chosen["cublas"] = ("bfloat16", lambda: blas("cublas"))
         chosen["cublaslt"] = ("bfloat16", lambda: blas("cublaslt"))
+        chosen["green context 40 %"] = ("bfloat16", lambda: green(0.4))
     return chosen
 
 

@@ -49,10 +49,9 @@ def test_a_gemm_that_never_writes_its_output_is_unwritten_and_not_ok(monkeypatch
     assert row["unwritten"] == 1.0 and row["finite"] is False and row["ok"] is False
 
 
-def test_blas_library_choices_are_offered_only_on_cuda():
-    assert {"cublas", "cublaslt"} <= set(settings("cuda")) and not {"cublas", "cublaslt"} & set(
-        settings("cpu")
-    )
+def test_blas_library_and_green_context_choices_are_offered_only_on_cuda():
+    on_cuda = {"cublas", "cublaslt", "green context 40 %"}
+    assert on_cuda <= set(settings("cuda")) and not on_cuda & set(settings("cpu"))
 
 
 def test_a_setting_holds_only_where_it_ran_every_gemm_right(tmp_path, capsys):
