@@ -66,3 +66,16 @@ def test_a_setting_holds_only_where_it_ran_every_gemm_right(tmp_path, capsys):
     assert gemm_main([str(path), "cublaslt"]) == 1, "a wrong repeat is not right"
     assert gemm_main([str(path), "cublas"]) == 1, "a setting that never ran does not hold"
     assert "not every GEMM right" in capsys.readouterr().out
+
+
+def test_the_green_context_rows_run_after_every_other_setting(monkeypatch):
+    from contextlib import nullcontext
+
+    import bench.mps_gemms as mps_gemms
+
+    fake = {"green context 40 %": ("float32", nullcontext), "default": ("float32", nullcontext)}
+    monkeypatch.setattr(mps_gemms, "settings", lambda device: fake)
+    rows = mps_gemms.gemm_sweep(SHAPES["tiny"], "cpu")
+    order = [r["setting"] for r in rows]
+    shapes = len(gemm_shapes(SHAPES["tiny"]))
+    assert order == ["default"] * shapes + ["green context 40 %"] * shapes
