@@ -68,6 +68,7 @@ from bench.e2e_rows import (
     run_logs,
     sharing,
 )
+from deploy.mps import GeneratorShare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,14 +294,12 @@ def run_k(
 ) -> dict:
     """One launcher run at staleness bound k with the generator in `mode`; returns its measured row."""
     mps = cfg.device == "cuda" and cfg.mps
-    sms = cfg.mps_generator_sms if mps else 100
-    priority = cfg.mps_generator_priority if mps else "normal"
-    blas = cfg.mps_generator_blas if mps else "default"
+    share = GeneratorShare.of(cfg) if mps else GeneratorShare()
     cuda = cfg.device == "cuda"
     learner = f"-{cfg.micro_tokens}t" if cuda and cfg.micro_tokens else ""
     learner += f"-{cfg.checkpoint_mode}" if cuda and cfg.checkpoint_mode else ""
     learner += f"-x{hashlib.sha1(cfg.extra.encode()).hexdigest()[:6]}" if cfg.extra else ""  # other flags
-    label = mps_label(mps, sms, priority, blas)
+    label = mps_label(mps, share)
     run_dir = work / f"k{k}-{mode}{f'-{label}' if label else ''}{learner}"  # other packs, MPS...: its own
     args = launcher_args(cfg, k, model, run_dir, mode)
     load_before = os.getloadavg()[0]
@@ -334,9 +333,9 @@ def run_k(
         "log_facts": log_facts(logs),
         "mode": mode,
         "mps": mps,
-        "mps_generator_sms": sms,
-        "mps_generator_priority": priority,
-        "mps_generator_blas": blas,
+        "mps_generator_sms": share.sms,
+        "mps_generator_priority": share.priority,
+        "mps_generator_blas": share.blas,
         **learner_facts(run_dir),
         "extra": cfg.extra,
         "device": cfg.device,

@@ -34,6 +34,8 @@ import re
 import statistics
 from pathlib import Path
 
+from deploy.mps import GeneratorShare
+
 
 def run_logs(run_dir: Path) -> dict[str, str]:
     """The text of every log of a run, by file name: the launcher's own (`<run_dir>.log`) and each
@@ -166,17 +168,11 @@ def learner_label(row: dict) -> str:
     return f"{tokens // 1024}k {(mode or '?').replace('selective', 'sel')}{host}"
 
 
-def mps_label(
-    mps: bool, generator_sms: int = 100, generator_priority: str = "normal", generator_blas: str = "default"
-) -> str:
+def mps_label(mps: bool, share: GeneratorShare) -> str:
     """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps",
     "mps40" (MPS with the generator capped at 40 % of the multiprocessors), "mps-low" (the generator at
     below-normal MPS client priority), "mps40-lt" (capped, the generator preferring cuBLASLt)."""
-    if not mps:
-        return ""
-    low = "-low" if generator_priority != "normal" else ""
-    lt = "-lt" if generator_blas == "cublaslt" else ""
-    return "mps" + (str(generator_sms) if generator_sms < 100 else "") + low + lt
+    return "mps" + share.label() if mps else ""
 
 
 def reference(rows: list[dict]) -> dict:
@@ -212,12 +208,7 @@ def format_table(rows: list[dict]) -> str:
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        label = mps_label(
-            r.get("mps", False),
-            r.get("mps_generator_sms", 100),
-            r.get("mps_generator_priority", "normal"),
-            r.get("mps_generator_blas", "default"),
-        )
+        label = mps_label(r.get("mps", False), GeneratorShare.of_row(r))
         mode = r.get("mode", "batch") + (f"+{label}" if label else "")
         if not r.get("steps_per_s"):
             out.append(f"{r['k']:>2} {mode:>8} {learner_label(r):>9} not timed: {r.get('error')}")

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from broker.redis_server import redis_server_argv
 from deploy.layout import GpuPlan, LayoutError, gpu_env
-from deploy.mps import MpsDaemon, check_layout, generator_env
+from deploy.mps import GeneratorShare, MpsDaemon, check_layout
 from deploy.plan import LaunchConfig, gpu_plan, role_configs, write_role_configs
 from deploy.preflight import (
     ModelInfo,
@@ -150,8 +150,7 @@ class Launcher:
             "generator",
             "generator",
             ["--config", str(paths["generator"])],
-            # {}: no --mps settings
-            env=generator_env(cfg.mps_generator_sms, cfg.mps_generator_priority, cfg.mps_generator_blas),
+            env=GeneratorShare.of(cfg).env(),  # {}: no --mps settings
             restart=not shared,
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
@@ -174,7 +173,7 @@ class Launcher:
         wanted = bool(cfg.learner.gpus or cfg.generator.gpus)
         n_params = model.n_params if model else 0
         gpus = gpu_plan(cfg, visible_gpus() if wanted else [], n_params, model.shape if model else None)
-        check_layout(cfg.mps, gpus, cfg.mps_generator_sms, cfg.mps_generator_priority, cfg.mps_generator_blas)
+        check_layout(cfg.mps, gpus, GeneratorShare.of(cfg))
         if gpus.kind != "cpu":
             require_vllm()
             for group in (self.infra, self.roles):

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.layout import GpuPlan, LayoutError
@@ -58,53 +59,86 @@ BLAS = {"default": {}, "cublaslt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"}}
 (`torch.backends.cuda.preferred_blas_library`; the variable reaches vLLM's engine process too)."""
 
 
-def check_layout(
-    enabled: bool,
-    gpus: GpuPlan,
-    generator_sms: int = 100,
-    generator_priority: str = "normal",
-    generator_blas: str = "default",
-) -> None:
-    """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error, as is a
-    generator multiprocessor cap outside 1-100, or a cap, a lower priority or a BLAS choice without --mps."""
+@dataclass(frozen=True)
+class GeneratorShare:
+    """The generator's own settings under MPS (LaunchConfig's `mps_generator_*` fields, bench.e2e's rows),
+    set in its environment only; the defaults set nothing (the driver's and torch's own choices)."""
+
+    sms: int = 100
+    """Its kernels' cap, in percent of the GPU's multiprocessors (100: none)."""
+    priority: str = "normal"
+    """Its MPS client priority: a key of PRIORITY."""
+    blas: str = "default"
+    """The BLAS library torch prefers in its processes: a key of BLAS."""
+
+    @classmethod
+    def of(cls, cfg: object) -> GeneratorShare:
+        """From a config with `mps_generator_sms`, `mps_generator_priority` and `mps_generator_blas`."""
+        return cls(cfg.mps_generator_sms, cfg.mps_generator_priority, cfg.mps_generator_blas)
+
+    @classmethod
+    def of_row(cls, row: dict) -> GeneratorShare:
+        """From a bench row's `mps_generator_*` fields (older rows lack some: the defaults)."""
+        default = cls()
+        return cls(
+            row.get("mps_generator_sms", default.sms),
+            row.get("mps_generator_priority", default.priority),
+            row.get("mps_generator_blas", default.blas),
+        )
+
+    def check(self, enabled: bool) -> None:
+        """A LayoutError for a cap outside 1-100, an unknown priority or BLAS name, or any of them without
+        --mps."""
+        if not 1 <= self.sms <= 100:
+            raise LayoutError(
+                f"--mps-generator-sms is a percentage of the GPU's multiprocessors (1-100), not {self.sms}"
+            )
+        if self.priority not in PRIORITY:
+            raise LayoutError(
+                f"--mps-generator-priority is one of {', '.join(PRIORITY)}, not {self.priority!r}"
+            )
+        if self.blas not in BLAS:
+            raise LayoutError(f"--mps-generator-blas is one of {', '.join(BLAS)}, not {self.blas!r}")
+        if enabled:
+            return
+        if self.sms < 100:
+            raise LayoutError(
+                f"--mps-generator-sms {self.sms} caps the generator's share of the GPU under MPS: add --mps"
+            )
+        if self.priority != "normal":
+            raise LayoutError(
+                f"--mps-generator-priority {self.priority} ranks the generator's work under MPS: add --mps"
+            )
+        if self.blas != "default":
+            raise LayoutError(
+                f"--mps-generator-blas {self.blas} is the generator's BLAS library under MPS: add --mps"
+            )
+
+    def env(self) -> dict[str, str]:
+        """The generator's environment for these settings ({} for the defaults)."""
+        env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(self.sms)} if self.sms < 100 else {}
+        if self.priority != "normal":
+            env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITY[self.priority]
+        return env | BLAS[self.blas]
+
+    def label(self) -> str:
+        """For run directories and table lines: "40" for a cap, "-low" for below-normal priority, "-lt" for
+        cuBLASLt, joined in that order ("" for the defaults)."""
+        cap = str(self.sms) if self.sms < 100 else ""
+        return (
+            cap + ("-low" if self.priority != "normal" else "") + ("-lt" if self.blas == "cublaslt" else "")
+        )
+
+
+def check_layout(enabled: bool, gpus: GpuPlan, share: GeneratorShare = GeneratorShare()) -> None:
+    """--mps is for one GPU shared by the learner and the generator; elsewhere it is an error, as are the
+    generator's settings where `share.check` refuses them."""
     if enabled and gpus.kind != "shared":
         raise LayoutError(
             f"--mps lets the learner and the generator share one GPU, but this layout is {gpus.kind}: "
             "use it with --learner.gpus 0 --generator.gpus 0, or drop --mps"
         )
-    if not 1 <= generator_sms <= 100:
-        raise LayoutError(
-            f"--mps-generator-sms is a percentage of the GPU's multiprocessors (1-100), not {generator_sms}"
-        )
-    if generator_sms < 100 and not enabled:
-        raise LayoutError(
-            f"--mps-generator-sms {generator_sms} caps the generator's share of the GPU under MPS: add --mps"
-        )
-    if generator_priority not in PRIORITY:
-        raise LayoutError(
-            f"--mps-generator-priority is one of {', '.join(PRIORITY)}, not {generator_priority!r}"
-        )
-    if generator_priority != "normal" and not enabled:
-        raise LayoutError(
-            f"--mps-generator-priority {generator_priority} ranks the generator's work under MPS: add --mps"
-        )
-    if generator_blas not in BLAS:
-        raise LayoutError(f"--mps-generator-blas is one of {', '.join(BLAS)}, not {generator_blas!r}")
-    if generator_blas != "default" and not enabled:
-        raise LayoutError(
-            f"--mps-generator-blas {generator_blas} is the generator's BLAS library under MPS: add --mps"
-        )
-
-
-def generator_env(
-    generator_sms: int, generator_priority: str = "normal", generator_blas: str = "default"
-) -> dict[str, str]:
-    """The generator's own MPS settings: its multiprocessor cap (none at 100), its client priority and its
-    BLAS library (nothing set at "normal" and "default": the driver's and torch's defaults)."""
-    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(generator_sms)} if generator_sms < 100 else {}
-    if generator_priority != "normal":
-        env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITY[generator_priority]
-    return env | BLAS[generator_blas]
+    share.check(enabled)
 
 
 class MpsDaemon:
@@ -159,24 +193,16 @@ class MpsDaemon:
 
 
 def run_alone(
-    command: list[str],
-    run_dir: Path,
-    generator_sms: int = 100,
-    generator_priority: str = "normal",
-    timeout_s: float = 0.0,
-    generator_blas: str = "default",
+    command: list[str], run_dir: Path, share: GeneratorShare = GeneratorShare(), timeout_s: float = 0.0
 ) -> int:
-    """Run `command` under its own MPS daemon with the generator's settings (`generator_env`), alone; its exit
+    """Run `command` under its own MPS daemon with the generator's settings (`share`), alone; its exit
     code, or 124 when it ran past `timeout_s` (> 0) and was killed with its process group. The daemon quits
     either way: a timeout here, not around this, is what leaves no daemon behind."""
-    check_layout(
-        True, GpuPlan("shared", "", "", (), "cuda-ipc"), generator_sms, generator_priority, generator_blas
-    )
+    check_layout(True, GpuPlan("shared", "", "", (), "cuda-ipc"), share)
     with ProcessGroup(run_dir) as group:
         mps = MpsDaemon(run_dir)
         try:
-            settings = generator_env(generator_sms, generator_priority, generator_blas)
-            env = {**os.environ, **mps.start(group), **settings}
+            env = {**os.environ, **mps.start(group), **share.env()}
             child = subprocess.Popen(command, env=env, start_new_session=True)
             try:
                 return child.wait(timeout=timeout_s or None)
@@ -209,14 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the command to run after --")
     try:
-        return run_alone(
-            command,
-            args.run_dir,
-            args.mps_generator_sms,
-            args.mps_generator_priority,
-            args.timeout_s,
-            args.mps_generator_blas,
-        )
+        return run_alone(command, args.run_dir, GeneratorShare.of(args), args.timeout_s)
     except (LayoutError, ChildDied) as e:
         print(f"deploy.mps: {e}", file=sys.stderr)
         return 2

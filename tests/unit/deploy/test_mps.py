@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deploy.layout import GpuPlan, LayoutError
-from deploy.mps import MpsDaemon, check_layout, generator_env
+from deploy.mps import GeneratorShare, MpsDaemon, check_layout
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied, ProcessGroup
 from runtime.config import load_config
@@ -105,32 +105,53 @@ def test_the_group_env_reaches_a_role(fake_control, tmp_path):
 def test_the_generator_cap_is_checked_and_reaches_only_the_generator():
     cfg = load_config(LaunchConfig, ["--mps", "--mps-generator-sms", "40"])
     assert cfg.mps_generator_sms == 40 and LaunchConfig().mps_generator_sms == 100
-    check_layout(True, SHARED, 40)
-    assert generator_env(40) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
-    assert generator_env(100) == {}  # no cap: the driver's default, nothing set
+    check_layout(True, SHARED, GeneratorShare(40))
+    assert GeneratorShare(40).env() == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert GeneratorShare(100).env() == {}  # no cap: the driver's default, nothing set
     for bad in (0, 101, -5):
         with pytest.raises(LayoutError, match="1-100"):
-            check_layout(True, SHARED, bad)
+            check_layout(True, SHARED, GeneratorShare(bad))
     with pytest.raises(LayoutError, match="add --mps"):
-        check_layout(False, SHARED, 40)
+        check_layout(False, SHARED, GeneratorShare(40))
 
 
 def test_the_generator_priority_is_checked_and_reaches_only_the_generator():
     cfg = load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "below-normal"])
     assert cfg.mps_generator_priority == "below-normal" and LaunchConfig().mps_generator_priority == "normal"
-    check_layout(True, SHARED, 100, "below-normal")
-    assert generator_env(100, "below-normal") == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
-    assert generator_env(40, "below-normal") == {
+    check_layout(True, SHARED, GeneratorShare(100, "below-normal"))
+    assert GeneratorShare(100, "below-normal").env() == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert GeneratorShare(40, "below-normal").env() == {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
         "CUDA_MPS_CLIENT_PRIORITY": "1",
     }
-    assert generator_env(100, "normal") == {}  # the driver's default: nothing set
+    assert GeneratorShare(100, "normal").env() == {}  # the driver's default: nothing set
     with pytest.raises(LayoutError, match="add --mps"):
-        check_layout(False, SHARED, 100, "below-normal")
+        check_layout(False, SHARED, GeneratorShare(100, "below-normal"))
     with pytest.raises(LayoutError, match="one of normal, below-normal"):
-        check_layout(True, SHARED, 100, "high")
+        check_layout(True, SHARED, GeneratorShare(100, "high"))
     with pytest.raises(SystemExit):  # tyro: not one of the choices
         load_config(LaunchConfig, ["--mps", "--mps-generator-priority", "high"])
+
+
+def test_the_generator_settings_come_from_the_config_and_label_its_runs():
+    cfg = load_config(
+        LaunchConfig,
+        [
+            "--mps",
+            "--mps-generator-sms",
+            "40",
+            "--mps-generator-priority",
+            "below-normal",
+            "--mps-generator-blas",
+            "cublaslt",
+        ],
+    )
+    share = GeneratorShare.of(cfg)
+    assert share == GeneratorShare(40, "below-normal", "cublaslt")
+    assert share.label() == "40-low-lt" and GeneratorShare().label() == ""
+    assert GeneratorShare.of(LaunchConfig()) == GeneratorShare()
+    row = {"mps_generator_sms": 50}  # a row from before the priority and the BLAS choice were recorded
+    assert GeneratorShare.of_row(row) == GeneratorShare(50) and GeneratorShare.of_row({}) == GeneratorShare()
 
 
 def test_the_generator_blas_library_is_checked_and_reaches_only_the_generator():
@@ -138,16 +159,16 @@ def test_the_generator_blas_library_is_checked_and_reaches_only_the_generator():
         LaunchConfig, ["--mps", "--mps-generator-sms", "40", "--mps-generator-blas", "cublaslt"]
     )
     assert cfg.mps_generator_blas == "cublaslt" and LaunchConfig().mps_generator_blas == "default"
-    check_layout(True, SHARED, 40, "normal", "cublaslt")
-    assert generator_env(40, "normal", "cublaslt") == {
+    check_layout(True, SHARED, GeneratorShare(40, "normal", "cublaslt"))
+    assert GeneratorShare(40, "normal", "cublaslt").env() == {
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
         "TORCH_BLAS_PREFER_CUBLASLT": "1",
     }
-    assert generator_env(40, "normal", "default") == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert GeneratorShare(40, "normal", "default").env() == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
     with pytest.raises(LayoutError, match="add --mps"):
-        check_layout(False, SHARED, 100, "normal", "cublaslt")
+        check_layout(False, SHARED, GeneratorShare(100, "normal", "cublaslt"))
     with pytest.raises(LayoutError, match="one of default, cublaslt"):
-        check_layout(True, SHARED, 100, "normal", "cublas")
+        check_layout(True, SHARED, GeneratorShare(100, "normal", "cublas"))
 
 
 def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fake_control, tmp_path):
