@@ -136,6 +136,12 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "staleness": mean("staleness_mean"),
         "response_len": mean("response_len"),
         "samples_per_step": mean("samples"),
+        # vLLM's logprobs against the learner's on the same tokens: a generator computing wrong numbers (a
+        # GEMM under an MPS cap that skips tiles, bench/results/GPU.md session 31) shows here first
+        "mismatch_kl": max((x.get("mismatch_kl", 0.0) for x in measured), default=0.0),
+        "mismatch_abs_logprob_diff": max(
+            (x.get("mismatch_abs_logprob_diff", 0.0) for x in measured), default=0.0
+        ),
     }
 
 
@@ -204,7 +210,7 @@ def format_table(rows: list[dict]) -> str:
         f"{'K':>2} {'mode':>8} {'learner':>9} {'tok/s/GPU':>9} {'steps/s':>8} {'speedup':>8} {'s/step':>7} "
         f"{'wait':>6} "
         f"{'train':>6} {'fwd+bwd':>7} {'prox':>6} {'ref':>6} {'optim':>6} {'exposed':>7} {'sync':>6} "
-        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8} {'shared':>6} extra"
+        f"{'generate':>8} {'staleness':>9} {'peak GB':>7} {'pass MFU':>8} {'shared':>6} {'|dlogp|':>7} extra"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -224,6 +230,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r.get('proximal_pass_s', 0):>6.2f} {r.get('ref_pass_s', 0):>6.2f} "
             f"{r.get('optimizer_s', 0):>6.2f} {r.get('optimizer_exposed_s', 0):>7.2f} {r['sync_s']:>6.3f} "
             f"{r['generate_s']:>8.2f} {r['staleness']:>9.2f} {r.get('learner_gpu_peak_gb', 0):>7.1f} "
-            f"{100 * r.get('train_pass_mfu', 0):>7.1f}% {shared:>6} {r.get('extra') or ''}".rstrip()
+            f"{100 * r.get('train_pass_mfu', 0):>7.1f}% {shared:>6} "
+            f"{r.get('mismatch_abs_logprob_diff', 0):>7.4f} "
+            f"{r.get('extra') or ''}".rstrip()
         )
     return "\n".join(out)

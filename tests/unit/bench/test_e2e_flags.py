@@ -106,9 +106,14 @@ def test_measure_times_the_steps_after_the_warmup():
                 "gpu_peak_gb": peak,
                 "generate_s": 3.0 * i,
                 "generate_calls": float(i),
+                "mismatch_kl": 0.001 * i,
+                "mismatch_abs_logprob_diff": 0.5 if i == 2 else 0.01,
             }
         )
     row = measure(lines, k=1, warmup=1, gpus=1)
+    # the worst measured step's disagreement of vLLM's logprobs with the learner's, in the row and table
+    assert (row["mismatch_kl"], row["mismatch_abs_logprob_diff"]) == (0.003, 0.5)
+    assert " 0.5000" in format_table([row | {"sync_s": 0.0}])
     # generate_s adds up the calls a step's groups came from: the row says how many (steps 2 and 3: 2.5)
     assert (row["generate_s"], row["generate_calls"]) == (7.5, 2.5)
     assert row["steps"] == 2 and row["wall_s"] == pytest.approx(20.0)
