@@ -106,9 +106,6 @@ class BenchConfig:
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """cuda, with --mps: the generator's MPS client priority (`python -m deploy --mps-generator-priority`);
     rows and run directories say "-low" below normal."""
-    mps_generator_blas: Literal["default", "cublaslt"] = "default"
-    """cuda, with --mps: the BLAS library torch prefers in the generator's processes (`python -m deploy
-    --mps-generator-blas`); rows and run directories say "-lt" for cuBLASLt."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
     16384; 8192 halves the activations: session 16's 7B rows beside vLLM)."""
@@ -264,11 +261,6 @@ def gpu_args(cfg: BenchConfig, k: int, model: Path) -> list[str]:
             if cfg.mps and cfg.mps_generator_priority != "normal"
             else ()
         ),
-        *(
-            ("--mps-generator-blas", cfg.mps_generator_blas)
-            if cfg.mps and cfg.mps_generator_blas != "default"
-            else ()
-        ),
         *("--generator.batch-prompts", str(cfg.prompts), "--generator.sampling.n", "5"),
         *("--generator.sampling.max-tokens", n, "--generator.sampling.min-tokens", n),
         *(
@@ -335,7 +327,6 @@ def run_k(
         "mps": mps,
         "mps_generator_sms": share.sms,
         "mps_generator_priority": share.priority,
-        "mps_generator_blas": share.blas,
         **learner_facts(run_dir),
         "extra": cfg.extra,
         "device": cfg.device,

@@ -177,7 +177,7 @@ def learner_label(row: dict) -> str:
 def mps_label(mps: bool, share: GeneratorShare) -> str:
     """How a run shared the GPU, for its run directory and its table line: "" (time slices), "mps",
     "mps40" (MPS with the generator capped at 40 % of the multiprocessors), "mps-low" (the generator at
-    below-normal MPS client priority), "mps40-lt" (capped, the generator preferring cuBLASLt)."""
+    below-normal MPS client priority)."""
     return "mps" + share.label() if mps else ""
 
 

@@ -174,20 +174,17 @@ class LaunchConfig:
     """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
-    crowded off. Not usable: at 40 on an H100, vLLM returned NaN for every behaviour logprob, beside the
-    learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25), eager and under other attention
-    backends too (sessions 27 and 29), because cuBLAS GEMMs come back wrong under the cap (session 30,
-    bench.mps_check); the generator stops with that error (generator/worker.py)."""
+    crowded off. Not below 50 on an H100: at 40 vLLM returned NaN for every behaviour logprob, beside the
+    learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25), under every attention backend
+    (sessions 27 and 29), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
+    (sessions 30 and 31, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
+    every GEMM checked is right and the 7B K = 1 ran capped in 70.6 s a step against 74.7 s uncapped, on
+    another H100 (session 31): opt-in until a same-machine ratio backs it."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
     session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
     Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25): not the default."""
-    mps_generator_blas: Literal["default", "cublaslt"] = "default"
-    """Under --mps: the BLAS library torch prefers in the generator's processes ("cublaslt":
-    TORCH_BLAS_PREFER_CUBLASLT=1 in its environment only). For --mps-generator-sms: under the cap bf16
-    cuBLAS GEMMs came back wrong on an H100 (session 30); whether cuBLASLt stays right there is what
-    bench.mps_check's GEMM sweep measures next, so this is a diagnostic, not yet a fix."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""

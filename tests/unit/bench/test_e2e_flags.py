@@ -156,22 +156,6 @@ def test_a_lower_generator_priority_under_mps_reaches_the_launcher_and_the_row()
     assert "batch+mps " in format_table([{**row, "mps_generator_priority": "normal"}])
 
 
-def test_the_generator_blas_library_under_mps_reaches_the_launcher_and_the_row():
-    lt = {"mps_generator_blas": "cublaslt"}
-    assert launch_config("7b", 1, mps=True, mps_generator_sms=40, **lt).mps_generator_blas == "cublaslt"
-    assert launch_config("7b", 1, **lt).mps_generator_blas == "default"  # without --mps: not passed
-    row = {
-        "k": 1,
-        "mode": "batch",
-        "mps": True,
-        "mps_generator_sms": 40,
-        "steps_per_s": 0,
-        "error": "cut",
-        **lt,
-    }
-    assert "batch+mps40-lt" in format_table([row])
-
-
 def write_run(run_dir, launcher: str = "", **logs: str):
     """A run directory as the launcher leaves it: its own log (if `launcher`) and `logs/<role>.log`."""
     (run_dir / "logs").mkdir(parents=True)

@@ -142,33 +142,14 @@ def test_the_generator_settings_come_from_the_config_and_label_its_runs():
             "40",
             "--mps-generator-priority",
             "below-normal",
-            "--mps-generator-blas",
-            "cublaslt",
         ],
     )
     share = GeneratorShare.of(cfg)
-    assert share == GeneratorShare(40, "below-normal", "cublaslt")
-    assert share.label() == "40-low-lt" and GeneratorShare().label() == ""
+    assert share == GeneratorShare(40, "below-normal")
+    assert share.label() == "40-low" and GeneratorShare().label() == ""
     assert GeneratorShare.of(LaunchConfig()) == GeneratorShare()
-    row = {"mps_generator_sms": 50}  # a row from before the priority and the BLAS choice were recorded
+    row = {"mps_generator_sms": 50, "mps_generator_blas": "default"}  # rows of sessions 20-31
     assert GeneratorShare.of_row(row) == GeneratorShare(50) and GeneratorShare.of_row({}) == GeneratorShare()
-
-
-def test_the_generator_blas_library_is_checked_and_reaches_only_the_generator():
-    cfg = load_config(
-        LaunchConfig, ["--mps", "--mps-generator-sms", "40", "--mps-generator-blas", "cublaslt"]
-    )
-    assert cfg.mps_generator_blas == "cublaslt" and LaunchConfig().mps_generator_blas == "default"
-    check_layout(True, SHARED, GeneratorShare(40, "normal", "cublaslt"))
-    assert GeneratorShare(40, "normal", "cublaslt").env() == {
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
-        "TORCH_BLAS_PREFER_CUBLASLT": "1",
-    }
-    assert GeneratorShare(40, "normal", "default").env() == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
-    with pytest.raises(LayoutError, match="add --mps"):
-        check_layout(False, SHARED, GeneratorShare(100, "normal", "cublaslt"))
-    with pytest.raises(LayoutError, match="one of default, cublaslt"):
-        check_layout(True, SHARED, GeneratorShare(100, "normal", "cublas"))
 
 
 def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fake_control, tmp_path):
@@ -177,14 +158,14 @@ def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fak
     from deploy.mps import main
 
     probe = (
-        'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $TORCH_BLAS_PREFER_CUBLASLT"'
+        'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_CLIENT_PRIORITY"'
         ' > "$RECORD/probe"; exit 5'
     )
-    blas = ["--mps-generator-blas", "cublaslt"]
-    argv = ["--mps-generator-sms", "40", *blas, "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", probe]
+    low = ["--mps-generator-priority", "below-normal"]
+    argv = ["--mps-generator-sms", "40", *low, "--run-dir", str(tmp_path / "run"), "--", "sh", "-c", probe]
     assert main(argv) == 5  # the command's own exit code
-    pipe, cap, lt = (fake_control / "probe").read_text().split()
-    assert cap == "40" and lt == "1" and pipe.startswith("/tmp/") and not os.path.exists(pipe)
+    pipe, cap, priority = (fake_control / "probe").read_text().split()
+    assert cap == "40" and priority == "1" and pipe.startswith("/tmp/") and not os.path.exists(pipe)
     assert (fake_control / "command").read_text() == "quit\n"
 
     (fake_control / "command").unlink()
