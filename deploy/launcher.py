@@ -145,12 +145,15 @@ class Launcher:
             configs, paths = configs_for(model_dir)
         self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
         shared = gpus.kind == "shared"
+        share = GeneratorShare.of(cfg)
+        if cfg.mps and share.sms < 100:
+            self._check_cap(model_dir, gpus, share)
         generator = self._start(
             self.roles,
             "generator",
             "generator",
             ["--config", str(paths["generator"])],
-            env=GeneratorShare.of(cfg).env(),  # {}: no --mps settings
+            env=share.env(),  # {}: no --mps settings
             restart=not shared,
         )
         if shared:  # vLLM checks the GPU's free memory at start: let it go first, and a failed start is final
@@ -165,6 +168,13 @@ class Launcher:
             restart=True,
         )
         self._train(learner, configs["generator"].metrics.port)
+
+    def _check_cap(self, model_dir: Path, gpus: GpuPlan, share: GeneratorShare) -> None:
+        """Under a generator cap, before vLLM starts: the model's GEMMs on the generator's GPU under its MPS
+        environment (deploy/cap_check.py); a cap that leaves GEMM outputs unwritten ends the run here."""
+        env = {"CUDA_VISIBLE_DEVICES": gpus.generator_gpus, **share.env()}
+        args = ["--model", str(model_dir)]
+        self._wait(self._start(self.roles, "cap-check", "deploy.cap_check", args, critical=False, env=env))
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
         """The GPU layout (deploy.plan.gpu_plan) on this machine's GPUs, with `model`'s memory (None: the

@@ -24,7 +24,9 @@ and under other attention backends too (sessions 27 and 29), because three of fo
 wrong under the cap: they leave tiles of their output unwritten, under every BLAS setting (sessions 30 and 31:
 `python -m bench.mps_check` under the cap tests the operations one by one and sweeps the GEMMs over BLAS
 settings), and the generator stops with that error. At 50 % every GEMM it checks is right and the 7B ran so
-capped beside the learner (session 31), so the cap is usable there, opt-in.
+capped beside the learner (session 31), so the cap is usable there, opt-in. Under a cap the launcher first
+runs deploy/cap_check.py on the generator's GPU with its settings: a cap that leaves the model's GEMM outputs
+unwritten ends the run at its start, naming them.
 `--mps-generator-priority below-normal` instead lowers the generator's MPS client priority
 (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels are scheduled first and decoding
 fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, session 25: the step is the

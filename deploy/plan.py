@@ -179,7 +179,8 @@ class LaunchConfig:
     (sessions 27 and 29), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
     (sessions 30 and 31, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
     every GEMM checked is right and the 7B K = 1 ran capped in 70.6 s a step against 74.7 s uncapped, on
-    another H100 (session 31): opt-in until a same-machine ratio backs it."""
+    another H100 (session 31): opt-in until a same-machine ratio backs it. The launcher checks the model's
+    GEMMs under the cap before vLLM starts (deploy/cap_check.py) and stops where outputs go unwritten."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
