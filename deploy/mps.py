@@ -61,7 +61,7 @@ PRIORITY = {"normal": "0", "below-normal": "1"}
 @dataclass(frozen=True)
 class GeneratorShare:
     """The generator's own settings under MPS (LaunchConfig's `mps_generator_*` fields, bench.e2e's rows),
-    set in its environment only; the defaults set nothing (the driver's and torch's own choices)."""
+    set in its environment only; the defaults set nothing (the driver's own choices)."""
 
     sms: int = 100
     """Its kernels' cap, in percent of the GPU's multiprocessors (100: none)."""
