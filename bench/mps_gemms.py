@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-NAN = float("nan")
-
 
 def gemm_shapes(s: dict) -> dict[str, tuple[tuple[int, int], tuple[int, int], bool]]:
     """name -> ((m, k) input, (n, k) weight, with a bias) for the decode step's GEMMs, in the reverse of
@@ -125,24 +123,21 @@ def gemm_row(name: str, inputs: list, ref, setting: str, dtype: str, scope: Call
     import torch
 
     from bench.mps_check import compare
+    from deploy.cap_check import gemm_into_nan, unwritten
 
     d = getattr(torch, dtype)
     xd, wd, bd = (t.to(device, d) if t is not None else None for t in inputs)
     row: dict = {"operation": f"gemm {name}", "setting": setting, "dtype": dtype}
 
     def call():
-        out = torch.full(tuple(ref.shape), NAN, dtype=d, device=device)
-        if bd is not None:
-            return torch.addmm(bd, xd, wd.T, out=out)
-        return torch.matmul(xd, wd.T, out=out)
+        return gemm_into_nan(xd, wd, bd)
 
     try:
         with scope():
             first = call()
             if device == "cuda":
                 torch.cuda.synchronize()
-            unwritten = torch.isnan(first).float().mean().item()
-            row |= compare(first, ref, dtype) | {"unwritten": round(unwritten, 4)}
+            row |= compare(first, ref, dtype) | {"unwritten": round(unwritten(first), 4)}
             repeats: list = []
             row["kernels"] = kernel_names(lambda: repeats.append(call())) if device == "cuda" else []
             row["repeat_ok"] = compare(repeats[-1] if repeats else call(), ref, dtype)["ok"]

@@ -49,15 +49,19 @@ def projections(config: dict) -> dict[str, tuple[int, int, bool]]:
     }
 
 
-def unwritten(x, w, bias) -> float:
-    """The share of `x @ w.T` (+ `bias`: as addmm) left NaN in an output filled with NaN before the call."""
+def gemm_into_nan(x, w, bias):
+    """`x @ w.T` (+ `bias`: as addmm, the way vLLM's QKV projection runs) into an output filled with NaN
+    before the call: whatever the kernel never wrote stays NaN."""
     import torch
 
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=x.device, dtype=x.dtype)
     if bias is not None:
-        torch.addmm(bias, x, w.t(), out=out)
-    else:
-        torch.mm(x, w.t(), out=out)
+        return torch.addmm(bias, x, w.t(), out=out)
+    return torch.mm(x, w.t(), out=out)
+
+
+def unwritten(out) -> float:
+    """The share of `gemm_into_nan`'s output still NaN."""
     return out.isnan().sum().item() / out.numel()
 
 
@@ -71,7 +75,8 @@ def check(config: dict, device: str) -> list[str]:
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
         bias = torch.zeros(n, device=device, dtype=torch.bfloat16) if with_bias else None
         for rows in ROWS:
-            share = unwritten(torch.randn(rows, k, device=device, dtype=torch.bfloat16), w, bias)
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            share = unwritten(gemm_into_nan(x, w, bias))
             if share > 0:
                 failed.append(f"{name} {rows}x{k}x{n}: {100 * share:.1f} % of its output unwritten")
         del w, bias
