@@ -1,7 +1,8 @@
 """Rank 0's side of the scored stream: what the learner takes, skips, and acks when.
 
 `Inbox.collect(version)` tops up the prompt feeder and reads scored groups until one step's
-worth (`groups_per_step`) of trainable groups is in hand:
+worth (`groups_per_step`) of trainable groups is in hand (`wait=False`: only if they are all here now,
+else NOT_READY, keeping those taken for the next call):
   * evaluation groups (split != "train") go to the evaluator and are acked at once;
   * a redelivery of an entry this learner holds unacked (taken, waiting for its checkpoint) is
     ignored (counted as `redelivered`); the held delivery gets the ack;
@@ -45,6 +46,16 @@ from learner.feeder import PromptFeeder
 
 log = logging.getLogger(__name__)
 
+
+class NotReady:
+    """`Inbox.collect(wait=False)`'s answer while the step's groups are not all here."""
+
+    def __repr__(self) -> str:
+        return "NOT_READY"
+
+
+NOT_READY = NotReady()
+
 ROUTINE_SKIPS = ("redelivered", "zero_variance")
 """Skips that a healthy run makes (a redelivery after a reclaim; dynamic sampling's uniform groups)."""
 
@@ -80,6 +91,7 @@ class Inbox:
         self.unacked: list[Delivery] = []
         """Deliveries of finished steps, acked by the next `ack_durable`."""
         self._step: list[tuple[Delivery, str]] = []  # (delivery, group id) of the step being collected
+        self._batch: list[ScoredGroup] = []  # its groups taken so far (`collect`)
         self._step_rejects: list[tuple[Delivery, str, str, str]] = []  # (delivery, group id, reason, detail)
         self._committed: set[str] = set()  # group ids of `unacked` and of committed rejects
         self._held: set[str] = set()  # entry ids taken and not acked yet
@@ -93,24 +105,30 @@ class Inbox:
         """Resume with the checkpoint's consumed ids."""
         self.consumed = set(consumed)
 
-    def collect(self, version: int, idle_timeout_s: float = 0.0) -> list[ScoredGroup] | None:
-        """One step's trainable groups; None when the data is exhausted (or idle past the timeout)."""
-        batch: list[ScoredGroup] = []
+    def collect(
+        self, version: int, idle_timeout_s: float = 0.0, *, wait: bool = True
+    ) -> list[ScoredGroup] | None | NotReady:
+        """One step's trainable groups; None when the data is exhausted (or idle past the timeout). With
+        `wait=False`: NOT_READY unless the step's groups are all here now (those taken so far stay for the
+        next call)."""
         want = self.cfg.algo.groups_per_step
         idle_since = time.monotonic()
-        while len(batch) < want:
-            self._feed(version, taken=len(batch))
+        while len(self._batch) < want:
+            self._feed(version, taken=len(self._batch))
             if self._finished():
                 return None
-            got = self.sub.poll(count=want - len(batch), block_s=0.5)
+            got = self.sub.poll(count=want - len(self._batch), block_s=0.5 if wait else 0.0)
             if got:
                 idle_since = time.monotonic()
+            elif not wait:
+                return NOT_READY
             elif idle_timeout_s > 0 and time.monotonic() - idle_since > idle_timeout_s:
                 log.warning("no scored groups for %.0f s: stopping", idle_timeout_s)
                 return None
             for delivery, scored in got:
                 if self._take(delivery, scored):
-                    batch.append(scored)
+                    self._batch.append(scored)
+        batch, self._batch = self._batch, []
         return batch
 
     def commit(self) -> None:

@@ -40,7 +40,7 @@ from learner.batching import (
 )
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
-from learner.inbox import ROUTINE_SKIPS
+from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
     apply_parallelism,
@@ -106,6 +106,7 @@ class Learner:
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
         self._last_ckpt_step = 0
         self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
+        self._carried: dict[str, float] = defaultdict(float)  # a held update's times, for the next step
         clock.append(("broker and sender", time.perf_counter()))
         self._resume()
         clock.append(("resume", time.perf_counter()))
@@ -162,12 +163,19 @@ class Learner:
         first = self.state.step
         while self.state.step < self.cfg.max_steps:
             t0 = time.perf_counter()
-            groups = self._next_groups()
+            groups = self._next_groups(wait=self.updater.pending is None)
+            if groups is NOT_READY:  # the learner does not bound the pipeline now: the held update goes out
+                t1 = time.perf_counter()
+                self._settle(self._carried)
+                t0 += time.perf_counter() - t1  # not waiting
+                groups = self._next_groups()
             if groups is None:
+                self._settle(self._carried)
                 self._data_ended(trained=self.state.step - first)
                 return
             wait_s = time.perf_counter() - t0
             self.train_step(groups, wait_s=wait_s)
+        self._settle(self._carried)
         log.info("stopping at step %d: max_steps reached", self.state.step)
 
     def _data_ended(self, trained: int) -> None:
@@ -188,7 +196,9 @@ class Learner:
         )
 
     def close(self) -> None:
-        """Final checkpoint and acks, Hugging Face export, release sockets and the process group."""
+        """The held update, final checkpoint and acks, Hugging Face export, release sockets and the process
+        group."""
+        self._settle(self._carried)
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
@@ -213,22 +223,33 @@ class Learner:
         for age in ages:
             self.metrics.staleness.observe(age)
         samples, n_stale = filter_stale(samples, self.version_now, cfg.algo.max_staleness, lost)
-        values: dict[str, float] = defaultdict(float)
+        values: dict[str, float] = defaultdict(float, self._carried)
+        self._carried.clear()
         if cfg.algo.mask_truncated:
             samples, n_truncated = filter_truncated(samples)
             values["truncated_masked"] = float(n_truncated)
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
-        if samples:
-            self.updater.run(samples, values, self.version_now, self.state.step)
+        plans = self.updater.plan_step(samples) if samples else []
+        ref_done = self._settle(values, beside=plans[:1])  # the last step's held update, then its sync
+        if plans:
+            hold = self._may_hold()
+            version, step = self.version_now, self.state.step
+            self.updater.run(plans, values, version, step, first_ref_done=ref_done, hold_last=hold)
         self._record_consumed(groups)
         self._held_groups += len(groups)
         self.state.step += 1
         self.metrics.log_trained(self.state.step, [g.group.group_id for g in groups])
         values.update(self._rollout_stats(groups, samples, n_stale))
+        every, export_every = cfg.checkpoint.every, cfg.checkpoint.export_hf_every
+        checkpoint_due = every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due())
+        export_due = export_every > 0 and self.state.step % export_every == 0
+        if self.updater.pending is None:
+            values["sync_s"] += self._maybe_sync()
+        elif checkpoint_due or export_due or self._eval_due():  # they need this step's weights
+            self._settle(values)
         values["train_s"] = time.perf_counter() - t0
-        values["sync_s"] = self._maybe_sync()
         values["wait_s"] = wait_s
         values["step"], values["version"] = float(self.state.step), float(self.state.version)
         values["tokens_per_s"] = values["tokens"] / max(values["train_s"], 1e-9)
@@ -237,26 +258,57 @@ class Learner:
         values["train_pass_mfu"] = mfu(flops, values["train_pass_s"], self.peak_flops, self.info.world_size)
         values.update(gpu_peak(self.info.device))  # the step's high-water mark on this rank's GPU
         self._evaluate(values)
-        every = cfg.checkpoint.every
-        if every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due()):
+        if checkpoint_due:
             values["checkpoint_s"] = self._checkpoint()
         elif every < 0 and self.inbox is not None:
             self.inbox.ack_durable()  # nothing is ever saved: nothing to redeliver after a crash either
-        if cfg.checkpoint.export_hf_every > 0 and self.state.step % cfg.checkpoint.export_hf_every == 0:
+        if export_due:
             export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
         self.metrics.tokens.inc(values["tokens"])
         self.metrics.log_step(dict(values))
         return dict(values)
 
     # ------------------------------------------------------------------ groups, sync, checkpoints
-    def _next_groups(self) -> list[ScoredGroup] | None:
-        """Rank 0 collects one step's groups and broadcasts them; None means stop."""
+    def _next_groups(self, wait: bool = True) -> list[ScoredGroup] | None | NotReady:
+        """Rank 0 collects one step's groups and broadcasts them; None means stop. `wait=False`: NOT_READY
+        (on every rank) unless they are all here now."""
         payload = None
         if self.inbox is not None:
-            groups = self.inbox.collect(self.state.version, self.cfg.idle_exit_s)
-            payload = None if groups is None else msgspec.msgpack.encode(groups)
+            groups = self.inbox.collect(self._collect_version(), self.cfg.idle_exit_s, wait=wait)
+            payload = (
+                b"" if groups is NOT_READY else None if groups is None else msgspec.msgpack.encode(groups)
+            )
         payload = broadcast_bytes(payload)
+        if payload == b"":
+            return NOT_READY
         return None if payload is None else msgspec.msgpack.decode(payload, type=list[ScoredGroup])
+
+    def _collect_version(self) -> int:
+        """The published version the collected step trains beside (the feeder's admission counts from it):
+        with an update held back whose sync is due, the version that sync publishes."""
+        if self.updater.pending is not None and self.state.step % max(self.cfg.sync_every, 1) == 0:
+            return self.version_now
+        return self.state.version
+
+    def _may_hold(self) -> bool:
+        """Hold this step's last AdamW back for the next step's first KL pass (`optim.defer_update`): one
+        rank, where that pass runs beside the host AdamW anyway (`Updater.overlap_ref`)."""
+        hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
+        return hold and not distributed()
+
+    def _eval_due(self) -> bool:
+        """An evaluation round starts after this step (`_evaluate`)."""
+        evaluator = self.inbox.evaluator if self.inbox is not None else None
+        return evaluator is not None and evaluator.due(self.state.step)
+
+    def _settle(self, values: dict[str, float], beside: list | None = None) -> bool:
+        """The update the last step held back (Updater.settle, the KL pass of `beside` meanwhile), then the
+        weight sync it was due; True if that KL pass ran. Nothing held: nothing to do."""
+        if self.updater.pending is None:
+            return False
+        ref_done = self.updater.settle(values, beside or [])
+        values["sync_s"] += self._maybe_sync()
+        return ref_done
 
     def _evaluate(self, values: dict[str, float]) -> None:
         """Start an evaluation round when one is due; report the rounds that finished."""

@@ -1,7 +1,9 @@
 """One step's policy updates: packed micro-batches per PPO mini-batch, the no-grad passes, loss, AdamW.
 
     updater = Updater(cfg, info, model, ref, optimizer, scheduler, hf_config=..., ...)   # the Learner's
-    updater.run(samples, values, version=7, step=12)     # fills `values` with the step's loss metrics
+    plans = updater.plan_step(samples)
+    updater.settle(values, plans[:1])                     # an update held back from the last step, if any
+    updater.run(plans, values, version=7, step=12)       # fills `values` with the step's loss metrics
 
 `run` on one step's samples (every rank, same samples):
   1. the samples split into `algo.mini_batches` contiguous mini-batches; each is planned into
@@ -14,7 +16,9 @@
      passes run over a mini-batch's consecutive micro-batches joined into packs of up to
      `batching.no_grad_tokens_per_microbatch` tokens (they keep no activations);
   3. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
-     clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`).
+     clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`). With
+     `hold_last` the last AdamW waits in `pending` for the next step's `settle`, which runs it beside that
+     step's first KL pass (the Learner decides: `optim.defer_update`).
 The Learner (learner/trainer.py) owns everything around it: data, versions, sync, checkpoints.
 """
 
@@ -97,22 +101,32 @@ class Updater:
         self.before_write: Callable[[], float] = lambda: 0.0
         """Called before AdamW writes the parameters (the trainer's `WeightSender.begin_write`)."""
         self.version = 0  # of the weights the current step starts from (`run`)
+        self.pending: tuple[float, int] | None = None
+        """(gradient norm, step) of an update `run` held back (`hold_last`) for `settle`."""
 
-    def run(self, samples: list[TrainSample], values: dict[str, float], version: int, step: int) -> None:
-        """Every mini-batch's update on `samples`; `version` is the weights' version (what `fresh` means)."""
-        cfg = self.cfg
-        self.version = version
+    def plan_step(self, samples: list[TrainSample]) -> list[MiniBatch]:
+        """The step's `algo.mini_batches` contiguous mini-batches of `samples`, each planned (`plan`)."""
         lengths = [sample_length(s, self.image_tokens) for s in samples]
-        chunks = _split(len(samples), cfg.algo.mini_batches)
-        plans = [self.plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+        chunks = _split(len(samples), self.cfg.algo.mini_batches)
+        return [self.plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+
+    def run(
+        self, plans: list[MiniBatch], values: dict[str, float], version: int, step: int, *,
+        first_ref_done: bool = False, hold_last: bool = False,
+    ) -> None:  # fmt: skip
+        """Every mini-batch's update of `plans`; `version` is the weights' version (what `fresh` means).
+        `first_ref_done`: the first mini-batch's KL pass ran already (`settle`); `hold_last`: the last
+        mini-batch's AdamW waits in `pending` for `settle`."""
+        self.version, cfg = version, self.cfg
         t0 = time.perf_counter()  # each no-grad pass ends synchronised with its stream
         if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
             self.no_grad_pass(plans[1:], self.model, "proximal_logprobs")  # gives them (`micro_step`)
         t1 = time.perf_counter()
         beside = self.overlap_ref and self.ref is not None
-        if self.ref is not None:
+        if self.ref is not None and not first_ref_done:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
-        values["proximal_pass_s"], values["ref_pass_s"] = t1 - t0, time.perf_counter() - t1
+        values["proximal_pass_s"] = t1 - t0
+        values["ref_pass_s"] += time.perf_counter() - t1  # after a KL pass `settle` ran beside AdamW
         values["micro_batches"] = float(sum(mini.n_micro for mini in plans))  # training forwards a rank runs
         values["no_grad_packs"] = float(sum(mini.n_no_grad for mini in plans))  # forwards of a no-grad pass
         weights = defaultdict(float)
@@ -122,11 +136,24 @@ class Updater:
                 real = mini.mine[i] if i < len(mini.mine) else None
                 self.micro_step(real, mini.denom, weights, first_update=update == 0)
             # the norm is read on the host, so the training pass has ended when it returns
-            values["grad_norm"] = norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+            values["grad_norm"] = norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
             values["train_pass_s"] += time.perf_counter() - t2
+            if hold_last and update == len(plans) - 1:
+                self.pending = (norm, step)
+                break
             later_ref = plans[update + 1 : update + 2] if beside else []
             self.apply_update(norm, later_ref, values, step)
         self.summarise(weights, values)
+
+    def settle(self, values: dict[str, float], beside: list[MiniBatch]) -> bool:
+        """The update `run` held back (if any), with the KL pass of `beside` (the next step's first
+        mini-batch) running meanwhile; True if that KL pass ran."""
+        if self.pending is None:
+            return False
+        (norm, step), self.pending = self.pending, None
+        later_ref = beside if self.ref is not None else []
+        self.apply_update(norm, later_ref, values, step)
+        return bool(later_ref)
 
     def apply_update(self, norm: float, later_ref: list, values: dict[str, float], step: int) -> None:
         """AdamW (the KL pass of `later_ref` beside it) unless the gradient norm `norm` is not finite, then
