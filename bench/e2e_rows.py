@@ -148,7 +148,8 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
 def learner_facts(run_dir: Path) -> dict:
     """What the run's learner trained with, from the resolved config it wrote (`learner/config.learner.json`,
     after the launcher's layout capped its packs): pack size, recomputation, compilation, the host AdamW's
-    CPU threads (0: every CPU); {} without it."""
+    CPU threads (0: every CPU), whether it held a step's AdamW for the next step's KL pass (False before
+    `optim.defer_update`); {} without it."""
     path = run_dir / "learner" / "config.learner.json"
     if not path.is_file():
         return {}
@@ -161,6 +162,7 @@ def learner_facts(run_dir: Path) -> dict:
         "learner_compile": cfg["parallel"]["compile"],
         "learner_host_threads": cfg.get("optim", {}).get("host_threads", 0),
         "learner_reference_location": cfg["parallel"].get("reference_location", "device"),
+        "learner_defer_update": cfg.get("optim", {}).get("defer_update", False),
     }
 
 

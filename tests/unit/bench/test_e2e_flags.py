@@ -340,6 +340,7 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
         "learner_compile": "elementwise",
         "learner_host_threads": 8,
         "learner_reference_location": "device",  # a config from before the field reads as the device
+        "learner_defer_update": False,  # as it ran before the field
     }
     assert learner_label(facts) == "32k full"
     assert learner_label({"learner_pack_tokens": 8192, "learner_checkpoint_mode": "selective"}) == "8k sel"
