@@ -12,6 +12,9 @@ One `train_step(groups)` (every rank, same groups):
      spread over the ranks, the no-grad passes for π_prox and π_ref, loss, backward, clipping, AdamW;
   3. every `sync_every` steps the weights go to the generators and the new version is announced;
      every `checkpoint.every` steps a checkpoint, then the consumed groups are acked.
+With `optim.defer_update` a step's last AdamW may wait for the next step (`_may_hold`): when that step's
+groups are already waiting, its first KL pass runs beside the AdamW and the weights go out before it trains
+(`_settle`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at once.
 Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
 step's groups to the other ranks.
 """
