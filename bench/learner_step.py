@@ -204,10 +204,10 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
             "checkpoint_mode": text_checkpoint_mode(lcfg.parallel),  # what ran: "auto" runs selective here
             "compile": lcfg.parallel.compile,
         }
-        learner.train_step(make.groups(cfg.warmup_groups, learner.state.version))
+        learner.train_step(make.groups(cfg.warmup_groups, learner.version_now))
         rows, peaks = [], []
         for _ in range(cfg.steps):
-            groups = make.groups(cfg.groups, learner.state.version)
+            groups = make.groups(cfg.groups, learner.version_now)
             timers.clear()
             values = learner.train_step(groups)
             peaks.append(inputs.memory(learner.info.device))  # train_step restarts the peak every step
@@ -231,7 +231,7 @@ def run_learner(cfg: BenchConfig, name: str, overrides, model_dir, transport, br
             {key: max(p[key] for p in peaks) for key in (peaks[0] if peaks else ())}
         )  # timed steps' peaks
         if cfg.profile_groups > 0:
-            groups = make.groups(cfg.profile_groups, learner.state.version)
+            groups = make.groups(cfg.profile_groups, learner.version_now)
             _, out["profile"] = profile_call(lambda: learner.train_step(groups), learner.info.device)
     finally:
         # rebinding (not del) frees them even while a traceback still holds this frame
