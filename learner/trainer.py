@@ -289,7 +289,7 @@ class Learner:
     def _collect_version(self) -> int:
         """The published version the collected step trains beside (the feeder's admission counts from it):
         with an update held back whose sync is due, the version that sync publishes."""
-        if self.updater.pending is not None and self.state.step % max(self.cfg.sync_every, 1) == 0:
+        if self.updater.pending is not None and self._sync_due():
             return self.version_now
         return self.state.version
 
@@ -331,8 +331,12 @@ class Learner:
             if self.inbox.feeder is not None:
                 self.state.cursor = self.inbox.feeder.cursor()
 
+    def _sync_due(self) -> bool:
+        """The weights after `state.step` updates go to the generators (every `sync_every` steps)."""
+        return self.state.step % max(self.cfg.sync_every, 1) == 0
+
     def _maybe_sync(self) -> float:
-        if self.state.step % max(self.cfg.sync_every, 1) != 0:
+        if not self._sync_due():
             return 0.0
         t0 = time.perf_counter()
         self.state.version = self.version_now
