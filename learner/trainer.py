@@ -169,6 +169,7 @@ class Learner:
             groups = self._next_groups(wait=self.updater.pending is None)
             if groups is NOT_READY:  # the learner does not bound the pipeline now: the held update goes out
                 t1 = time.perf_counter()
+                self._log_not_ready()
                 self._settle(self._carried)
                 t0 += time.perf_counter() - t1  # not waiting
                 groups = self._next_groups()
@@ -238,6 +239,7 @@ class Learner:
         ref_done = self._settle(values, beside=plans[:1])  # the last step's held update, then its sync
         if plans:
             hold = self._may_hold()
+            values["update_held"] = float(hold)  # the next step's groups may still settle it at once
             version, step = self.version_now, self.state.step
             self.updater.run(plans, values, version, step, first_ref_done=ref_done, hold_last=hold)
         self._record_consumed(groups)
@@ -295,9 +297,17 @@ class Learner:
 
     def _may_hold(self) -> bool:
         """Hold this step's last AdamW back for the next step's first KL pass (`optim.defer_update`): one
-        rank, where that pass runs beside the host AdamW anyway (`Updater.overlap_ref`)."""
+        rank (a one-GPU learner has a one-rank process group: the world size counts, not the group), where
+        that pass runs beside the host AdamW anyway (`Updater.overlap_ref`)."""
         hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
-        return hold and not distributed()
+        return hold and self.info.world_size == 1
+
+    def _log_not_ready(self) -> None:
+        """Say that the held update runs alone: the next step's groups were not all here when it ended."""
+        taken = self.inbox.taken if self.inbox is not None else 0
+        want = self.cfg.algo.groups_per_step
+        self._carried["update_settled_alone"] = 1.0
+        log.info("step %d: %d of %d groups here, its held AdamW runs now", self.state.step, taken, want)
 
     def _eval_due(self) -> bool:
         """An evaluation round starts after this step (`_evaluate`)."""

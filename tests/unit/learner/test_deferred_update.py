@@ -5,6 +5,7 @@ the update at once), its weights published before the next step trains, and neve
 when the next step's groups are not all waiting, or a checkpoint needs the weights, it runs at once.
 """
 
+import dataclasses
 import time
 
 import pytest
@@ -152,3 +153,21 @@ def test_off_on_the_cpu_and_where_asked(tiny_model_dir, redis_server, names, tmp
     off = _learner(tiny_model_dir, redis_server, names, tmp_path / "off", defer=False)
     assert not off._may_hold()
     off.close()
+
+
+def test_a_one_rank_process_group_still_holds(tiny_model_dir, redis_server, names, tmp_path):
+    """A one-GPU learner runs in a one-rank process group (FSDP2 needs one; learner.parallel): the world
+    size decides, not whether a group is up (session 33's H100 run never held for that)."""
+    from broker.redis_server import free_port
+
+    learner = _learner(tiny_model_dir, redis_server, names, tmp_path / "group", defer=True)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        assert learner._may_hold()
+        learner.info = dataclasses.replace(learner.info, world_size=2)  # two ranks: their AdamW at once
+        assert not learner._may_hold()
+    finally:
+        torch.distributed.destroy_process_group()
+    learner.close()
