@@ -52,13 +52,15 @@ def log_tails(logs: dict[str, str], lines: int = 40) -> dict[str, str]:
 
 FACTS = re.compile(
     r"KV cache|concurrency|Model loading took|memory profiling|Graph capturing|ready in|torch.compile|"
-    r"joined|gpu_peak|took \d|serving policy version [0-3] |KL reference model in|cudaHostRegister"
+    r"joined|gpu_peak|took \d|serving policy version [0-3] |KL reference model in|cudaHostRegister|"
+    r"groups here|generated \d+ prompts"
 )
 """Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start, where its KL
-reference lives and first versions): an analysis needs them (bench/results/GPU.md)."""
+reference lives and first versions, each generate call, a held AdamW that ran alone): an analysis needs them
+(bench/results/GPU.md)."""
 
 
-def log_facts(logs: dict[str, str], per_log: int = 25) -> dict[str, list[str]]:
+def log_facts(logs: dict[str, str], per_log: int = 40) -> dict[str, list[str]]:
     """The first `per_log` FACTS lines of each log of a run (`run_logs`), each cut to 300 characters."""
     facts = {name: [x[:300] for x in text.splitlines() if FACTS.search(x)] for name, text in logs.items()}
     return {name: lines[:per_log] for name, lines in facts.items() if lines}
@@ -142,7 +144,19 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "mismatch_abs_logprob_diff": max(
             (x.get("mismatch_abs_logprob_diff", 0.0) for x in measured), default=0.0
         ),
+        # `optim.defer_update`: steps that held their AdamW for the next step's KL pass, and steps whose
+        # held AdamW ran alone as the next step's groups were not all there yet (learner/trainer.py)
+        "update_held": mean("update_held"),
+        "update_settled_alone": mean("update_settled_alone"),
+        "step_lines": [{k: x[k] for k in STEP_KEYS if k in x} for x in steps],  # warmup steps too
     }
+
+
+STEP_KEYS = (
+    "step", "time", "wait_s", "train_s", "ref_pass_s", "optimizer_s", "optimizer_exposed_s", "sync_s",
+    "generate_s", "update_held", "update_settled_alone", "staleness_mean",
+)  # fmt: skip
+"""What a row keeps of every step, warmup included (`step_lines`): where a step's time went."""
 
 
 def learner_facts(run_dir: Path) -> dict:

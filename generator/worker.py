@@ -197,10 +197,15 @@ class GeneratorWorker:
         requests = [request for _, _, request in prepared]
         kept = [(delivery, record, request.prompt_token_ids) for delivery, record, request in prepared]
         self.metrics.queue_depth.set(len(requests))
+        t0 = time.perf_counter()
         try:
             results = self.engine.generate(requests)
         finally:
             self.metrics.queue_depth.set(0)
+        log.info(
+            "generated %d prompts at version %d in %.1f s", len(requests), self.engine.version,
+            time.perf_counter() - t0,
+        )  # fmt: skip
         groups, done = [], []
         for (delivery, record, ids), result in zip(kept, results):
             if not result.ok:

@@ -131,6 +131,11 @@ class Inbox:
         batch, self._batch = self._batch, []
         return batch
 
+    @property
+    def taken(self) -> int:
+        """Groups of the step being collected taken so far (what a NOT_READY `collect` keeps)."""
+        return len(self._batch)
+
     def commit(self) -> None:
         """The step collected last was trained (its groups are in the trainer's consumed state):
         its deliveries wait for the next checkpoint, its malformed groups are dead-lettered."""
