@@ -169,8 +169,7 @@ class Learner:
             groups = self._next_groups(wait=self.updater.pending is None)
             if groups is NOT_READY:  # the learner does not bound the pipeline now: the held update goes out
                 t1 = time.perf_counter()
-                self._log_not_ready()
-                self._settle(self._carried)
+                self._settle_alone()
                 t0 += time.perf_counter() - t1  # not waiting
                 groups = self._next_groups()
             if groups is None:
@@ -302,12 +301,14 @@ class Learner:
         hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
         return hold and self.info.world_size == 1
 
-    def _log_not_ready(self) -> None:
-        """Say that the held update runs alone: the next step's groups were not all here when it ended."""
+    def _settle_alone(self) -> None:
+        """The held update, now and with nothing beside it: the next step's groups were not all here when
+        it ended (said in the log, and in the next step's metrics as `update_settled_alone`)."""
         taken = self.inbox.taken if self.inbox is not None else 0
         want = self.cfg.algo.groups_per_step
-        self._carried["update_settled_alone"] = 1.0
         log.info("step %d: %d of %d groups here, its held AdamW runs now", self.state.step, taken, want)
+        self._carried["update_settled_alone"] = 1.0
+        self._settle(self._carried)
 
     def _eval_due(self) -> bool:
         """An evaluation round starts after this step (`_evaluate`)."""

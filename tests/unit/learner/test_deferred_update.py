@@ -111,12 +111,18 @@ def test_train_holds_only_while_the_next_groups_wait(
         return seconds
 
     learner._maybe_sync = sync_then_note
+    steps = []
+    log_step = learner.metrics.log_step
+    learner.metrics.log_step = lambda values: (steps.append(values), log_step(values))
     learner.train()  # steps 1 and 2, then no third step's groups within idle_exit_s (3 s)
     ended = time.monotonic()
     assert learner.state.step == 2 and learner.updater.pending is None and learner.state.version == 2
     assert works == [True, False]  # step 1's AdamW beside step 2's KL pass; step 2's alone, before waiting
     assert [version for version, _ in published] == [1, 2]
     assert ended - published[-1][1] > 2.5  # version 2 went out before the learner waited for groups
+    assert [s["update_held"] for s in steps] == [1.0, 1.0]
+    assert "update_settled_alone" not in steps[1]  # step 1's ran beside step 2's KL pass
+    assert learner._carried["update_settled_alone"] == 1.0  # step 2's alone: a third step would say so
     learner.close()
 
 
