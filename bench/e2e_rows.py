@@ -148,7 +148,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         # held AdamW ran alone as the next step's groups were not all there yet (learner/trainer.py)
         "update_held": mean("update_held"),
         "update_settled_alone": mean("update_settled_alone"),
-        "step_lines": [{k: x[k] for k in STEP_KEYS if k in x} for x in steps],  # warmup steps too
+        "step_lines": [{key: x[key] for key in STEP_KEYS if key in x} for x in steps],  # warmup steps too
     }
 
 

@@ -328,9 +328,8 @@ class Learner:
         """Start an evaluation round when one is due; report the rounds that finished."""
         if self.inbox is None:
             return
-        evaluator = self.inbox.evaluator
-        if evaluator is not None and evaluator.due(self.state.step):
-            evaluator.start(self.state.step, self.state.version)
+        if self._eval_due():
+            self.inbox.evaluator.start(self.state.step, self.state.version)
         for metrics in self.inbox.eval_metrics:
             values.update(metrics)
         self.inbox.eval_metrics.clear()
