@@ -166,11 +166,11 @@ class OptimConfig:
     an H100 machine, 8 of its 16 CPUs took 1.5 s a step beside vLLM, all 16 took 5.6 s)."""
     defer_update: bool = True
     """Where the KL reference pass already runs beside the host AdamW (master_weights = host on a GPU, with a
-    KL term): hold a step's last AdamW back to the start of the next step, where it runs beside that step's
-    first KL reference pass, and publish its weights as soon as it ends. Only when the next step's groups are
-    all waiting when the learner asks for them (the learner bounds the pipeline); otherwise the update runs at
-    once, alone, so the weights are never published later than without it. The same updates either way
-    (tests/unit/learner/test_deferred_update.py)."""
+    KL term; one GPU; K > 0): hold a step's last AdamW back to the start of the next step, where it runs
+    beside that step's first KL reference pass, and publish its weights as soon as it ends. Only when the
+    next step's groups are all waiting when the learner asks for them (the learner bounds the pipeline);
+    otherwise the update runs at once, alone, so the weights are never published later than without it. The
+    same updates either way (tests/unit/learner/test_deferred_update.py)."""
 
 
 @dataclass

@@ -297,9 +297,10 @@ class Learner:
     def _may_hold(self) -> bool:
         """Hold this step's last AdamW back for the next step's first KL pass (`optim.defer_update`): one
         rank (a one-GPU learner has a one-rank process group: the world size counts, not the group), where
-        that pass runs beside the host AdamW anyway (`Updater.overlap_ref`)."""
+        that pass runs beside the host AdamW anyway (`Updater.overlap_ref`), and K > 0 (at K = 0 the next
+        step's groups come from this step's weights: they are never waiting, the update would run alone)."""
         hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
-        return hold and self.info.world_size == 1
+        return hold and self.info.world_size == 1 and self.cfg.algo.max_staleness > 0
 
     def _settle_alone(self) -> None:
         """The held update, now and with nothing beside it: the next step's groups were not all here when

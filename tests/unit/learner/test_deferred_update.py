@@ -159,6 +159,11 @@ def test_off_on_the_cpu_and_where_asked(tiny_model_dir, redis_server, names, tmp
     off = _learner(tiny_model_dir, redis_server, names, tmp_path / "off", defer=False)
     assert not off._may_hold()
     off.close()
+    sync = _learner(
+        tiny_model_dir, redis_server, names, tmp_path / "k0", defer=True, **{"algo.max_staleness": 0}
+    )
+    assert not sync._may_hold()  # K = 0: the next step's groups wait for this step's weights
+    sync.close()
 
 
 def test_a_one_rank_process_group_still_holds(tiny_model_dir, redis_server, names, tmp_path):
