@@ -218,30 +218,7 @@ class Launcher:
             f"{t.task}, {t.train} train / {t.test} test" + (", SHUFFLED images" if t.shuffle_images else ""),
         )
         out = self.run_dir / "data"
-        args = [
-            "synthetic",
-            "--out",
-            str(out),
-            "--task",
-            t.task,
-            "--train",
-            str(t.train),
-            "--test",
-            str(t.test),
-            "--n-colours",
-            str(t.n_colours),
-            "--colour-jitter",
-            str(t.colour_jitter),
-            "--image-size",
-            str(t.image_size),
-            "--max-count",
-            str(t.max_count),
-            "--size-jitter",
-            str(t.size_jitter),
-            "--seed",
-            str(t.seed),
-        ]
-        args += ["--shuffle-images"] * t.shuffle_images + ["--equal-area"] * t.equal_area
+        args = t.synthetic_args(out)
         self._wait(self._start(self.infra, "task", "tasks", args, critical=False))
         return out, out
 

@@ -182,3 +182,21 @@ def test_curve_summary_and_png(tmp_path):
 def test_smooth_is_a_trailing_mean():
     assert smooth([0, 2, 4, 6], window=2) == [0, 1, 3, 5]
     assert math.isnan(run_curve(Path("/nonexistent")).chance)
+
+
+def test_the_task_stage_passes_every_synthetic_option_through(tmp_path):
+    """The launcher's task stage runs `python -m tasks synthetic` with TaskOptions.synthetic_args: each option
+    the launcher takes (none at its default here) reaches the task's own config."""
+    from deploy.plan import TaskOptions
+    from tasks.synthetic import SyntheticConfig
+
+    options = TaskOptions(task="count", train=7, test=3, n_colours=1, colour_jitter=5, image_size=56)
+    options = dataclasses.replace(options, max_count=6, size_jitter=0.1, equal_area=True, shuffle_images=True)
+    options.seed = 11
+    args = options.synthetic_args(tmp_path / "data")
+    assert args[0] == "synthetic"
+    parsed = load_config(SyntheticConfig, args[1:])
+    for field in dataclasses.fields(TaskOptions):
+        if hasattr(parsed, field.name):
+            assert getattr(parsed, field.name) == getattr(options, field.name), field.name
+    assert Path(parsed.out) == tmp_path / "data"
