@@ -84,17 +84,14 @@ class TaskOptions:
     """Seed of the task's scenes."""
 
     def synthetic_args(self, out: Path) -> list[str]:
-        """The arguments of `python -m tasks synthetic` that write these options' splits into `out`."""
-        values = {"out": out, "task": self.task, "train": self.train, "test": self.test}
-        values |= {"n-colours": self.n_colours, "colour-jitter": self.colour_jitter}
-        values |= {
-            "image-size": self.image_size,
-            "max-count": self.max_count,
-            "size-jitter": self.size_jitter,
-        }
-        args = ["synthetic"] + [arg for name, value in values.items() for arg in (f"--{name}", str(value))]
-        flags = ["--seed", str(self.seed)] + ["--shuffle-images"] * self.shuffle_images
-        return args + flags + ["--equal-area"] * self.equal_area
+        """The arguments of `python -m tasks synthetic` that write these options' splits into `out` (every
+        option but geometry3k's `data_dir`, under the same name in tasks.synthetic.SyntheticConfig)."""
+        args = ["synthetic", "--out", str(out)]
+        for option in dataclasses.fields(self):
+            flag, value = "--" + option.name.replace("_", "-"), getattr(self, option.name)
+            if option.name != "data_dir":
+                args += [flag] * value if isinstance(value, bool) else [flag, str(value)]
+        return args
 
 
 @dataclass
