@@ -51,7 +51,7 @@ from pathlib import Path
 
 from broker.redis_server import redis_server_argv
 from deploy.layout import GpuPlan, LayoutError, gpu_env
-from deploy.mps import GeneratorShare, MpsDaemon, check_layout
+from deploy.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
 from deploy.plan import LaunchConfig, gpu_plan, role_configs, write_role_configs
 from deploy.preflight import (
     ModelInfo,
@@ -145,6 +145,7 @@ class Launcher:
             configs, paths = configs_for(model_dir)
         self._stage("rl", "" if gpus.kind == "cpu" else gpus.describe())
         shared = gpus.kind == "shared"
+        self._notice(time_slice_notice(cfg.mps, gpus, cfg.learner.algo.max_staleness))
         share = GeneratorShare.of(cfg)
         if cfg.mps and share.sms < 100:
             self._check_cap(model_dir, gpus, share)
@@ -390,6 +391,13 @@ class Launcher:
         if self.progress is not None:
             self.progress.message(f"[launcher] stage {stage}" + (f": {detail}" if detail else ""))
             self.progress.show(self.status, force=True)
+
+    def _notice(self, text: str) -> None:
+        """A line for the user about this run's plan, in the live progress and events.jsonl ("": none)."""
+        if text:
+            self._event("notice", text=text)
+            if self.progress is not None:
+                self.progress.message(f"[launcher] {text}")
 
     def _event(self, event: str, **fields) -> None:
         with open(self.run_dir / "events.jsonl", "a") as f:

@@ -128,6 +128,18 @@ def check_layout(enabled: bool, gpus: GpuPlan, share: GeneratorShare = Generator
     share.check(enabled)
 
 
+def time_slice_notice(enabled: bool, gpus: GpuPlan, max_staleness: int) -> str:
+    """What a K >= 1 run on one shared GPU without --mps should know ("" otherwise): its roles take turns on
+    the GPU, so the asynchrony it asked for overlaps only where one of them leaves the GPU idle."""
+    if enabled or gpus.kind != "shared" or max_staleness < 1:
+        return ""
+    return (
+        f"K = {max_staleness} on one shared GPU without --mps: the learner and vLLM take turns on it (time "
+        "slices) and overlap only where one leaves it idle; --mps lets their kernels run together (README, "
+        '"Running on GPUs", has what it gave)'
+    )
+
+
 class MpsDaemon:
     """The run's MPS control daemon: `start` it in a process group, hand `env` to the roles, `stop` it."""
 

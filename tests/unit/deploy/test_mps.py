@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deploy.layout import GpuPlan, LayoutError
-from deploy.mps import GeneratorShare, MpsDaemon, check_layout
+from deploy.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied, ProcessGroup
 from runtime.config import load_config
@@ -81,6 +81,13 @@ def test_mps_is_for_a_shared_gpu_only():
     for kind in ("split", "cpu"):
         with pytest.raises(LayoutError, match="--learner.gpus 0 --generator.gpus 0"):
             check_layout(True, GpuPlan(kind, "", "", (), "broadcast"))
+
+
+def test_a_shared_gpu_at_k_1_without_mps_says_its_roles_take_turns():
+    assert "without --mps" in time_slice_notice(False, SHARED, max_staleness=1)
+    assert time_slice_notice(True, SHARED, max_staleness=1) == ""  # under MPS
+    assert time_slice_notice(False, SHARED, max_staleness=0) == ""  # K = 0 takes turns by design
+    assert time_slice_notice(False, GpuPlan("split", "0", "1", ((1,),), "broadcast"), max_staleness=1) == ""
 
 
 def test_the_flag_parses():
