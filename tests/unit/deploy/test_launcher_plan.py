@@ -190,9 +190,10 @@ def test_the_task_stage_passes_every_synthetic_option_through(tmp_path):
     from deploy.plan import TaskOptions
     from tasks.synthetic import SyntheticConfig
 
-    options = TaskOptions(task="count", train=7, test=3, n_colours=1, colour_jitter=5, image_size=56)
-    options = dataclasses.replace(options, max_count=6, size_jitter=0.1, equal_area=True, shuffle_images=True)
-    options.seed = 11
+    options = TaskOptions(
+        task="count", train=7, test=3, n_colours=1, colour_jitter=5, image_size=56, max_count=6,
+        size_jitter=0.1, equal_area=True, shuffle_images=True, seed=11,
+    )  # fmt: skip
     args = options.synthetic_args(tmp_path / "data")
     assert args[0] == "synthetic"
     parsed = load_config(SyntheticConfig, args[1:])
