@@ -107,10 +107,10 @@ class Launcher:
                     self.outcome, code = "interrupted", 130
                 except ChildDied as exc:
                     self.outcome, code = "failed", 1
-                    self.progress.message(f"[launcher] {exc}{self._explain()}")
+                    self.progress.error(f"[launcher] {exc}{self._explain()}")
                 except (PreflightError, LayoutError) as exc:
                     self.outcome, code = "failed", 2
-                    self.progress.message(f"[launcher] cannot start: {exc}")
+                    self.progress.error(f"[launcher] cannot start: {exc}")
                     self._event("error", error=str(exc))
                 finally:
                     self._stop_all()

@@ -200,7 +200,8 @@ class LaunchConfig:
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
-    """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal)."""
+    """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal), off
+    (nothing but the reason a run failed, on stderr)."""
     task: TaskOptions = field(default_factory=TaskOptions)
     """The synthetic visual task."""
     warm_start: WarmStartOptions = field(default_factory=WarmStartOptions)

@@ -206,6 +206,14 @@ class Progress:
         elif self.mode == "plain":
             print(text, flush=True)
 
+    def error(self, text: str) -> None:
+        """A message that ends the run: shown as `message` shows it, and on stderr where the display is off
+        (a launcher run by a script must still say why it failed)."""
+        if self.mode == "off":
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.message(text)
+
     def _table(self, status: RunStatus):
         from rich.table import Table
 

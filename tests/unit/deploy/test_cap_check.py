@@ -79,3 +79,21 @@ def test_the_launcher_runs_it_on_the_generators_gpu_under_its_cap(tmp_path):
             launcher._check_cap(tmp_path / "model", shared, GeneratorShare(40))
     launcher.roles.stop()
     assert "CUDA_VISIBLE_DEVICES=3, MPS cap 40 %" in str(failure.value)
+
+
+def test_a_launcher_with_its_display_off_still_says_why_it_failed(tmp_path, monkeypatch, capsys):
+    """bench.e2e runs the launcher with --progress off: a refused cap (any dead child) must reach its log."""
+    from deploy.launcher import Launcher
+
+    launcher = Launcher(LaunchConfig(run_dir=str(tmp_path / "run"), progress="off"))
+
+    def refused():
+        raise ChildDied("cap-check exited with code 1; last log lines:\nqkv+bias 256x3584x4608: 27.1 %")
+
+    monkeypatch.setattr(launcher, "_pipeline", refused)
+    assert launcher.run() == 1
+    captured = capsys.readouterr()
+    assert (
+        "[launcher] cap-check exited with code 1" in captured.err and "qkv+bias 256x3584x4608" in captured.err
+    )
+    assert captured.out == ""
