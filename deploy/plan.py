@@ -188,14 +188,17 @@ class LaunchConfig:
     learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25), under every attention backend
     (sessions 27 and 29), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
     (sessions 30 and 31, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
-    every GEMM checked is right and the 7B K = 1 ran capped in 70.6 s a step against 74.7 s uncapped, on
-    another H100 (session 31): opt-in until a same-machine ratio backs it. The launcher checks the model's
-    GEMMs under the cap before vLLM starts (deploy/cap_check.py) and stops where outputs go unwritten."""
+    every GEMM checked is right, and the 7B K = 1 capped at 50 ran 1.24-1.44x over K = 0 on five H100s
+    (sessions 32-37), against 1.09-1.15x uncapped. Opt-in all the same: the lowest safe cap depends on the
+    GPU and the model (45 left the 7B's GEMMs partly unwritten on an H100, session 37), so the launcher checks
+    the model's GEMMs under the cap before vLLM starts (deploy/cap_check.py) and stops where outputs go
+    unwritten."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
     K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
     session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
-    Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25): not the default."""
+    Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25), 1.04x at 7B with
+    the generator capped at 50 (session 37): not the default until more than one step a row backs it."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
