@@ -161,9 +161,12 @@ def gemm_sweep(shapes: dict, device: str) -> list[dict]:
 
 
 def holds(result: dict, setting: str) -> bool:
-    """Whether `setting` ran every GEMM of a sweep right (and at least one)."""
+    """Whether `setting` ran every GEMM of a sweep right (and at least one); for "default" (the launcher's
+    own setting) also whether the launcher's GEMM check, where the result has one, found every output
+    written."""
     chosen = [r for r in result.get("gemm_sweep", []) if r["setting"] == setting]
-    return bool(chosen) and all(r["ok"] and r.get("repeat_ok") for r in chosen)
+    launcher_ok = setting != "default" or not result.get("cap_check")
+    return bool(chosen) and all(r["ok"] and r.get("repeat_ok") for r in chosen) and launcher_ok
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench.mps_check import SHAPES, compare, main
+from bench.mps_check import SHAPES, compare, main, model_config
 from bench.mps_gemms import gemm_row, gemm_shapes, operands, settings
 from bench.mps_gemms import main as gemm_main
 
@@ -19,6 +19,7 @@ def test_every_torch_operation_agrees_with_its_reference_on_cpu(tmp_path):
     torch_rows = [r for name, r in rows.items() if not name.startswith("vllm ")]
     assert len(torch_rows) == 6 and all(r["ok"] and r["finite"] for r in torch_rows)
     assert result["mps_cap"] == "" and result["sms_seen"] is None
+    assert result["cap_check"] == [], "the launcher's GEMM check: every output written"
 
 
 def test_a_nan_or_a_wrong_value_is_not_ok():
@@ -79,3 +80,27 @@ def test_the_green_context_rows_run_after_every_other_setting(monkeypatch):
     order = [r["setting"] for r in rows]
     shapes = len(gemm_shapes(SHAPES["tiny"]))
     assert order == ["default"] * shapes + ["green context 40 %"] * shapes
+
+
+def test_the_launchers_check_runs_on_the_same_shapes_and_gates_the_default(tmp_path, monkeypatch, capsys):
+    """Session 37: at 45 % the sweep passed and the launcher's check (more row counts) did not; the check's
+    verdict is in the result, fails the run, and keeps `default` from holding, as the launcher would."""
+    import deploy.cap_check
+
+    seen = []
+
+    def refuse(config, device):
+        seen.append(deploy.cap_check.projections(config))
+        return ["down 256x128x64: 28.6 % of its output unwritten"]
+
+    monkeypatch.setattr(deploy.cap_check, "check", refuse)
+    out = tmp_path / "check.json"
+    assert main(["--device", "cpu", "--shapes", "tiny", "--out", str(out)]) == 1
+    assert seen == [deploy.cap_check.projections(model_config(SHAPES["tiny"]))]
+    assert seen[0]["down"] == (128, 64, False) and seen[0]["qkv+bias"] == (64, 128, True)
+    result = json.loads(out.read_text())
+    assert result["cap_check"] == ["down 256x128x64: 28.6 % of its output unwritten"]
+    assert all(r["ok"] for r in result["gemm_sweep"]), "the sweep alone would have passed"
+    assert "down 256x128x64" in capsys.readouterr().out
+    assert gemm_main([str(out), "default"]) == 1
+    assert gemm_main([str(out), "fp16"]) == 0, "the launcher's check runs the default setting only"
