@@ -176,7 +176,8 @@ def _f(value, fmt: str = ".3f") -> str:
 
 
 class Progress:
-    """Shows a RunStatus: a rich live table (`rich`), a line every `every_s` (`plain`) or nothing."""
+    """Shows a RunStatus: a rich live table (`rich`), a line every `every_s` (`plain`) or nothing (`off`,
+    where only `error` prints, on stderr)."""
 
     def __init__(self, mode: str = "auto", every_s: float = 10.0, title: str = "Parallax"):
         if mode == "auto":
