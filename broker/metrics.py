@@ -1,6 +1,6 @@
 """The broker's Prometheus series, on the registry of the process that uses the broker.
 
-deploy/METRICS.md (section Broker) is the contract:
+docs/metrics.md (section Broker) is the contract:
   * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered (the
     codec's reasons), and entries the transport dead-lettered past the redelivery cap while the
     subscriber consumed (`redelivery_cap`);

@@ -1,6 +1,6 @@
-"""The metric catalogue of Parallax, read from deploy/METRICS.md, and PromQL name extraction.
+"""The metric catalogue of Parallax, read from docs/metrics.md, and PromQL name extraction.
 
-`load_catalog()` parses the tables of METRICS.md into `MetricSpec`s (name, type, labels, owning
+`load_catalog()` parses the tables of docs/metrics.md into `MetricSpec`s (name, type, labels, owning
 process, optional or not). `promql_metric_names(expr)` returns the metric names a PromQL
 expression selects, and `unknown_series(expr, catalog)` those that the catalogue does not
 define, so that dashboards, rules and tests can be checked against the one list every process
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-METRICS_MD = Path(__file__).resolve().parent / "METRICS.md"
+METRICS_MD = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 TYPES = ("counter", "gauge", "histogram")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -65,7 +65,7 @@ _IDENT = re.compile(r"(?<![\w:.$])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:]|\s*\()")
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One series family of METRICS.md."""
+    """One series family of docs/metrics.md."""
 
     name: str
     """Exported name (counters with their `_total`)."""
@@ -74,7 +74,7 @@ class MetricSpec:
     labels: tuple[str, ...]
     """Label names the process sets (Prometheus adds job and instance)."""
     section: str
-    """First word of the METRICS.md section: Generator, Reward, Learner, Broker, External."""
+    """First word of the docs/metrics.md section: Generator, Reward, Learner, Broker, External."""
     optional: bool
     """True when a process may leave it out."""
     buckets: tuple[float, ...] = ()
@@ -90,7 +90,7 @@ class MetricSpec:
 
 
 def load_catalog(path: Path = METRICS_MD) -> dict[str, MetricSpec]:
-    """Every metric row of METRICS.md by name; a bad type or a duplicate name is an error."""
+    """Every metric row of docs/metrics.md by name; a bad type or a duplicate name is an error."""
     catalog: dict[str, MetricSpec] = {}
     section = ""
     for line in Path(path).read_text().splitlines():

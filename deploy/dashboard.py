@@ -2,7 +2,7 @@
 
 `python -m deploy.dashboard` (re)writes deploy/grafana/dashboards/parallax.json; `--check` exits
 non-zero when the committed JSON differs from what `build()` returns. The queries use only the
-series listed in deploy/METRICS.md (tests/unit/deploy/ checks this) and the datasource provisioned
+series listed in docs/metrics.md (tests/unit/deploy/ checks this) and the datasource provisioned
 in deploy/grafana/provisioning/datasources/prometheus.yml (uid `parallax-prometheus`).
 """
 

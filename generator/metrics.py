@@ -1,4 +1,4 @@
-"""Prometheus metrics of one generator engine process (names and buckets: deploy/METRICS.md).
+"""Prometheus metrics of one generator engine process (names and buckets: docs/metrics.md).
 
 Every series exists (at 0) from construction, so a scrape right after start sees all of them.
 Tokens/s and groups/s are the rates of the two counters.

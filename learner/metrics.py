@@ -1,4 +1,4 @@
-"""The learner's metrics: Prometheus series (deploy/METRICS.md, rank 0) and a JSONL log per step.
+"""The learner's metrics: Prometheus series (docs/metrics.md, rank 0) and a JSONL log per step.
 
 `LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` and
 sets the matching gauges; counters and the staleness histogram are fed where the events

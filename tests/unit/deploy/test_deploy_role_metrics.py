@@ -1,4 +1,4 @@
-"""Each role's metrics module registers exactly the series of deploy/METRICS.md, with its buckets.
+"""Each role's metrics module registers exactly the series of docs/metrics.md, with its buckets.
 
 A role whose `<package>/metrics.py` is not written yet is skipped. The Prometheus integration test
 (tests/integration/test_prometheus_scrape.py) checks the same names on running processes.
@@ -67,14 +67,14 @@ def test_role_registers_the_catalogued_series(section):
     catalog = load_catalog()
     exported = families(role_registries(ROLES[section]))
     for name, (mtype, labels, bounds) in exported.items():
-        assert name in catalog, f"{name} is exported but not in deploy/METRICS.md"
+        assert name in catalog, f"{name} is exported but not in docs/metrics.md"
         spec = catalog[name]
-        assert spec.type == mtype, f"{name}: {mtype}, METRICS.md says {spec.type}"
+        assert spec.type == mtype, f"{name}: {mtype}, docs/metrics.md says {spec.type}"
         if labels:
             assert labels == set(spec.labels), (
-                f"{name}: labels {sorted(labels)}, METRICS.md says {spec.labels}"
+                f"{name}: labels {sorted(labels)}, docs/metrics.md says {spec.labels}"
             )
         if bounds:
-            assert bounds == set(spec.buckets), f"{name}: buckets differ from METRICS.md"
+            assert bounds == set(spec.buckets), f"{name}: buckets differ from docs/metrics.md"
     required = {n for n, s in catalog.items() if s.section == section and not s.optional}
     assert required - set(exported) == set(), f"{ROLES[section]} does not register these"
