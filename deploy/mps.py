@@ -135,8 +135,8 @@ def time_slice_notice(enabled: bool, gpus: GpuPlan, max_staleness: int) -> str:
         return ""
     return (
         f"K = {max_staleness} on one shared GPU without --mps: the learner and vLLM take turns on it (time "
-        "slices) and overlap only where one leaves it idle; --mps lets their kernels run together (README, "
-        '"Running on GPUs", has what it gave)'
+        "slices) and overlap only where one leaves it idle; --mps lets their kernels run together "
+        "(docs/gpu-layouts.md has what it gave)"
     )
 
 

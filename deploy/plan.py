@@ -116,7 +116,7 @@ def demo_learner() -> LearnerConfig:
     which pulls that answer back towards the uniform prior, so the right one gets sampled again.
     With dynamic sampling on (such groups skipped) or without the KL term, one colour collapsed
     into another and held-out accuracy stalled near 0.64; an entropy bonus instead made the
-    responses drift past the end-of-turn token (see README, "What the demo runs").
+    responses drift past the end-of-turn token (see docs/demo.md, "Why these settings").
     """
     return LearnerConfig(
         max_steps=100_000,

@@ -27,10 +27,10 @@ POLICY_CORRECTIONS: dict[str, tuple[str, ...]] = {
     "cispo": ("none", "tis", "icepop", "geo_mask"),
     "sapo": get_args(Correction),
 }
-"""The off-policy corrections each policy loss can be combined with (README, "Policy losses"): GSPO's ratio
-is one per sequence, so only sequence-level rejection fits it (a per-token weight brings back the token-level
-variance GSPO removes); CISPO's weight is a truncated importance weight, so decoupled's unbounded k on top of
-it would undo the truncation (tis and icepop keep it bounded)."""
+"""The off-policy corrections each policy loss can be combined with (docs/algorithms.md, "Policy losses"):
+GSPO's ratio is one per sequence, so only sequence-level rejection fits it (a per-token weight brings back the
+token-level variance GSPO removes); CISPO's weight is a truncated importance weight, so decoupled's unbounded
+k on top of it would undo the truncation (tis and icepop keep it bounded)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ an independent audit of the broker's streams, and the accounting of what was tra
   learner were trained again after its restart, and only that second time reached the weights.
 
 Setting PARALLAX_FAULT_REPORT=path makes each test add its measurements to that JSON file;
-`python -m bench.faults` runs the suite that way and prints the README table.
+`python -m bench.faults` runs the suite that way and prints the table of docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
