@@ -11,7 +11,7 @@
         --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
 
 GPU indices count among CUDA_VISIBLE_DEVICES, as usual; which process gets which GPU and how the
-weights travel is decided by deploy.layout.plan_gpus (a shared GPU splits its memory between vLLM's
+weights travel is decided by deploy.gpus.layout.plan_gpus (a shared GPU splits its memory between vLLM's
 `--generator.engine.gpu-memory-utilization` and the learner, which starts once vLLM is up).
 Before anything starts, deploy/preflight.py checks the checkpoint (Qwen2.5-VL, parameter count),
 the GPU indices, the memory estimate and that vLLM is importable; a failed start is explained.
@@ -50,8 +50,9 @@ import uuid
 from pathlib import Path
 
 from broker.redis_server import redis_server_argv
-from deploy.layout import GpuPlan, LayoutError, gpu_env
-from deploy.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
+from deploy.gpus.indices import LayoutError
+from deploy.gpus.layout import GpuPlan, gpu_env
+from deploy.gpus.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
 from deploy.plan import LaunchConfig, gpu_plan, role_configs, write_role_configs
 from deploy.preflight import (
     ModelInfo,
@@ -172,10 +173,12 @@ class Launcher:
 
     def _check_cap(self, model_dir: Path, gpus: GpuPlan, share: GeneratorShare) -> None:
         """Under a generator cap, before vLLM starts: the model's GEMMs on the generator's GPU under its MPS
-        environment (deploy/cap_check.py); a cap that leaves GEMM outputs unwritten ends the run here."""
+        environment (deploy/gpus/cap_check.py); a cap that leaves GEMM outputs unwritten ends the run here."""
         env = {"CUDA_VISIBLE_DEVICES": gpus.generator_gpus, **share.env()}
         args = ["--model", str(model_dir)]
-        self._wait(self._start(self.roles, "cap-check", "deploy.cap_check", args, critical=False, env=env))
+        self._wait(
+            self._start(self.roles, "cap-check", "deploy.gpus.cap_check", args, critical=False, env=env)
+        )
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
         """The GPU layout (deploy.plan.gpu_plan) on this machine's GPUs, with `model`'s memory (None: the

@@ -1,5 +1,5 @@
-"""deploy/cap_check.py: the model's GEMM shapes, an output a GEMM left unwritten is named, and the launcher
-runs the check under the generator's cap and GPU before vLLM, ending the run when it fails."""
+"""deploy/gpus/cap_check.py: the model's GEMM shapes, an output a GEMM left unwritten is named, and the
+launcher runs the check under the generator's cap and GPU before vLLM, ending the run when it fails."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from deploy import cap_check
-from deploy.layout import GpuPlan
-from deploy.mps import GeneratorShare
+from deploy.gpus import cap_check
+from deploy.gpus.layout import GpuPlan
+from deploy.gpus.mps import GeneratorShare
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied
 from deploy.progress import Progress

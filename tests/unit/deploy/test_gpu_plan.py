@@ -1,4 +1,5 @@
-"""GPU layout planning (deploy.layout.plan_gpus) and the launcher's preflight checks (deploy/preflight.py).
+"""GPU layout planning (deploy.gpus.layout.plan_gpus) and the launcher's preflight checks
+(deploy/preflight.py).
 
 CPU only: the GPUs are described, never used.
 """
@@ -11,18 +12,10 @@ import struct
 
 import pytest
 
+from deploy.gpus.estimate import DecoderShape, activation_bytes_per_token
+from deploy.gpus.indices import GpuInfo, LayoutError
+from deploy.gpus.layout import GpuPlan, gpu_env, plan_gpus, plan_recompute, plan_reference
 from deploy.launcher import task_shorthand
-from deploy.layout import (
-    DecoderShape,
-    GpuInfo,
-    GpuPlan,
-    LayoutError,
-    activation_bytes_per_token,
-    gpu_env,
-    plan_gpus,
-    plan_recompute,
-    plan_reference,
-)
 from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, host_adamw_threads, role_configs
 from deploy.preflight import (
     PreflightError,
