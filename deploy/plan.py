@@ -89,7 +89,7 @@ class TaskOptions:
 
 @dataclass
 class WarmStartOptions:
-    """The format warm start (deploy/warmstart.py): random answers, no image information."""
+    """The format warm start (learner/warmstart.py): random answers, no image information."""
 
     steps: int = 40
     """Supervised steps (0 skips the stage and trains the built model as is)."""
