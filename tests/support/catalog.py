@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-METRICS_MD = Path(__file__).resolve().parent / "METRICS.md"
+METRICS_MD = Path(__file__).resolve().parents[2] / "deploy" / "METRICS.md"
 TYPES = ("counter", "gauge", "histogram")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
