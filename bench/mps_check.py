@@ -2,7 +2,7 @@
 decode step runs, on the device in its dtype, against the same operation in fp32 on the CPU.
 
     python -m bench.mps_check --device cuda --out bench/results/mps_check.json
-    python -m deploy.mps --mps-generator-sms 40 --timeout-s 180 --run-dir /tmp/mps-check -- \\
+    python -m deploy.gpus.mps --mps-generator-sms 40 --timeout-s 180 --run-dir /tmp/mps-check -- \\
         python -m bench.mps_check --device cuda --out /tmp/mps_check_40.json
 
 Why: under CUDA MPS with the generator capped at 40 % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) vLLM
@@ -12,8 +12,9 @@ names the operations that break there: torch's (cuBLAS GEMMs at decode, prefill 
 log-softmax, SDPA) and, where vLLM imports, vLLM's own (RMSNorm, SiLU x up, the sampler's logprob kernel).
 Rows: operation, shape, whether every output is finite, the largest error over the reference's largest
 magnitude, and ok (finite and within the dtype's tolerance). Then the launcher's own start-time check
-(deploy/cap_check.py: each projection at 1, 64, 256 and 4096 rows into a NaN-filled output), whose failures
-the JSON's `cap_check` lists: at 45 % on an H100 the sweep below passed and that check did not (session 37).
+(deploy/gpus/cap_check.py: each projection at 1, 64, 256 and 4096 rows into a NaN-filled output), whose
+failures the JSON's `cap_check` lists: at 45 % on an H100 the sweep below passed and that check did not
+(session 37).
 The JSON also records the cap in the environment and the multiprocessor count torch reports under it.
 Session 30 (an H100 at 40 %): three of the four bf16 GEMMs wrong, everything else right; the GEMM sweep that
 follows the rows (bench/mps_gemms.py) looks for why and for a BLAS setting that stays right.
@@ -167,7 +168,7 @@ def run_one(name, dtype, inputs, fn, ref_fn, device) -> dict:
 
 
 def model_config(s: dict) -> dict:
-    """`s` as the config.json sizes deploy/cap_check.py reads its GEMM shapes from."""
+    """`s` as the config.json sizes deploy/gpus/cap_check.py reads its GEMM shapes from."""
     return {
         "hidden_size": s["hidden"],
         "intermediate_size": s["ffn"],
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     device = check_device(cfg.device)
     import torch
 
-    from deploy.cap_check import check as cap_check
+    from deploy.gpus.cap_check import check as cap_check
 
     shapes = SHAPES[cfg.shapes]
     rows = [run_one(n, d, x, fn, fn, device) for n, (d, x, fn) in torch_operations(shapes).items()]
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"on {device} vs fp32 on the CPU (MPS cap: {cap or 'none'}, SMs seen: {sms})"
     print(table(f"operations {where}", ["operation", "dtype", "finite", "rel_error", "ok", "error"], rows))
     print(
-        f"the launcher's GEMM check (deploy/cap_check.py) {where}: " + ("\n  ".join(["", *unwritten]) or "ok")
+        f"the launcher's GEMM check (deploy/gpus/cap_check.py) {where}: "
+        + ("\n  ".join(["", *unwritten]) or "ok")
     )
     if sweep:
         columns = ["operation", "setting", "dtype", "unwritten", "rel_error", "ok", "repeat_ok", "error"]

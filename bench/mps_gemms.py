@@ -3,7 +3,7 @@ why cuBLAS GEMMs go wrong under a cap on the GPU's multiprocessors and which set
 right.
 
     python -m bench.mps_check --device cuda --out /tmp/mps_check.json      # runs this sweep after its rows
-    python -m deploy.mps --mps-generator-sms 40 --timeout-s 240 --run-dir /tmp/mps-check -- \\
+    python -m deploy.gpus.mps --mps-generator-sms 40 --timeout-s 240 --run-dir /tmp/mps-check -- \\
         python -m bench.mps_check --device cuda --out /tmp/mps_check_40.json
 
 Why: under CUDA MPS at 40 % of an H100's SMs, three of four bf16 GEMMs returned finite but wrong values
@@ -123,7 +123,7 @@ def gemm_row(name: str, inputs: list, ref, setting: str, dtype: str, scope: Call
     import torch
 
     from bench.mps_check import compare
-    from deploy.cap_check import gemm_into_nan, unwritten
+    from deploy.gpus.cap_check import gemm_into_nan, unwritten
 
     d = getattr(torch, dtype)
     xd, wd, bd = (t.to(device, d) if t is not None else None for t in inputs)

@@ -22,16 +22,9 @@ from typing import Literal
 import tomli_w
 
 from broker.config import BrokerConfig
-from deploy.layout import (
-    SHARED_TRANSPORT,
-    SPLIT_TRANSPORT,
-    DecoderShape,
-    GpuInfo,
-    GpuPlan,
-    LayoutError,
-    plan_recompute,
-    plan_reference,
-)
+from deploy.gpus.estimate import DecoderShape
+from deploy.gpus.indices import GpuInfo, LayoutError
+from deploy.gpus.layout import SHARED_TRANSPORT, SPLIT_TRANSPORT, GpuPlan, plan_recompute, plan_reference
 from generator.config import EngineConfig, GeneratorConfig, SamplingConfig
 from learner.config import (
     AlgoConfig,
@@ -96,7 +89,7 @@ class TaskOptions:
 
 @dataclass
 class WarmStartOptions:
-    """The format warm start (deploy/warmstart.py): random answers, no image information."""
+    """The format warm start (learner/warmstart.py): random answers, no image information."""
 
     steps: int = 40
     """Supervised steps (0 skips the stage and trains the built model as is)."""
@@ -179,7 +172,7 @@ class LaunchConfig:
     """On a GPU: the generator's vLLM engine must be up (its metrics port open) within this many seconds."""
     mps: bool = False
     """On one shared GPU: run the learner and the generator under CUDA MPS, so that their kernels share the
-    GPU instead of taking turns in time slices (deploy/mps.py; needs nvidia-cuda-mps-control)."""
+    GPU instead of taking turns in time slices (deploy/gpus/mps.py; needs nvidia-cuda-mps-control)."""
     mps_generator_sms: int = 100
     """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
@@ -191,7 +184,7 @@ class LaunchConfig:
     every GEMM checked is right, and the 7B K = 1 capped at 50 ran 1.24-1.44x over K = 0 on five H100s
     (sessions 32-37), against 1.09-1.15x uncapped. Opt-in all the same: the lowest safe cap depends on the
     GPU and the model (45 left the 7B's GEMMs partly unwritten on an H100, session 37), so the launcher checks
-    the model's GEMMs under the cap before vLLM starts (deploy/cap_check.py) and stops where outputs go
+    the model's GEMMs under the cap before vLLM starts (deploy/gpus/cap_check.py) and stops where outputs go
     unwritten."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
@@ -231,8 +224,8 @@ class LaunchConfig:
 def gpu_plan(
     cfg: LaunchConfig, visible: list[GpuInfo], n_params: int = 0, shape: DecoderShape | None = None
 ) -> GpuPlan:
-    """The launch's GPU layout on the `visible` GPUs (deploy.layout.plan_recompute, plan_gpus) for a model of
-    `n_params` parameters and decoder `shape` (0 / None: the indices and overlaps only)."""
+    """The launch's GPU layout on the `visible` GPUs (deploy.gpus.layout.plan_recompute, plan_gpus) for a
+    model of `n_params` parameters and decoder `shape` (0 / None: the indices and overlaps only)."""
     parallel, batching = cfg.learner.parallel, cfg.learner.batching
     kl = cfg.learner.loss.kl_coef > 0
 
@@ -287,7 +280,7 @@ def role_configs(
         ),
     )
     learner = with_weight_transport(learner, gpus.weight_transport)
-    # the layout's training packs: capped to fit, or larger under the recomputation it chose (deploy/layout)
+    # the layout's training packs: capped to fit, or larger under the recomputation it chose (deploy/gpus/)
     if gpus.pack_tokens and gpus.pack_tokens != learner.batching.max_tokens_per_microbatch:
         batching = dataclasses.replace(learner.batching, max_tokens_per_microbatch=gpus.pack_tokens)
         learner = dataclasses.replace(learner, batching=batching)

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.layout import DecoderShape, GpuInfo
+from deploy.gpus.estimate import DecoderShape
+from deploy.gpus.indices import GpuInfo
 from policy.presets import FAMILIES
 
 BUILD_HINT = "python -m policy build --preset small --out DIR"

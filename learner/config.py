@@ -184,7 +184,7 @@ class ParallelConfig:
     outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/),
     "selective:<k>" (selective on the first k decoder blocks; see policy/recompute.py) or "auto": the
     launcher's GPU layout picks selective where the training packs fit, else full recomputation at the
-    no-grad packs' size if that runs larger packs (deploy/layout.py `plan_recompute`); a learner started on
+    no-grad packs' size if that runs larger packs (deploy/gpus/layout.py); a learner started on
     its own runs selective."""
     vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
@@ -204,7 +204,7 @@ class ParallelConfig:
     """Where the KL term's frozen bf16 reference model lives (learner/reference.py): "device" (the GPU,
     sharded over the ranks), "host" (page-locked host memory, streamed to the GPU block by block in its
     forward: what lets a 7B learner share an 80 GB card with its vLLM) or "auto": the launcher's GPU layout
-    picks host only where the learner does not fit otherwise (deploy/layout.py); a learner started on its own
+    picks host only where the learner does not fit otherwise (deploy/gpus/); a learner started on its own
     keeps it on the device. CPU runs ignore it."""
 
     def validate(self) -> None:

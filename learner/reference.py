@@ -8,7 +8,7 @@
           to the GPU for its forward and frees them after it, the next decoder block's copy issued while
           the current one computes (`set_modules_to_forward_prefetch`). The GPU holds one or two blocks and
           the root's embeddings and lm_head instead of the whole model: what lets a 7B learner share an 80 GB
-          card with its vLLM (deploy/layout.py chooses it for "auto"). Each no-grad pack copies the model
+          card with its vLLM (deploy/gpus/layout.py chooses it for "auto"). Each no-grad pack copies the model
           to the GPU once (16.6 GB at 7B, about 0.4 s over PCIe 5 page-locked), hidden behind the pack's
           compute where the packs are large (`batching.no_grad_tokens_per_microbatch`). With
           `parallel.compile = "elementwise"` its norms, SiLU products and logprob chunks run the same fused

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import deploy.launcher as launcher_module
-from deploy.layout import GpuInfo
+from deploy.gpus.indices import GpuInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = [

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import dashboard
-from deploy.catalog import MetricSpec, load_catalog
+from tests.support.catalog import MetricSpec, load_catalog
+from tests.support.dashboard import load_dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,7 +214,7 @@ def test_every_catalogued_series_is_scraped_and_every_dashboard_query_evaluates(
         assert wanted - have == set()
         assert prom.target_health("catalogue") == {instance: "up"}
         time.sleep(2.5)  # a few more scrapes, so rate() has two points in its window
-        for panel in dashboard.build()["panels"]:
+        for panel in load_dashboard().build()["panels"]:
             for target in panel.get("targets", []):
                 expr = target["expr"].replace("$__rate_interval", "5s")
                 result = prom.api("query", query=expr)["result"]  # raises unless Prometheus evaluates it

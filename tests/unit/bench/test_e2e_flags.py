@@ -14,7 +14,8 @@ import pytest
 
 from bench.e2e import BenchConfig, gpu_args, launcher_args, main
 from bench.e2e_rows import format_table, measure, reference
-from deploy.layout import DecoderShape, GpuInfo, learner_memory_gib
+from deploy.gpus.estimate import DecoderShape, learner_memory_gib
+from deploy.gpus.indices import GpuInfo
 from deploy.plan import LaunchConfig, gpu_plan
 from runtime.config import load_config
 

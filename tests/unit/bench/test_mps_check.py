@@ -45,7 +45,7 @@ def test_the_gemm_sweep_covers_every_shape_under_every_cpu_setting(tmp_path):
 
 def test_a_gemm_that_never_writes_its_output_is_unwritten_and_not_ok(monkeypatch):
     inputs, ref = operands(((3, 8), (4, 8), False))
-    monkeypatch.setattr(torch, "mm", lambda a, b, out: out)  # deploy.cap_check.gemm_into_nan
+    monkeypatch.setattr(torch, "mm", lambda a, b, out: out)  # deploy.gpus.cap_check.gemm_into_nan
     row = gemm_row("skipped", inputs, ref, "default", "bfloat16", settings("cpu")["default"][1], "cpu")
     assert row["unwritten"] == 1.0 and row["finite"] is False and row["ok"] is False
 
@@ -85,18 +85,18 @@ def test_the_green_context_rows_run_after_every_other_setting(monkeypatch):
 def test_the_launchers_check_runs_on_the_same_shapes_and_gates_the_default(tmp_path, monkeypatch, capsys):
     """Session 37: at 45 % the sweep passed and the launcher's check (more row counts) did not; the check's
     verdict is in the result, fails the run, and keeps `default` from holding, as the launcher would."""
-    import deploy.cap_check
+    import deploy.gpus.cap_check
 
     seen = []
 
     def refuse(config, device):
-        seen.append(deploy.cap_check.projections(config))
+        seen.append(deploy.gpus.cap_check.projections(config))
         return ["down 256x128x64: 28.6 % of its output unwritten"]
 
-    monkeypatch.setattr(deploy.cap_check, "check", refuse)
+    monkeypatch.setattr(deploy.gpus.cap_check, "check", refuse)
     out = tmp_path / "check.json"
     assert main(["--device", "cpu", "--shapes", "tiny", "--out", str(out)]) == 1
-    assert seen == [deploy.cap_check.projections(model_config(SHAPES["tiny"]))]
+    assert seen == [deploy.gpus.cap_check.projections(model_config(SHAPES["tiny"]))]
     assert seen[0]["down"] == (128, 64, False) and seen[0]["qkv+bias"] == (64, 128, True)
     result = json.loads(out.read_text())
     assert result["cap_check"] == ["down 256x128x64: 28.6 % of its output unwritten"]

@@ -1,5 +1,5 @@
-"""deploy/cap_check.py: the model's GEMM shapes, an output a GEMM left unwritten is named, and the launcher
-runs the check under the generator's cap and GPU before vLLM, ending the run when it fails."""
+"""deploy/gpus/cap_check.py: the model's GEMM shapes, an output a GEMM left unwritten is named, and the
+launcher runs the check under the generator's cap and GPU before vLLM, ending the run when it fails."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from deploy import cap_check
-from deploy.layout import GpuPlan
-from deploy.mps import GeneratorShare
+from deploy.gpus import cap_check
+from deploy.gpus.layout import GpuPlan
+from deploy.gpus.mps import GeneratorShare
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied
 from deploy.progress import Progress
@@ -69,15 +69,16 @@ def test_the_launcher_runs_it_on_the_generators_gpu_under_its_cap(tmp_path):
     """On this CPU machine the child finds no GPU and fails: the run ends there, before any generator,
     with the child's own line, which names the GPU and the cap it was given."""
     from deploy.launcher import Launcher
+    from deploy.stages import check_cap
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
     launcher = Launcher(LaunchConfig(run_dir=str(tmp_path / "run")))
     shared = GpuPlan("shared", "3", "3", ((3,),), "cuda-ipc")
-    with Progress("off") as launcher.progress:
+    with Progress("off") as launcher.sv.progress:
         with pytest.raises(ChildDied, match="cap-check exited with code 2") as failure:
-            launcher._check_cap(tmp_path / "model", shared, GeneratorShare(40))
-    launcher.roles.stop()
+            check_cap(launcher.sv, tmp_path / "model", shared, GeneratorShare(40))
+    launcher.sv.roles.stop()
     assert "CUDA_VISIBLE_DEVICES=3, MPS cap 40 %" in str(failure.value)
 
 

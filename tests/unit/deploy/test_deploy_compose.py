@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.compose import interpolate
 from runtime.config import parse_gpus
+from tests.support.compose import interpolate
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"

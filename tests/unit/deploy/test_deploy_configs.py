@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.compose import load_compose
 from runtime.config import load_config
+from tests.support.compose import load_compose
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"

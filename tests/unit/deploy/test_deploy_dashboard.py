@@ -1,20 +1,21 @@
-"""The Grafana provisioning: datasource, dashboard provider and the dashboard JSON."""
+"""The Grafana provisioning: datasource, dashboard provider and the dashboard JSON that
+deploy/grafana/dashboard.py writes."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
-from pathlib import Path
+import sys
 
 import pytest
 import yaml
 
-from deploy import dashboard
-from deploy.catalog import load_catalog, unknown_series
+from tests.support.catalog import load_catalog, promql_metric_names, unknown_series
+from tests.support.dashboard import DASHBOARD_SCRIPT, load_dashboard
 
-DEPLOY = Path(dashboard.__file__).resolve().parent
-GRAFANA = DEPLOY / "grafana"
+GRAFANA = DASHBOARD_SCRIPT.parent
+DEPLOY = GRAFANA.parent
 
 # What the dashboard must show (issue 7): each topic needs a panel querying one of these series.
 TOPICS = {
@@ -46,16 +47,29 @@ def exprs(board: dict) -> list[str]:
 
 
 def test_committed_json_is_what_the_builder_writes(board):
-    assert board == dashboard.build(), "run: python -m deploy.dashboard"
+    dashboard = load_dashboard()
+    assert board == dashboard.build(), "run: python deploy/grafana/dashboard.py"
     assert dashboard.main(["--check"]) == 0
 
 
 def test_check_flags_a_stale_file(tmp_path):
+    dashboard = load_dashboard()
     stale = tmp_path / "parallax.json"
     stale.write_text("{}\n")
     assert dashboard.main(["--check", "--out", str(stale)]) == 1
     assert dashboard.main(["--out", str(stale)]) == 0
     assert dashboard.main(["--check", "--out", str(stale)]) == 0
+
+
+def test_the_script_runs_as_a_maintainer_runs_it(tmp_path):
+    """`python deploy/grafana/dashboard.py` from any directory: writes the JSON, then --check passes."""
+    out = tmp_path / "parallax.json"
+    script = [sys.executable, str(DASHBOARD_SCRIPT), "--out", str(out)]
+    written = subprocess.run(script, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert written.returncode == 0, written.stderr
+    assert json.loads(out.read_text()) == json.loads((GRAFANA / "dashboards" / "parallax.json").read_text())
+    checked = subprocess.run([*script, "--check"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_datasource_is_provisioned_with_the_uid_every_panel_uses(board):
@@ -121,6 +135,4 @@ def test_every_query_is_valid_promql(board, tmp_path):
 
 
 def _names(expr: str) -> set[str]:
-    from deploy.catalog import promql_metric_names
-
     return promql_metric_names(expr)

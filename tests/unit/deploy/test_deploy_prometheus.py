@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.catalog import load_catalog, unknown_series
+from tests.support.catalog import load_catalog, unknown_series
 
 PROM = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
 

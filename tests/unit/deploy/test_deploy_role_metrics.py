@@ -12,8 +12,8 @@ import inspect
 import pytest
 from prometheus_client import CollectorRegistry
 
-from deploy.catalog import load_catalog
 from runtime.metrics import new_registry
+from tests.support.catalog import load_catalog
 
 ROLES = {"Reward": "reward_service", "Generator": "generator", "Learner": "learner"}
 # Constructor arguments the metrics classes may need, by parameter name.

@@ -1,4 +1,5 @@
-"""GPU layout planning (deploy.layout.plan_gpus) and the launcher's preflight checks (deploy/preflight.py).
+"""GPU layout planning (deploy.gpus.layout.plan_gpus) and the launcher's preflight checks
+(deploy/preflight.py).
 
 CPU only: the GPUs are described, never used.
 """
@@ -11,18 +12,11 @@ import struct
 
 import pytest
 
+from deploy.gpus.estimate import DecoderShape, activation_bytes_per_token, learner_need_gib, learner_room_gib
+from deploy.gpus.indices import GpuInfo, LayoutError, assign_gpus
+from deploy.gpus.layout import GpuPlan, gpu_env, plan_gpus, plan_recompute, plan_reference
+from deploy.gpus.packs import fit_pack, largest_pack
 from deploy.launcher import task_shorthand
-from deploy.layout import (
-    DecoderShape,
-    GpuInfo,
-    GpuPlan,
-    LayoutError,
-    activation_bytes_per_token,
-    gpu_env,
-    plan_gpus,
-    plan_recompute,
-    plan_reference,
-)
 from deploy.plan import CPU_KV_CACHE_GB, LaunchConfig, host_adamw_threads, role_configs
 from deploy.preflight import (
     PreflightError,
@@ -168,6 +162,29 @@ def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
         ).pack_tokens
         == 16384
     )
+
+
+def test_the_layout_steps_alone_index_checks_memory_estimate_and_pack_fitting():
+    sides = assign_gpus("1", "0", restrict_visible(h200s(4), "2,3"))
+    assert (
+        sides.kind == "split" and [g.physical for g in sides.learner] == [3] and sides.memory_gib() == 139.8
+    )
+    assert assign_gpus("", "", []).kind == "cpu"
+    # a shared GPU also holds the CUDA-IPC buffer (2 bytes a parameter) and leaves vLLM its share + overhead
+    split = learner_need_gib(
+        N_7B, 1, False, kl=False, master_weights="host", reference="device", params_in_buffer=False
+    )
+    shared = learner_need_gib(
+        N_7B, 1, True, kl=False, master_weights="host", reference="device", params_in_buffer=False
+    )
+    assert shared - split == pytest.approx(2 * N_7B / 2**30)
+    assert learner_room_gib(80.0, 24.0, shared=True) == pytest.approx(80.0 - 24.0 - 4.7)
+    assert learner_room_gib(80.0, 24.0, shared=False) == 80.0
+    # packs: the largest power of two beside the no-grad margin; the config's size when it fits
+    assert largest_pack(4.0 + 3 * 2**10 / 2**30 * 1e6, 1e6) == 2048
+    assert fit_pack(16384, 1e6, 100.0, "fix") == 16384 and fit_pack(16384, 0.0, 1.0, "fix") == 16384
+    with pytest.raises(LayoutError, match="1024-token training pack .*: fix it"):
+        fit_pack(16384, 1e6, 4.5, "fix it")
 
 
 def _auto(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.layout import plan_gpus
+from deploy.gpus.layout import plan_gpus
 from deploy.plan import LaunchConfig, role_configs
 from generator.config import GeneratorConfig
 from learner.config import LearnerConfig

@@ -1,4 +1,4 @@
-"""deploy/mps.py: the launcher's CUDA MPS daemon for a shared GPU, with a stand-in control program.
+"""deploy/gpus/mps.py: the launcher's CUDA MPS daemon for a shared GPU, with a stand-in control program.
 
 CPU only: the stand-in `nvidia-cuda-mps-control` opens the control socket path the real one would,
 records its environment and the commands it is sent, and stays up until it is stopped.
@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from deploy.layout import GpuPlan, LayoutError
-from deploy.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
+from deploy.gpus.indices import LayoutError
+from deploy.gpus.layout import GpuPlan
+from deploy.gpus.mps import GeneratorShare, MpsDaemon, check_layout, time_slice_notice
 from deploy.plan import LaunchConfig
 from deploy.processes import ChildDied, ProcessGroup
 from runtime.config import load_config
@@ -160,9 +161,9 @@ def test_the_generator_settings_come_from_the_config_and_label_its_runs():
 
 
 def test_one_command_runs_alone_under_the_daemon_with_the_generator_settings(fake_control, tmp_path):
-    """`python -m deploy.mps`: the launcher's daemon and the generator's env around one command, which
+    """`python -m deploy.gpus.mps`: the launcher's daemon and the generator's env around one command, which
     quits the daemon whether the command exits, fails or runs past its timeout."""
-    from deploy.mps import main
+    from deploy.gpus.mps import main
 
     probe = (
         'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_CLIENT_PRIORITY"'

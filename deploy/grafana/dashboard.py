@@ -1,9 +1,12 @@
 """The Grafana dashboard of Parallax, defined in Python and written as provisioning JSON.
 
-`python -m deploy.dashboard` (re)writes deploy/grafana/dashboards/parallax.json; `--check` exits
-non-zero when the committed JSON differs from what `build()` returns. The queries use only the
-series listed in docs/metrics.md (tests/unit/deploy/ checks this) and the datasource provisioned
-in deploy/grafana/provisioning/datasources/prometheus.yml (uid `parallax-prometheus`).
+    python deploy/grafana/dashboard.py            # (re)writes deploy/grafana/dashboards/parallax.json
+    python deploy/grafana/dashboard.py --check    # exits 1 when the committed JSON is out of date
+
+A maintainer's script (standard library only), run after editing the panels here, never the JSON. The
+queries use only the series listed in docs/metrics.md and the datasource provisioned in
+deploy/grafana/provisioning/datasources/prometheus.yml (uid `parallax-prometheus`);
+tests/unit/deploy/test_deploy_dashboard.py checks both, and that the committed JSON is current.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 DATASOURCE_UID = "parallax-prometheus"
 DASHBOARD_UID = "parallax-overview"
-DASHBOARD_PATH = Path(__file__).resolve().parent / "grafana" / "dashboards" / "parallax.json"
+DASHBOARD_PATH = Path(__file__).resolve().parent / "dashboards" / "parallax.json"
 
 DS = {"type": "prometheus", "uid": DATASOURCE_UID}
 RI = "$__rate_interval"
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:
-            print(f"{args.out} is out of date: run python -m deploy.dashboard", file=sys.stderr)
+            print(f"{args.out} is out of date: run python deploy/grafana/dashboard.py", file=sys.stderr)
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

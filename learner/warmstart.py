@@ -1,4 +1,5 @@
-"""The demo's warm-start stage: teach a random model the answer FORMAT, and nothing about images.
+"""The format warm start (the launcher's warm-start stage, run before RL): teach a random model the answer
+FORMAT, and nothing about images.
 
 A freshly built model emits random tokens, so no sampled response ever earns a reward and GRPO
 has no signal. This stage runs a few supervised steps on responses of the form
@@ -12,7 +13,7 @@ W is independent of the image, the data carries no information about what the im
 model learns the format and a uniform prior over answers, held-out accuracy stays at chance,
 and everything it later learns about the images comes from RL.
 
-    python -m deploy.warmstart --model BASE_DIR --task-dir DATA --out OUT_DIR [--steps 40] [--device cuda]
+    python -m learner.warmstart --model BASE_DIR --task-dir DATA --out OUT_DIR [--steps 40] [--device cuda]
 
 On a GPU (`--device cuda`, what the launcher passes on a GPU layout) the model keeps fp32 weights
 and runs its forward under bf16 autocast; `--thought` sets the text of the think block (a longer
@@ -34,7 +35,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-log = logging.getLogger("deploy.warmstart")
+log = logging.getLogger("learner.warmstart")
 
 THOUGHT = "look"
 """The fixed content of the <think> block the warm start teaches."""

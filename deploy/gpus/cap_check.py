@@ -1,8 +1,8 @@
 """Whether the GPU writes every output of the model's bf16 GEMMs under the generator's MPS cap: the launcher
 runs this under the generator's environment, before vLLM starts, whenever --mps-generator-sms caps it.
 
-    python -m deploy.cap_check --model DIR            # exit 0: every output written; 1: names the GEMMs
-    python -m deploy.mps --mps-generator-sms 40 -- python -m deploy.cap_check --model DIR   # by hand
+    python -m deploy.gpus.cap_check --model DIR       # exit 0: every output written; 1: names the GEMMs
+    python -m deploy.gpus.mps --mps-generator-sms 40 -- python -m deploy.gpus.cap_check --model DIR  # by hand
 
 Why: under CUDA MPS at 40 % of an H100's SMs, cuBLAS's bf16 GEMMs left 1-67 % of their outputs unwritten
 (bench/results/GPU.md, session 31) and vLLM's behaviour logprobs went NaN minutes into the run; at 50 % every
@@ -84,7 +84,9 @@ def check(config: dict, device: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.cap_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.gpus.cap_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--model", type=Path, required=True, help="the checkpoint directory (its config.json)"
     )
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         projections(config)
     except (OSError, ValueError) as e:
         print(
-            f"deploy.cap_check: cannot read the model's GEMM shapes from {args.model}: {e}", file=sys.stderr
+            f"deploy.gpus.cap_check: cannot read the model's GEMM shapes from {args.model}: {e}",
+            file=sys.stderr,
         )
         return 2
     cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "none")
@@ -104,21 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         print(
-            f"deploy.cap_check: --device cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES={visible}, "
-            f"MPS cap {cap} %)",
+            "deploy.gpus.cap_check: --device cuda, but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={visible}, MPS cap {cap} %)",
             file=sys.stderr,
         )
         return 2
     failed = check(config, args.device)
     if failed:
         print(
-            f"deploy.cap_check: under this MPS cap ({cap} % of the SMs) the GPU left GEMM outputs unwritten, "
-            "so vLLM would compute wrong logprobs:\n  " + "\n  ".join(failed) + "\n"
+            f"deploy.gpus.cap_check: under this MPS cap ({cap} % of the SMs) the GPU left GEMM outputs "
+            "unwritten, so vLLM would compute wrong logprobs:\n  " + "\n  ".join(failed) + "\n"
             "Raise --mps-generator-sms (50 held on an H100, bench/results/GPU.md session 31) or drop it.",
             file=sys.stderr,
         )
         return 1
-    print(f"deploy.cap_check: every GEMM output written under the MPS cap ({cap} %), {args.device}")
+    print(f"deploy.gpus.cap_check: every GEMM output written under the MPS cap ({cap} %), {args.device}")
     return 0
 
 

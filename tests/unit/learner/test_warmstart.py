@@ -1,9 +1,9 @@
-"""The format warm start's data carries no information about the images (deploy/warmstart.py)."""
+"""The format warm start's data carries no information about the images (learner/warmstart.py)."""
 
 from collections import Counter
 
 from broker.schemas import PromptRecord
-from deploy.warmstart import answer_vocabulary, random_targets, response_text
+from learner.warmstart import answer_vocabulary, random_targets, response_text
 from tasks.synthetic import verify
 
 

@@ -1,7 +1,7 @@
 """CUDA MPS on a shared GPU: the learner's and the generator's kernels run side by side.
 
     python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...
-    python -m deploy.mps --mps-generator-sms 40 --timeout-s 360 -- COMMAND...  # alone, as the generator
+    python -m deploy.gpus.mps --mps-generator-sms 40 --timeout-s 360 -- COMMAND...  # alone, as the generator
 
 Without MPS, CUDA gives the GPU to one process at a time (time slices): with K >= 1 the learner and the
 generator both have work, but only one of them runs at any moment, so the asynchronous pipeline overlaps
@@ -25,16 +25,16 @@ wrong under the cap: they leave tiles of their output unwritten, under every BLA
 `python -m bench.mps_check` under the cap tests the operations one by one and sweeps the GEMMs over BLAS
 settings), and the generator stops with that error. At 50 % every GEMM it checks is right and the 7B ran so
 capped beside the learner (session 31), so the cap is usable there, opt-in. Under a cap the launcher first
-runs deploy/cap_check.py on the generator's GPU with its settings: a cap that leaves the model's GEMM outputs
-unwritten ends the run at its start, naming them.
+runs deploy/gpus/cap_check.py on the generator's GPU with its settings: a cap that leaves the model's GEMM
+outputs unwritten ends the run at its start, naming them.
 `--mps-generator-priority below-normal` instead lowers the generator's MPS client priority
 (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels are scheduled first and decoding
 fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, session 25: the step is the
 learner's either way). CUDA-IPC weight sync and vLLM's start-up memory check work under MPS (an H100,
 bench/results/GPU.md, session 17).
 
-`python -m deploy.mps` runs one command under this daemon with the generator's cap and priority, and nothing
-beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).
+`python -m deploy.gpus.mps` runs one command under this daemon with the generator's cap and priority, and
+nothing beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.layout import GpuPlan, LayoutError
+from deploy.gpus.indices import LayoutError
+from deploy.gpus.layout import GpuPlan
 from deploy.processes import ChildDied, ProcessGroup
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -215,7 +216,8 @@ def run_alone(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deploy.mps", description="Run COMMAND alone under an MPS daemon, as the generator."
+        prog="python -m deploy.gpus.mps",
+        description="Run COMMAND alone under an MPS daemon, as the generator.",
     )
     parser.add_argument(
         "--mps-generator-sms", type=int, default=100, help="its SM cap in percent (100: none)"
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_alone(command, args.run_dir, GeneratorShare.of(args), args.timeout_s)
     except (LayoutError, ChildDied) as e:
-        print(f"deploy.mps: {e}", file=sys.stderr)
+        print(f"deploy.gpus.mps: {e}", file=sys.stderr)
         return 2
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-COMPOSE_FILE = Path(__file__).resolve().parent / "docker-compose.yml"
+COMPOSE_FILE = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
 _VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-METRICS_MD = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+METRICS_MD = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 TYPES = ("counter", "gauge", "histogram")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
