@@ -11,7 +11,7 @@ On either GPU layout the training packs are capped at the largest that fits besi
 larger packs.
 
 Memory is estimated, never measured here (the launcher never initialises CUDA): `learner_memory_gib` for the
-states, `activation_bytes_per_token` for a training pack, both calibrated on an H200 (bench/results/GPU.md).
+states, `activation_bytes_per_token` for a training pack, both calibrated on an H200 (docs/benchmarks.md).
 `GPU_ENV` is the environment every child of a GPU layout gets. Used by deploy/launcher.py; tested in
 tests/unit/deploy/test_gpu_plan.py.
 """
@@ -33,8 +33,8 @@ CONTEXT_GIB = 1.5
 
 ENGINE_OVERHEAD_GIB = 4.7
 """GPU memory a vLLM engine process holds beyond its `gpu_memory_utilization` share (CUDA context and graphs,
-allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (session 24,
-bench/results/GPU.md). A shared GPU keeps it free for the engine."""
+allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (2026-12-06,
+docs/benchmarks.md). A shared GPU keeps it free for the engine."""
 REFERENCE_RESIDENT_FRACTION = 0.2
 """Of a KL reference model in host memory (learner/reference.py), the share the GPU still holds while it
 scores: the root's embeddings and lm_head (0.14 of Qwen2.5-VL-7B, 0.16 of -3B) and the decoder blocks in
@@ -157,7 +157,7 @@ ACTIVATION_FACTOR = {"selective": 0.75, "none": 1.5}
 """A training pack's peak activation memory per token, in units of the decoder's bf16 matmul and attention
 outputs ((4 hidden + 3 intermediate) x 2 bytes a block, every block). "selective" is measured: the learner's
 peak less its states, per token of a 16k pack, was 2.2 MB at 3B and 2.5-2.7 MB at 7B on an H200 (estimate 2.2
-and 3.0; bench/results/GPU.md, session 16). "none" (nothing recomputed: the elementwise outputs are kept
+and 3.0; docs/benchmarks.md, 2026-12-05). "none" (nothing recomputed: the elementwise outputs are kept
 too) is an estimate, not measured."""
 NO_GRAD_MARGIN_GIB = 4.0
 """Room kept beside the training packs for the no-grad passes' bigger packs (one block's activations at a
@@ -192,8 +192,9 @@ def plan_recompute(
     """`plan_gpus(**layout)` with the training packs' activation memory under recompute `mode`. "auto"
     chooses it: selective recomputation at the config's `pack_tokens` where they fit; where the layout would
     cap them, full recomputation at up to `large_pack` tokens (the no-grad packs' size) if that runs larger
-    packs than selective's cap. Small packs leave the GPU waiting on the host (bench/results/GPU.md, session
-    19); full recomputation holds about a fifth of selective's activations, for a third more forward FLOPs."""
+    packs than selective's cap. Small packs leave the GPU waiting on the host (docs/benchmarks.md,
+    2026-12-05); full recomputation holds about a fifth of selective's activations, for a third more
+    forward FLOPs."""
 
     def at(recompute: str, tokens: int) -> GpuPlan:
         token_bytes = activation_bytes_per_token(shape, checkpointing, recompute)
