@@ -1,4 +1,4 @@
-"""Helpers every bench shares: the --device flag, timing, the table, the JSON result file.
+"""What every bench shares: the --device flag, timing, the table, the JSON result file.
 
 A bench is one script, `python -m bench.NAME [flags]` (tyro: a dataclass with a docstring per
 field becomes the flags), that measures the alternatives side by side in one run, prints one
