@@ -1,9 +1,10 @@
-"""Helpers every bench shares: the --device flag, timing, the table, the JSON result file.
+"""What every bench shares: the --device flag, timing, the table, the JSON result file.
 
 A bench is one script, `python -m bench.NAME [flags]` (tyro: a dataclass with a docstring per
 field becomes the flags), that measures the alternatives side by side in one run, prints one
-table with the ratios and writes `bench/results/NAME.json` (or `--out`). The JSON records the
-exact command, the machine and the time, so every committed result says how to reproduce it.
+table with the ratios and writes `bench/results/NAME.json` (or `--out`). The JSON starts with
+`date`, `commit`, `gpu` and the exact `command`, so every committed result says how to reproduce it;
+docs/benchmarks.md has the current figure of every question.
 
     elapsed = timed(step, device="cuda", repeats=5)          # seconds per call, CUDA events on GPU
     print(table("packed vs padded", ["mode", "s", "x"], rows))
@@ -17,8 +18,10 @@ import io
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +33,9 @@ Device = Literal["cpu", "cuda"]
 
 RESULTS = Path("bench/results")
 """Where results go by default: bench/results/<question>.json."""
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (where `git` finds the commit a result was measured at)."""
 
 MODELS = {"tiny": "tiny-fullvocab", "3b": "qwen2.5-vl-3b", "7b": "qwen2.5-vl-7b"}
 """The benches' short model names and the policy/presets.py preset each stands for."""
@@ -156,6 +162,13 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any] | dic
     return title + "\n" + buffer.getvalue().rstrip()
 
 
+def result_path(*parts: str) -> Path:
+    """The default result file of a question: bench/results/<parts joined by _>.json, each part cut to
+    lower-case letters, digits and "_" ("learner_step", "qwen3-vl-8b" -> learner_step_qwen3_vl_8b.json)."""
+    name = "_".join(re.sub(r"[^a-z0-9]+", "_", Path(p).name.lower()).strip("_") for p in parts if p)
+    return RESULTS / f"{name}.json"
+
+
 def machine() -> dict:
     """Where the numbers come from: host, CPUs, Python, torch and the GPU if any."""
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
@@ -170,16 +183,47 @@ def machine() -> dict:
     return info
 
 
+def gpu_name(info: dict | None = None) -> str:
+    """The GPU model the numbers come from, or "CPU: N-core <arch>" where none was used."""
+    info = machine() if info is None else info
+    return info.get("gpu") or f"CPU: {info.get('cpus') or os.cpu_count()}-core {platform.machine()}"
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (short hash, "-dirty" with uncommitted changes to tracked files), or None
+    outside a git checkout."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def provenance(command: str | list[str], info: dict | None = None, date: str | None = None) -> dict:
+    """The four keys a result file starts with: `date` (ISO 8601, UTC), `commit`, `gpu` and the exact
+    `command` (a list where several commands made one file, e.g. runs merged)."""
+    return {
+        "date": date or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "gpu": gpu_name(info),
+        "command": command,
+    }
+
+
 def write_result(result: dict, out: str | Path) -> Path:
-    """Write `result` as JSON to `out`, with the command that produced it, the machine and the time."""
+    """Write `result` as JSON to `out` after its provenance: date, commit, GPU, command, machine."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
-        "command": shlex.join(["python", "-m", _module_name(), *sys.argv[1:]]),
-        "machine": machine(),
-        "when": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        **result,
-    }
+    info = machine()
+    command = shlex.join(["python", "-m", _module_name(), *sys.argv[1:]])
+    record = {**provenance(command, info), "machine": info, **result}
     out.write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"wrote {out}")
     return out

@@ -31,14 +31,14 @@ applied between calls; drain = continuous batching, a new version waits for the 
 inflight = continuous batching, a new version is applied at once and the running sequences are
 recomputed under it (GeneratorConfig.weight_update).
 K = 0 (batch) is the synchronous reference; the table reports each run's speedup over it. Prints a table
-and writes bench/results/e2e.json (with the machine's load average: the 2 cores are shared). Exits 1 when a
-run failed or was cut short (its row has the error, its logs' tails and `oom`: whether it ran out of memory).
+and writes bench/results/e2e_cpu.json (with the machine's load average) or, on a GPU,
+bench/results/e2e_<model>_1gpu.json. Exits 1 when a run failed or was cut short (its row has the error, its
+logs' tails and `oom`: whether it ran out of memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
@@ -90,7 +90,7 @@ class BenchConfig:
     """cuda: prompts per PPO update, so a step makes `prompts` / this many updates (algo.mini_batches). 128 is
     the reference's global mini-batch (EasyR1's, and the launch config's 512-prompt steps in 4 updates): at
     128 prompts a step, one update, with the AdamW work per token a user's run has (but no proximal pass,
-    which a 512-prompt step runs over its later updates; bench/results/GPU.md, session 15)."""
+    which a 512-prompt step runs over its later updates: docs/benchmarks.md)."""
     response: int = 512
     """cuda: response tokens, forced."""
     image_side: int = 448
@@ -108,7 +108,7 @@ class BenchConfig:
     rows and run directories say "-low" below normal."""
     micro_tokens: int = 0
     """cuda: the learner's micro-batch token budget (batching.max_tokens_per_microbatch; 0 = the config's
-    16384; 8192 halves the activations: session 16's 7B rows beside vLLM)."""
+    16384; 8192 halves the activations, as the 7B beside vLLM on an H200 once needed)."""
     checkpoint_mode: str = ""
     """cuda: the learner's activation recomputation (parallel.checkpoint_mode: selective | full | none | auto;
     "" = the config's, auto: full at 32k beside vLLM where selective's packs would be capped). "full" keeps
@@ -132,8 +132,8 @@ class BenchConfig:
     included, so that one call's whole bench stays within it; the run's finished steps are still reported)."""
     work_dir: str = ""
     """Where runs go ("" = a temporary directory, removed afterwards)."""
-    out: Path = Path("bench/results/e2e.json")
-    """Where the JSON results go."""
+    out: Path | None = None
+    """Where the JSON results go (default bench/results/e2e_cpu.json, on cuda e2e_<model>_1gpu.json)."""
     modes: tuple[str, ...] = ("batch",)
     """Generator loop modes to compare at every K: batch | drain | inflight."""
     extra: str = ""
@@ -187,7 +187,7 @@ def run(
     process groups a launcher's `pids` file names (orphans would hold the GPU memory the next run asks for).
     The GPU runs pass VLLM_CACHE_ROOT: one vLLM compile cache for all Ks, so every K after the first skips
     torch.compile's ~30 s at engine start (start-up is not measured, but it costs device time)."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # keeps /tmp/site
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # keeps the caller's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra_env or {})}
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -358,28 +358,41 @@ NOTES = {
 
 
 def finish(cfg: BenchConfig, rows: list[dict], argv: list[str] | None, extra: dict | None = None) -> int:
-    """Speedups over K = 0, the table and the JSON file."""
-    from bench.common import machine
+    """Speedups over K = 0, the table and the JSON file (its provenance first: bench/common.py)."""
+    from bench.common import machine, provenance, result_path
 
     base = reference(rows)
     for r in rows:
         r["speedup_vs_k0"] = r["steps_per_s"] / base["steps_per_s"] if base.get("steps_per_s") else None
         r |= sharing(r, base)
+    extra = dict(extra or {})
+    info = extra.pop("machine", None) or machine()
+    command = "python -m bench.e2e " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands = [*extra.pop("merged", []), command] if cfg.merge else command
+    where = provenance(commands, info, extra.pop("date", None))
+    where["commit"] = extra.pop("commit", None) or where["commit"]  # merged: the runs' commit
     report = {
+        **where,
         "bench": "e2e",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "command": "python -m bench.e2e " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": info,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
         "note": NOTES[cfg.device],
         "results": rows,
-        **(extra or {}),
+        **extra,
     }
     print(format_table(rows))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {cfg.out}")
+    out = cfg.out or (
+        result_path("e2e", cfg.model, "1gpu") if cfg.device == "cuda" else result_path("e2e_cpu")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
     return 0
+
+
+def _listed(command: str | list[str] | None) -> list[str]:
+    """A result's command(s) as a list: a merged file holds several."""
+    return command if isinstance(command, list) else [command] if command else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,9 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         parts = [json.loads(Path(p).read_text()) for p in cfg.merge]
         rows = [r for part in parts for r in part["results"]]
         first = parts[0]  # where the rows ran, not where they were merged
-        device = first.get("config", {}).get("device", cfg.device)
-        where = {"date": first["date"], "machine": first["machine"], "note": NOTES.get(device, "")}
-        return finish(cfg, rows, argv, {**where, "merged": [p.get("command") for p in parts]})
+        ran = first.get("config", {})
+        cfg = dataclasses.replace(
+            cfg, device=ran.get("device", cfg.device), model=ran.get("model", cfg.model)
+        )
+        where = {"date": first["date"], "machine": first["machine"], "commit": first.get("commit")}
+        merged = [c for p in parts for c in _listed(p.get("command"))]
+        return finish(cfg, rows, argv, {**where, "merged": merged})
     unknown = [m for m in cfg.modes if m not in MODE_FLAGS]
     if unknown:
         raise SystemExit(f"unknown generator modes {unknown}; choose from {sorted(MODE_FLAGS)}")

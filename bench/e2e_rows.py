@@ -57,7 +57,7 @@ FACTS = re.compile(
 )
 """Log lines worth keeping from every run (vLLM's memory split and start-up, the learner's start, where its KL
 reference lives and first versions, each generate call, a held AdamW that ran alone): an analysis needs them
-(bench/results/GPU.md)."""
+(docs/benchmarks.md reads them)."""
 
 
 def log_facts(logs: dict[str, str], per_log: int = 40) -> dict[str, list[str]]:
@@ -87,7 +87,7 @@ OOM_MARKS = ("out of memory", "outofmemoryerror")
 
 
 def ran_out_of_memory(logs: dict[str, str]) -> bool:
-    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory (the row's `oom`): a queue
+    """Whether any log of a run (`run_logs`) says a process ran out of GPU memory (the row's `oom`): a script
     can then retry with smaller packs, which would not help a run that failed otherwise."""
     return any(mark in text.lower() for text in logs.values() for mark in OOM_MARKS)
 
@@ -139,7 +139,7 @@ def measure(lines: list[dict], k: int, warmup: int, gpus: int = 0) -> dict:
         "response_len": mean("response_len"),
         "samples_per_step": mean("samples"),
         # vLLM's logprobs against the learner's on the same tokens: a generator computing wrong numbers (a
-        # GEMM under an MPS cap that skips tiles, bench/results/GPU.md session 31) shows here first
+        # GEMM under an MPS cap that skips tiles, docs/benchmarks.md) shows here first
         "mismatch_kl": max((x.get("mismatch_kl", 0.0) for x in measured), default=0.0),
         "mismatch_abs_logprob_diff": max(
             (x.get("mismatch_abs_logprob_diff", 0.0) for x in measured), default=0.0

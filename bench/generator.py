@@ -23,8 +23,9 @@ geometric, as long-tailed as RL answers, and a batch call lasts as long as its l
 `--mode prep`: the worker's step on P prompts with an instant fake engine (no vLLM), columns
 serial (prepare_threads=0) and pool (prepare_threads=--threads): what preparing a batch costs.
 Columns alternate over --repeats after one warm-up pass each; medians and ratios to the first
-column are reported. Writes bench/results/generator.json (or --out) after every prompt count
-("complete": false until the last), so that a run cut short keeps its finished rows.
+column are reported. Writes bench/results/generator_<model>.json (generator_<model>_tail.json with
+`--stop-frac`, generator_prep.json with `--mode prep`, generator_cpu.json on CPU; or --out) after every
+prompt count ("complete": false until the last), so that a run cut short keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from bench.common import (
     median,
     preset_name,
     ratio,
+    result_path,
     table,
     write_result,
 )
@@ -87,14 +89,24 @@ class GeneratorBench:
     """cuda: vLLM's share of the GPU."""
     enforce_eager: bool = False
     """cuda: run vLLM eagerly, without CUDA graphs or torch.compile (to tell a fault of the graphs from one
-    of the kernels, as the MPS cap's NaN logprobs, bench/queues/h100.txt)."""
+    of the kernels, as the MPS cap's NaN logprobs: docs/benchmarks.md)."""
     attention_backend: str = ""
     """cuda: vLLM's attention backend for the language model by name ("" = vLLM's choice), the engine's
     `attention_backend`."""
     mm_encoder_attention_backend: str = ""
     """cuda: the same for the vision encoder, the engine's `mm_encoder_attention_backend`."""
-    out: Path = Path("bench/results/generator.json")
-    """Where the JSON result goes."""
+    out: Path | None = None
+    """Where the JSON result goes (default: see the module docstring)."""
+
+    def result_file(self) -> Path:
+        """`out`, or the question's default file under bench/results/."""
+        if self.out is not None:
+            return self.out
+        if self.mode == "prep":
+            return result_path("generator_prep")
+        if self.device == "cpu":
+            return result_path("generator_cpu")
+        return result_path("generator", self.model, "tail" if self.stop_frac else "")
 
 
 class Prompt:
@@ -357,7 +369,7 @@ def run(cfg: GeneratorBench) -> dict:
                         runs[name].append(fn(engine, transport, prompts, cfg, f"{name}{count}r{rep}"))
                 rows.append(summarise(count, runs))
                 partial = {"config": dataclasses.asdict(cfg), "rows": rows, "complete": False}
-                write_result(partial, cfg.out)  # a run cut short by a timeout keeps its finished rows
+                write_result(partial, cfg.result_file())  # a run cut short keeps its finished rows
                 print(
                     f"{count} prompts: " + ", ".join(f"{n} {rows[-1][n]['seconds']} s" for n in cols),
                     flush=True,
@@ -414,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # a timeout unwinds, so the engine (and its engine-core process) is closed
     result = run(cfg)
     print(table_of(result["rows"], cfg))
-    write_result(result, cfg.out)
+    write_result(result, cfg.result_file())
     return 0
 
 

@@ -1,7 +1,7 @@
 """Learner step: the padded transformers baseline vs the learner's own train step, side by side.
 
     python -m bench.learner_step --device cpu                          # tiny model: checks the script
-    python -m bench.learner_step --model 7b --reserve-frac 0.3     # one H200 (bench/results/GPU.md)
+    python -m bench.learner_step --model 7b --reserve-frac 0.3         # one GPU (docs/benchmarks.md)
 
 Each learner variant is `learner.trainer.Learner` itself, built from a LearnerConfig loaded from
 `--config` (deploy/configs/learner.toml) with the variant's overrides, fed synthetic ScoredGroups
@@ -37,7 +37,7 @@ unless prompts are shared), pass MFU = the same over the learner's training pass
 forwards and backwards, `train_pass_s`; the learner's variants), step seconds, the optimizer's and
 no-grad passes' seconds, peak GPU
 memory, host optimizer state, and the speed-up over padded. Prints a table; writes
-bench/results/learner_step[_<model>].json.
+bench/results/learner_step_<model>.json (learner_step_cpu.json on CPU).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import torch
 import tyro
 
 from bench import learner_workload as inputs
-from bench.common import check_device, write_result
+from bench.common import check_device, result_path, write_result
 from bench.step_profile import profile_call
 
 PEAK_TFLOPS = 989.0
@@ -113,7 +113,8 @@ class BenchConfig:
     `profile` says how much of it the GPU computed, how often the host waited for it, and the top
     kernels (bench/step_profile.py)."""
     out: Path | None = None
-    """JSON path (default bench/results/learner_step_<model>.json; _cpu for --device cpu)."""
+    """JSON path (default bench/results/learner_step_<model>.json, the model's "-" as "_";
+    bench/results/learner_step_cpu.json on CPU)."""
 
     def resolve(self) -> BenchConfig:
         if self.device == "cpu" and self.model in ("7b", "3b"):
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = variant_overrides(name)
         if overrides is not None:
             learner_config(cfg, overrides, Path("model"), "zmq://127.0.0.1:1", Path("check")).validate()
-    out = cfg.out or Path(f"bench/results/learner_step_{'cpu' if cfg.device == 'cpu' else cfg.model}.json")
+    out = cfg.out or result_path("learner_step", "cpu" if cfg.device == "cpu" else cfg.model)
     from broker.zmq_broker import BrokerProcess
 
     work = Path(tempfile.mkdtemp(prefix="parallax-learner-step-"))

@@ -17,7 +17,6 @@ fraction of tokens, and the machine's load average around each run (the 2 cores 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXTRA = (
@@ -130,17 +131,11 @@ def main(cfg: BenchConfig) -> dict:
             both = r[key] is not None and ref[key]
             r[f"{key}_vs_{cfg.policies[0]}"] = round(r[key] / ref[key], 3) if both else None
     out = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
-        "machine": f"{os.cpu_count()} CPU cores, shared with other work",
-        "bench_command": "python -m bench.losses_demo " + " ".join(sys.argv[1:]),
         "target": cfg.target,
         "commands": commands,
         "runs": results,
     }
-    Path(ROOT / cfg.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(out, ROOT / cfg.out)
     t = cfg.target
     print(f"| policy | steps | min to {t} | step to {t} | best | final | clipped |")
     for policy, r in results.items():

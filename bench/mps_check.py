@@ -7,17 +7,17 @@ decode step runs, on the device in its dtype, against the same operation in fp32
 
 Why: under CUDA MPS with the generator capped at 40 % of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) vLLM
 returns a non-finite logprob in every sample, eager and under every attention backend tried
-(bench/results/GPU.md, sessions 21-29). The CPU reference does not depend on MPS, so one run under the cap
+(docs/benchmarks.md, known limits). The CPU reference does not depend on MPS, so one run under the cap
 names the operations that break there: torch's (cuBLAS GEMMs at decode, prefill and lm_head shapes, the
 log-softmax, SDPA) and, where vLLM imports, vLLM's own (RMSNorm, SiLU x up, the sampler's logprob kernel).
 Rows: operation, shape, whether every output is finite, the largest error over the reference's largest
 magnitude, and ok (finite and within the dtype's tolerance). Then the launcher's own start-time check
-(deploy/gpus/cap_check.py: each projection at 1, 64, 256 and 4096 rows into a NaN-filled output), whose
-failures the JSON's `cap_check` lists: at 45 % on an H100 the sweep below passed and that check did not
-(session 37).
+(deploy/gpus/cap_check.py: each projection at 1, 64, 256 and 4096 rows into a NaN-filled output),
+whose failures the JSON's `cap_check` lists: at 45 % on an H100 the sweep below passed and that check did
+not (2026-12-07).
 The JSON also records the cap in the environment and the multiprocessor count torch reports under it.
-Session 30 (an H100 at 40 %): three of the four bf16 GEMMs wrong, everything else right; the GEMM sweep that
-follows the rows (bench/mps_gemms.py) looks for why and for a BLAS setting that stays right.
+On an H100 at 40 % (2026-12-06): three of the four bf16 GEMMs wrong, everything else right; the GEMM sweep
+that follows the rows (bench/mps_gemms.py) looks for why and for a BLAS setting that stays right.
 """
 
 from __future__ import annotations

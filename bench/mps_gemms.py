@@ -7,7 +7,7 @@ right.
         python -m bench.mps_check --device cuda --out /tmp/mps_check_40.json
 
 Why: under CUDA MPS at 40 % of an H100's SMs, three of four bf16 GEMMs returned finite but wrong values
-while the first one run was right (bench/results/GPU.md, session 30). Each row here writes into an output
+while the first one run was right (docs/benchmarks.md, 2026-12-06). Each row here writes into an output
 filled with NaN, so `unwritten` (the share of outputs still NaN) tells a kernel that never wrote from one
 that wrote wrong numbers; the shapes run in the reverse of mps_check's order, so a shape that is right here
 but was wrong there points at the process's state, not the shape; `repeat_ok` is a second call of the same
@@ -171,10 +171,15 @@ def holds(result: dict, setting: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.mps_gemms RESULT.json SETTING`: exit 0 where SETTING ran every GEMM of the sweep
-    right, 1 where not: what gates a queue's rows on a setting (bench/queues/h100.txt)."""
+    right, 1 where not: what gates a run under a cap on a setting, e.g. `python -m bench.mps_gemms
+    mps_check.json default && python -m bench.e2e --mps --mps-generator-sms 50 ...`."""
     import json
 
-    path, setting = argv if argv is not None else sys.argv[1:]
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 2 or args[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 2
+    path, setting = args
     ok = holds(json.loads(Path(path).read_text()), setting)
     print(f"{setting}: {'every GEMM right' if ok else 'not every GEMM right'} in {path}")
     return 0 if ok else 1

@@ -144,7 +144,7 @@ def _is_kernel(event) -> bool:
     """A device-side event (a kernel or memcpy/memset) rather than a host operator that launched one:
     summing only these counts each kernel once. A `record_function` range (the optimizer's step, a compiled
     region) also has a device-side row, its span on the GPU: not a kernel, and it would count its kernels
-    twice (session 19's first summary counted the 2.9 s span of the optimizer's step as busy time)."""
+    twice (an early summary counted the 2.9 s span of the optimizer's step as busy time)."""
     kind = getattr(event, "device_type", None)
     device = kind is not None and getattr(kind, "name", str(kind)) == "CUDA"
     return device and not _is_range(event)

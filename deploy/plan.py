@@ -178,20 +178,20 @@ class LaunchConfig:
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
     bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
     crowded off. Not below 50 on an H100: at 40 vLLM returned NaN for every behaviour logprob, beside the
-    learner (sessions 20 and 21, bench/results/GPU.md) and alone (session 25), under every attention backend
-    (sessions 27 and 29), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
-    (sessions 30 and 31, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
+    learner (2026-12-05, docs/benchmarks.md) and alone (2026-12-06), under every attention backend
+    (2026-12-06), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
+    (2026-12-06, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
     every GEMM checked is right, and the 7B K = 1 capped at 50 ran 1.24-1.44x over K = 0 on five H100s
-    (sessions 32-37), against 1.09-1.15x uncapped. Opt-in all the same: the lowest safe cap depends on the
-    GPU and the model (45 left the 7B's GEMMs partly unwritten on an H100, session 37), so the launcher checks
+    (2026-12-06 and -07), against 1.09-1.15x uncapped. Opt-in all the same: the lowest safe cap depends on the
+    GPU and the model (45 left the 7B's GEMMs partly unwritten on an H100, 2026-12-07), so the launcher checks
     the model's GEMMs under the cap before vLLM starts (deploy/gpus/cap_check.py) and stops where outputs go
     unwritten."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
     """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
-    K >= 1 the step waits on the learner while generation runs hidden beside it (bench/results/GPU.md,
-    session 21): a below-normal generator lets the learner's kernels go first and fills what they leave.
-    Measured 1.03x at 3B K = 1 on an H100 (session 23), 1.00x over two steps (session 25), 1.04x at 7B with
-    the generator capped at 50 (session 37): not the default until more than one step a row backs it."""
+    K >= 1 the step waits on the learner while generation runs hidden beside it (docs/benchmarks.md,
+    2026-12-05): a below-normal generator lets the learner's kernels go first and fills what they leave.
+    Measured 1.03x at 3B K = 1 on an H100 (2026-12-06), 1.00x over two steps (2026-12-06), 1.04x at 7B with
+    the generator capped at 50 (2026-12-07): not the default until more than one step a row backs it."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
     a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
@@ -320,8 +320,8 @@ def host_adamw_threads(reward_workers: int, engines: int, cpus: int | None = Non
     engine core), one for the broker and one for the learner's own thread, which launches the KL pass beside
     the update. Each of AdamW's parallel regions (three per pinned chunk, hundreds of chunks a step) waits for
     its slowest thread: at 3B under K = 1 beside vLLM and the reward workers on an H100 machine, this count
-    (8 of 16) took 1.5 s a step, its K = 0 time, and all 16 CPUs took 5.6 s (bench/results/GPU.md, session
-    21; 10.2 s on session 20's machine)."""
+    (8 of 16) took 1.5 s a step, its K = 0 time, and all 16 CPUs took 5.6 s (docs/benchmarks.md,
+    2026-12-05; 10.2 s on an earlier run's machine)."""
     cpus = cpus or len(os.sched_getaffinity(0))
     return max(1, cpus - reward_workers - 2 * engines - 2)
 

@@ -58,7 +58,7 @@ class EngineConfig:
     in_process: bool | None = None
     """Where vLLM's engine core runs. None (default): in its own process on CUDA (vLLM's default mode, which
     overlaps scheduling and output processing with the GPU: faster than the in-process core,
-    bench/results/generator_h200*.json; CUDA-IPC weights are read inside it from the learner's buffer), in
+    docs/benchmarks.md; CUDA-IPC weights are read inside it from the learner's buffer), in
     this process on CPU (fast start, no extra process). True: in this process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0; tensors are handed over without serialisation). False: its own
     process (named-tensor updates then travel as safetensors bytes). Always its own process when tp > 1."""

@@ -120,7 +120,7 @@ class Engine:
         if not self.in_process and not self.on_cpu:
             # vLLM forks its engine core unless it sees CUDA initialised here; a fork after anything that
             # only counted the devices (torch poisons fork then) fails in the child with "Cannot
-            # re-initialize CUDA in forked subprocess" (bench/results/GPU.md, session 25). Spawn always.
+            # re-initialize CUDA in forked subprocess" (docs/benchmarks.md, 2026-12-06). Spawn always.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 

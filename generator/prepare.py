@@ -9,7 +9,7 @@ and its sha256 check and PNG/JPEG decode run on `pool` (`ImageStore.start_open_m
 PIL release the GIL); meanwhile this thread renders the chat-templated prompt ids. With vLLM's
 engine core in its own process this preparation is the generator's exposed CPU time per batch.
 The pool gets no more threads than the process has CPUs: more were slower and noisier
-(`python -m bench.generator --mode prep`; results in bench/results/generator_prep_*.json).
+(`python -m bench.generator --mode prep`; results in bench/results/generator_prep.json).
 
 Reasons (a record's first bad image decides between the first two; the third needs good images):
     image_missing          a blob is not in the store (expired or never stored)

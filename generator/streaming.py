@@ -10,7 +10,7 @@ prepared, `batch_prompts` at a time, up to `max_inflight_prompts` in flight, and
 (and its prompt acked) the step it finishes. Freed slots are refilled only once `batch_prompts` of them are
 free: a prompt admitted alone costs a step that mixes its vision encoding and prefill with everyone's
 decode, which runs outside vLLM's decode CUDA graphs (refilling each slot at once made a long-tailed run
-slower than the batch loop: bench/results/generator_tail_h200_refill1.json). With the engine core in its own
+slower than the batch loop: docs/benchmarks.md). With the engine core in its own
 process (the default on CUDA) the GPU keeps generating while this loop prepares and publishes.
 
 Versions (`GeneratorConfig.weight_update`):

@@ -371,7 +371,7 @@ def _nonfinite_hint(environ) -> str:
         f" This process runs under MPS capped at {cap} % of the GPU's SMs (--mps-generator-sms): with the"
         " cap at 40 every behaviour logprob was NaN on an H100, with or without the learner beside it and"
         " under every attention backend tried, because bf16 cuBLAS GEMMs leave tiles of their output"
-        " unwritten under it (bench/results/GPU.md, sessions 21-31); at 50 every GEMM checked was right."
-        " Check a cap with `python -m deploy.gpus.mps --mps-generator-sms P -- python -m bench.mps_check`, or"
-        " run without it."
+        " unwritten under it (docs/benchmarks.md); at 50 every GEMM checked was right."
+        " Check a cap with `python -m deploy.gpus.mps --mps-generator-sms P -- python -m bench.mps_check`,"
+        " or run without it."
     )

@@ -233,7 +233,7 @@ class BatchingConfig:
     """Token budget of the no-grad passes' packs (the proximal recompute and the KL reference): consecutive
     training micro-batches are joined into packs of up to this many tokens. Those passes keep no activations,
     so packs several times the training budget fit, and fewer, bigger packs launch fewer kernels per token
-    (a 3B learner at 16k-token packs is launch-bound on an H200: bench/results/GPU.md). The same logprobs
+    (a 3B learner at 16k-token packs is launch-bound on an H200: docs/benchmarks.md). The same logprobs
     either way. 0 = the training micro-batches themselves (as does any budget that no two of them fit)."""
 
     def validate(self) -> None:

@@ -9,7 +9,7 @@ checkpointing they run again in the backward pass. `compile_elementwise` turns t
 SiLU product into fused Triton kernels and leaves every matmul and the varlen attention kernel
 eager, so selective activation checkpointing (policy/recompute.py) still sees, and keeps,
 their outputs. `compile_blocks` compiles whole blocks as torchtitan does; measured on the H200
-(bench/results/GPU.md) a compiled block inside a selectively checkpointed one loses the selective
+(docs/benchmarks.md) a compiled block inside a selectively checkpointed one loses the selective
 policy (its matmuls are recomputed: full-AC memory and FLOPs), so use it with full checkpointing.
 `policy.forward.chunked_logprobs(..., compiled=True)` fuses the fp32 log-softmax / gather / entropy
 of each logprob chunk likewise. Shapes are dynamic: a new pack length does not recompile.

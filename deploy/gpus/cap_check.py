@@ -5,7 +5,7 @@ runs this under the generator's environment, before vLLM starts, whenever --mps-
     python -m deploy.gpus.mps --mps-generator-sms 40 -- python -m deploy.gpus.cap_check --model DIR  # by hand
 
 Why: under CUDA MPS at 40 % of an H100's SMs, cuBLAS's bf16 GEMMs left 1-67 % of their outputs unwritten
-(bench/results/GPU.md, session 31) and vLLM's behaviour logprobs went NaN minutes into the run; at 50 % every
+(docs/benchmarks.md, 2026-12-06) and vLLM's behaviour logprobs went NaN minutes into the run; at 50 % every
 GEMM checked was right. Here each projection of the model's decoder (its config.json: QKV with its bias, the
 attention output, gate and up, down, lm_head) at 1, 64, 256 and 4096 rows writes into an output filled with
 NaN, and what stays NaN was never written, so a cap that breaks GEMMs on this GPU stops the run at its start
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"deploy.gpus.cap_check: under this MPS cap ({cap} % of the SMs) the GPU left GEMM outputs "
             "unwritten, so vLLM would compute wrong logprobs:\n  " + "\n  ".join(failed) + "\n"
-            "Raise --mps-generator-sms (50 held on an H100, bench/results/GPU.md session 31) or drop it.",
+            "Raise --mps-generator-sms (50 held on an H100: docs/benchmarks.md) or drop it.",
             file=sys.stderr,
         )
         return 1

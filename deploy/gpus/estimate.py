@@ -3,7 +3,7 @@ what a training pack's activations take per token.
 
 Memory is estimated, never measured here (the launcher never initialises CUDA): `learner_memory_gib` for
 the states, `activation_bytes_per_token` for a training pack, both calibrated on an H200
-(bench/results/GPU.md). `learner_need_gib` and `learner_room_gib` put the states on one GPU of a layout,
+(docs/benchmarks.md). `learner_need_gib` and `learner_room_gib` put the states on one GPU of a layout,
 beside vLLM's share where the GPU is shared; `check_learner_fits` and `check_engine_fits` refuse a
 layout whose learner or vLLM engine does not fit, naming the fix (`memory_fix`). Used by
 deploy/gpus/layout.py; tested in tests/unit/deploy/test_gpu_plan.py.
@@ -20,7 +20,7 @@ CONTEXT_GIB = 1.5
 ENGINE_OVERHEAD_GIB = 4.7
 """GPU memory a vLLM engine process holds beyond its `gpu_memory_utilization` share (CUDA context and graphs,
 allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (session 24,
-bench/results/GPU.md). A shared GPU keeps it free for the engine."""
+docs/benchmarks.md). A shared GPU keeps it free for the engine."""
 REFERENCE_RESIDENT_FRACTION = 0.2
 """Of a KL reference model in host memory (learner/reference.py), the share the GPU still holds while it
 scores: the root's embeddings and lm_head (0.14 of Qwen2.5-VL-7B, 0.16 of -3B) and the decoder blocks in
@@ -126,7 +126,7 @@ ACTIVATION_FACTOR = {"selective": 0.75, "none": 1.5}
 """A training pack's peak activation memory per token, in units of the decoder's bf16 matmul and attention
 outputs ((4 hidden + 3 intermediate) x 2 bytes a block, every block). "selective" is measured: the learner's
 peak less its states, per token of a 16k pack, was 2.2 MB at 3B and 2.5-2.7 MB at 7B on an H200 (estimate 2.2
-and 3.0; bench/results/GPU.md, session 16). "none" (nothing recomputed: the elementwise outputs are kept
+and 3.0; docs/benchmarks.md, 2026-12-05). "none" (nothing recomputed: the elementwise outputs are kept
 too) is an estimate, not measured."""
 
 

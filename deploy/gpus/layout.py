@@ -165,8 +165,9 @@ def plan_recompute(
     """`plan_gpus(**layout)` with the training packs' activation memory under recompute `mode`. "auto"
     chooses it: selective recomputation at the config's `pack_tokens` where they fit; where the layout would
     cap them, full recomputation at up to `large_pack` tokens (the no-grad packs' size) if that runs larger
-    packs than selective's cap. Small packs leave the GPU waiting on the host (bench/results/GPU.md, session
-    19); full recomputation holds about a fifth of selective's activations, for a third more forward FLOPs."""
+    packs than selective's cap. Small packs leave the GPU waiting on the host (docs/benchmarks.md,
+    2026-12-05); full recomputation holds about a fifth of selective's activations, for a third more
+    forward FLOPs."""
 
     def at(recompute: str, tokens: int) -> GpuPlan:
         token_bytes = activation_bytes_per_token(shape, checkpointing, recompute)

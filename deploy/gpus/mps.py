@@ -19,22 +19,23 @@ without MPS (the driver's rule), so the launcher waits for the daemon's control 
 anything that uses the GPU. `--mps-generator-sms P` caps the generator's kernels at P % of the multiprocessors
 (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment only), so the learner's compute-bound kernels are never
 crowded off the GPU by memory-bound decoding; at 40 % vLLM's behaviour logprobs all came back NaN on an H100,
-beside the learner (bench/results/GPU.md, session 21) and with vLLM alone under the daemon (session 25), eager
-and under other attention backends too (sessions 27 and 29), because three of four bf16 cuBLAS GEMMs come back
-wrong under the cap: they leave tiles of their output unwritten, under every BLAS setting (sessions 30 and 31:
+beside the learner (docs/benchmarks.md, 2026-12-05) and with vLLM alone under the daemon (2026-12-06), eager
+and under other attention backends too (2026-12-06), because three of four bf16 cuBLAS GEMMs come back
+wrong under the cap: they leave tiles of their output unwritten, under every BLAS setting (2026-12-06:
 `python -m bench.mps_check` under the cap tests the operations one by one and sweeps the GEMMs over BLAS
 settings), and the generator stops with that error. At 50 % every GEMM it checks is right and the 7B ran so
-capped beside the learner (session 31), so the cap is usable there, opt-in. Under a cap the launcher first
+capped beside the learner (2026-12-06), so the cap is usable there, opt-in. Under a cap the launcher first
 runs deploy/gpus/cap_check.py on the generator's GPU with its settings: a cap that leaves the model's GEMM
 outputs unwritten ends the run at its start, naming them.
 `--mps-generator-priority below-normal` instead lowers the generator's MPS client priority
 (CUDA_MPS_CLIENT_PRIORITY=1 in its environment only): the learner's kernels are scheduled first and decoding
-fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, session 25: the step is the
+fills the multiprocessors they leave, with no cap (1.00x at 3B K = 1 on an H100, 2026-12-06: the step is the
 learner's either way). CUDA-IPC weight sync and vLLM's start-up memory check work under MPS (an H100,
-bench/results/GPU.md, session 17).
+docs/benchmarks.md, 2026-12-05).
 
 `python -m deploy.gpus.mps` runs one command under this daemon with the generator's cap and priority, and
-nothing beside it: what diagnoses vLLM under MPS without the learner (bench/queues/h100.txt).
+nothing beside it: what diagnoses vLLM under MPS without the learner
+(`python -m bench.mps_check`, `bench.generator`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     plan = gpu_plan(cfg, H200, N_PARAMS[model], SHAPES[model])
     assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
     # the config's 16k packs and checkpoint_mode auto: selective's would be capped at 8k for the 7B beside
-    # vLLM (16k ran out of memory there, session 16), so it runs full recomputation at 32k; the 3B keeps
+    # vLLM (16k ran out of memory there on an H200), so it runs full recomputation at 32k; the 3B keeps
     # selective at 16k
     assert cfg.learner.batching.max_tokens_per_microbatch == 16384
     assert cfg.learner.parallel.checkpoint_mode == "auto"
@@ -85,7 +85,7 @@ def test_gpu_flags_plan_the_7b_on_an_80_gb_card_with_its_reference_in_host_memor
     h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
     seven = gpu_plan(launch_config("7b", 1), h100, N_PARAMS["7b"], SHAPES["7b"])
     assert (seven.reference_location, seven.checkpoint_mode, seven.pack_tokens) == ("host", "full", 16384)
-    # the 3B fits with its reference on the GPU (full recomputation at 32k, as measured in sessions 20-25)
+    # the 3B fits with its reference on the GPU (full recomputation at 32k, as measured on H100s)
     three = gpu_plan(launch_config("3b", 1), h100, N_PARAMS["3b"], SHAPES["3b"])
     assert (three.reference_location, three.checkpoint_mode, three.pack_tokens) == ("device", "full", 32768)
 
@@ -286,15 +286,17 @@ def test_a_merge_keeps_where_the_rows_ran(tmp_path):
         part = tmp_path / f"k{k}.json"
         row = {"k": k, "steps_per_s": steps_per_s, "step_s": 1 / steps_per_s, "wait_s": 0.0, "train_s": 1.0}
         row |= {"sync_s": 0.0, "generate_s": 1.0, "staleness": float(k)}
-        gpu = {"cpus": 16, "platform": "gpu-host"}
+        gpu = {"cpus": 16, "platform": "gpu-host", "gpu": "NVIDIA H100 80GB HBM3"}
         report = {"date": f"2026-12-0{k + 1}", "machine": gpu, "config": {"device": "cuda"}, "results": [row]}
         part.write_text(json.dumps({**report, "command": f"python -m bench.e2e --ks {k}"}))
         parts.append(str(part))
     out = tmp_path / "merged.json"
     assert main(["--merge", *parts, "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
-    assert merged["machine"] == {"cpus": 16, "platform": "gpu-host"} and merged["date"] == "2026-12-01"
-    assert "GPU" in merged["note"] and merged["merged"][1] == "python -m bench.e2e --ks 1"
+    assert merged["machine"]["platform"] == "gpu-host" and merged["date"] == "2026-12-01"
+    assert merged["gpu"] == "NVIDIA H100 80GB HBM3" and "GPU" in merged["note"]
+    assert merged["command"][:2] == ["python -m bench.e2e --ks 0", "python -m bench.e2e --ks 1"]
+    assert merged["command"][2].startswith("python -m bench.e2e --merge")
     assert merged["results"][1]["speedup_vs_k0"] == pytest.approx(1.2)
 
 
@@ -313,7 +315,7 @@ H100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
     ],
 )
 def test_full_recomputation_lets_the_3b_run_larger_packs_beside_vllm_on_an_h100(mode, asked, runs, planned):
-    """The queue's 3B rows: selective recomputation fits 8k packs beside vLLM at 0.3 of an H100 (larger ones
+    """The 3B on an H100: selective recomputation fits 8k packs beside vLLM at 0.3 of the card (larger ones
     are capped), full recomputation fits 32k, and auto (the config's) picks full at 32k for its 16k."""
     cfg = launch_config("3b", 1, micro_tokens=asked, checkpoint_mode=mode)
     assert cfg.learner.parallel.checkpoint_mode == (mode or "auto")
@@ -357,8 +359,8 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
     assert learner_label(host) == "16k full ref@host"
 
 
-def test_the_queues_extra_flag_keeps_the_weight_copy_apart():
-    # bench/queues: `--extra="--learner.weight-sync.no-params-in-buffer"` is the A/B against the default
+def test_the_extra_flag_keeps_the_weight_copy_apart():
+    # `--extra="--learner.weight-sync.no-params-in-buffer"` is the A/B against the default (e2e_3b_1gpu.json)
     cfg = BenchConfig(device="cuda", model="3b", extra="--learner.weight-sync.no-params-in-buffer")
     args = launcher_args(cfg, 1, Path("/models/3b"), Path("/tmp/run"))
     assert not load_config(LaunchConfig, args).learner.weight_sync.params_in_buffer
@@ -366,8 +368,8 @@ def test_the_queues_extra_flag_keeps_the_weight_copy_apart():
 
 
 def test_sharing_is_the_work_both_did_while_they_shared_the_gpu():
-    """Session 28's 7B rows by hand: K = 0 81.9 s a step (train 61.7, generate 18.9); K = 1 under MPS
-    trained 74.8 s beside 32.5 s of generation: the learner lost 13.1 s, so it got 60 % of its solo speed
+    """A 7B pair on an H100 by hand (2026-12-06): K = 0 81.9 s a step (train 61.7, generate 18.9); K = 1 under
+    MPS trained 74.8 s beside 32.5 s of generation: the learner lost 13.1 s, so it got 60 % of its solo speed
     in the window, the generator 58 %, 1.18 GPUs of work from one; the reference row's bound is its step
     over its train time."""
     from bench.e2e_rows import sharing

@@ -83,8 +83,9 @@ def test_the_green_context_rows_run_after_every_other_setting(monkeypatch):
 
 
 def test_the_launchers_check_runs_on_the_same_shapes_and_gates_the_default(tmp_path, monkeypatch, capsys):
-    """Session 37: at 45 % the sweep passed and the launcher's check (more row counts) did not; the check's
-    verdict is in the result, fails the run, and keeps `default` from holding, as the launcher would."""
+    """On an H100 (2026-12-07) at 45 % the sweep passed and the launcher's check (more row counts) did
+    not; the check's verdict is in the result, fails the run, and keeps `default` from holding, as the
+    launcher would."""
     import deploy.gpus.cap_check
 
     seen = []

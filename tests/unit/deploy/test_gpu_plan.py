@@ -138,7 +138,7 @@ def _shared_h200(n_params, shape, pack_tokens, util=0.3):
 
 
 def test_a_shared_gpu_caps_the_packs_that_do_not_fit():
-    # 7B beside vLLM at 0.3 of one H200: 16k packs ran out of memory there, 8k ran (bench/results/GPU.md)
+    # 7B beside vLLM at 0.3 of one H200: 16k packs ran out of memory there, 8k ran (docs/benchmarks.md)
     plan = _shared_h200(N_7B, QWEN_7B, 16384)
     assert plan.pack_tokens == 8192 and plan.pack_capped_from == 16384
     assert "training packs capped at 8192 tokens (the config's 16384" in plan.describe()

@@ -1,7 +1,7 @@
 """A generator whose engine returns non-finite logprobs stops, not publishing groups the learner rejects.
 
-An H100's vLLM under MPS capped at 40 % of the SMs returned NaN for every behaviour logprob (bench/results/
-GPU.md, session 21): the learner skipped all 640 groups. The worker (generator/worker.py) now raises
+An H100's vLLM under MPS capped at 40 % of the SMs returned NaN for every behaviour logprob (docs/
+benchmarks.md, 2026-12-05): the learner skipped all 640 groups. The worker (generator/worker.py) now raises
 EngineOutputError after NONFINITE_RUN such groups in a row, publishes none of them and leaves their prompts
 unacked; a group with some finite samples, or a non-finite group between finite ones, still flows.
 """
