@@ -64,6 +64,7 @@ from deploy.preflight import (
 from deploy.processes import Child, ChildDied, ProcessGroup, child_env, free_port, port_open, tail
 from deploy.progress import JsonlTail, Progress, RunStatus, scrape
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
+from runtime import jsonl
 from runtime.config import write_resolved
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -401,7 +402,7 @@ class Launcher:
 
     def _event(self, event: str, **fields) -> None:
         with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
+            f.write(jsonl.dumps({"time": time.time(), "event": event, **fields}) + "\n")
 
     def _write_pids(self) -> None:
         pids = {c.name: c.popen.pid for g in (self.infra, self.roles) for c in g.children}
