@@ -61,12 +61,18 @@ def run_demo(config: DemoConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from broker.zmq_broker import ZmqBrokerConfig, serve_forever
+    from runtime.cli_errors import one_line_errors
+    from runtime.config import ConfigError
 
-    config = tyro.extras.subcommand_cli_from_dict(
-        {"demo": DemoConfig, "zmq-broker": ZmqBrokerConfig},
-        args=sys.argv[1:] if argv is None else argv,
-        prog="python -m broker",
-    )
+    try:
+        with one_line_errors(DemoConfig, ZmqBrokerConfig):
+            config = tyro.extras.subcommand_cli_from_dict(
+                {"demo": DemoConfig, "zmq-broker": ZmqBrokerConfig},
+                args=sys.argv[1:] if argv is None else argv,
+                prog="python -m broker",
+            )
+    except ConfigError as exc:  # a wrong flag: one line, exit 1, as every role's
+        raise SystemExit(f"error: {exc}") from None
     if isinstance(config, DemoConfig):
         return run_demo(config)
     serve_forever(config)

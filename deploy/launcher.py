@@ -33,7 +33,8 @@ events.jsonl), unless it failed with the same known error twice in a row
 stopped run (deploy/resume.py): the redis-server keeps an append-only file in RUN_DIR/redis/.
 The run directory (runs/<timestamp>/) holds config.launcher.json, run.json, configs/<role>.toml (what each
 role read) and each role's resolved config, logs/<process>.log, learner/metrics.jsonl,
-events.jsonl, pids.json, summary.json and curve.png (reward and held-out accuracy over time).
+events.jsonl, pids.json, and once a step has trained, summary.json and curve.png (reward and held-out
+accuracy over time).
 Ctrl-C (or SIGTERM) stops every process the launcher started: the roles newest first, then the
 broker; each process runs in its own session, so a terminal's Ctrl-C reaches only the launcher.
 """
@@ -100,7 +101,7 @@ class Launcher:
                     sv.progress.error(f"[launcher] {exc}{sv.explain()}")
                 except (PreflightError, LayoutError) as exc:
                     self.outcome, code = "failed", 2
-                    sv.progress.error(f"[launcher] cannot start: {exc}")
+                    sv.progress.error(f"[launcher] cannot start: {exc} (run dir {self.run_dir})")
                     sv.event("error", error=str(exc))
                 finally:
                     sv.stop_all(self.outcome)
@@ -160,6 +161,12 @@ class Launcher:
         sv = self.sv
         sv.status.learner(self.metrics.read())
         curve = run_curve(self.run_dir, label="demo" if not self.cfg.task.shuffle_images else "control")
+        if not (curve.reward or curve.eval_acc):  # an empty plot and a summary of nothing would mislead
+            if self.outcome != "failed":  # a failure has said why (and a refused start where the run dir is)
+                sv.progress.message(
+                    f"[launcher] {self.outcome} before any training step; run dir {self.run_dir}"
+                )
+            return
         summary = summarize(curve, self.outcome, self.cfg.stop_accuracy or 0.8)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         png = plot_runs(
@@ -170,11 +177,15 @@ class Launcher:
             + (" (control: shuffled images)" if self.cfg.task.shuffle_images else ""),
         )
         sv.progress.show(sv.status, force=True)
+        accuracy = (
+            f"held-out accuracy {summary['first_eval_accuracy']} -> {summary['final_eval_accuracy']} "
+            f"(best {summary['best_eval_accuracy']}); "
+            if summary["evals"]
+            else ""
+        )
         sv.progress.message(
             f"[launcher] {self.outcome}: {summary['steps']} steps in {summary['minutes']:.1f} min; "
-            f"held-out accuracy {summary['first_eval_accuracy']} -> "
-            f"{summary['final_eval_accuracy']} (best {summary['best_eval_accuracy']}); "
-            f"run dir {self.run_dir}; plot {png}"
+            f"{accuracy}run dir {self.run_dir}; plot {png}"
         )
 
 

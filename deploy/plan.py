@@ -309,7 +309,10 @@ def role_configs(
     )
     # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
     reward = dataclasses.replace(
-        cfg.reward, broker=broker(cfg.reward), consumer=cfg.reward.consumer or "reward"
+        cfg.reward,
+        broker=broker(cfg.reward),
+        consumer=cfg.reward.consumer or "reward",
+        run_dir=str(run_dir / "reward"),
     )
     return {"learner": learner, "generator": generator, "reward": reward}
 

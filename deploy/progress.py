@@ -108,7 +108,7 @@ class RunStatus:
     def warm(self, lines: list[dict]) -> None:
         for line in lines:
             self.warm_step, self.warm_steps = int(line["step"]), int(line["steps"])
-            self.warm_loss = float(line["loss"])
+            self.warm_loss = float(line.get("loss", "nan"))  # a non-finite loss is left out of the line
 
     def learner(self, lines: list[dict]) -> None:
         for line in lines:

@@ -21,6 +21,7 @@ from deploy.gpus.mps import MpsDaemon
 from deploy.preflight import explain_failure
 from deploy.processes import Child, ChildDied, ProcessGroup, tail
 from deploy.progress import Progress, RunStatus
+from runtime import jsonl
 
 
 class Supervisor:
@@ -135,7 +136,7 @@ class Supervisor:
     def event(self, event: str, **fields) -> None:
         """One line of events.jsonl."""
         with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
+            f.write(jsonl.dumps({"time": time.time(), "event": event, **fields}) + "\n")
 
     def write_pids(self) -> None:
         """pids.json: every child's name and process id."""

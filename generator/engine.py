@@ -124,7 +124,10 @@ class Engine:
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
+        from generator.vllm_logs import show_once
         from weights.vllm_worker import EXTENSION
+
+        show_once()  # vLLM's CPU worker warns at every torch.set_num_threads call, twice per image prompt
 
         kwargs = dict(
             model=self.model_dir,

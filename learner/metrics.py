@@ -1,6 +1,7 @@
 """The learner's metrics: Prometheus series (docs/metrics.md, rank 0) and a JSONL log per step.
 
-`LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` and
+`LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` (a NaN
+value, e.g. mismatch_kl_fresh on a step without fresh samples, is left out: strict JSON has no NaN) and
 sets the matching gauges; counters and the staleness histogram are fed where the events
 happen. `flops_per_token` / `mfu` estimate model FLOPs utilisation for the language model
 (6·N per token plus causal attention), given the device's peak FLOP/s. `track_gpu_peak` / `gpu_peak`
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from runtime import jsonl
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -100,7 +103,7 @@ class LearnerMetrics:
         if self.path is not None:
             line = {"time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
             with open(self.path, "a") as f:
-                f.write(json.dumps(line) + "\n")
+                f.write(jsonl.dumps(line) + "\n")  # a NaN value (no such sample this step): key left out
 
     def log_trained(self, step: int, group_ids: list[str]) -> None:
         """Append the group ids one step trained on to trained.jsonl (next to metrics.jsonl): an

@@ -26,7 +26,6 @@ line per step into OUT_DIR.metrics.jsonl (`{"stage": "warm-start", "step", "loss
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import shutil
@@ -34,6 +33,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from runtime import jsonl
 
 log = logging.getLogger("learner.warmstart")
 
@@ -150,7 +151,7 @@ def run(cfg: WarmStartConfig) -> Path:
                 "seconds": time.perf_counter() - t0,
                 "time": time.time(),
             }
-            mfile.write(json.dumps(line) + "\n")
+            mfile.write(jsonl.dumps(line) + "\n")  # a NaN loss: the key is left out
             mfile.flush()
             log.info("warm-start step %d/%d loss %.4f", step + 1, cfg.steps, float(loss))
     _save(model, cfg.model, processor, out)

@@ -8,6 +8,7 @@ With `--workers 1` the worker runs in this process. With more, this process supe
 metrics.port + i, a worker that dies is restarted with backoff (its pending groups are reclaimed
 by the others meanwhile), and SIGTERM/SIGINT stop them all (SIGKILL after `GRACE_S`).
 The Redis password: `--broker.password-file FILE` or $PARALLAX_BROKER_PASSWORD (broker/config.py).
+The resolved config goes to `<run_dir>/config.reward.json`, the password shown as ***.
 """
 
 from __future__ import annotations
@@ -95,11 +96,12 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.config import load_config
+    from runtime.config import load_config, write_resolved
     from runtime.redact import setup_logging
 
     cfg = load_config(RewardConfig, argv, description="Parallax reward service: score rollout groups.")
     setup_logging(cfg.log_level, "%(asctime)s reward %(levelname)s %(message)s")
+    write_resolved(cfg, cfg.run_dir, "reward")
     if cfg.workers == 1:
         from reward_service.worker import run_worker
 

@@ -58,6 +58,8 @@ class RewardConfig:
     """Drain the rollouts stream, then exit (tests, batch re-scoring)."""
     consumer: str = ""
     """Consumer-name prefix; default <hostname>-<pid>. Worker i appends -<i>."""
+    run_dir: str = "runs/reward"
+    """Where this process writes its resolved config (config.reward.json, passwords as ***)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Python logging level."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=30.0, max_deliveries=5))

@@ -13,9 +13,10 @@ calls `validate()` on every section that has one, innermost first. The style:
   `__post_init__`, and nobody else calls them: the loader does, after TOML and flags are merged.
 
 Errors are `ConfigError` (a ValueError); `load_config` turns them into `SystemExit("error: ...")`
-so that a process with a bad config exits 1 with one clear line. `from_dict` (configs handed to
-child processes as JSON) type-checks and validates the same way. `write_resolved(cfg, run_dir,
-name)` stores the result as JSON with every URL password replaced by *** (runtime/redact.py).
+so that a process with a bad config exits 1 with one clear line; so does a wrong flag, type or choice on
+the command line (runtime/cli_errors.py). `from_dict` (configs handed to child processes as JSON)
+type-checks and validates the same way. `write_resolved(cfg, run_dir, name)` stores the result as JSON
+with every URL password replaced by *** (runtime/redact.py).
 
 `apply_gpus(spec)` turns `--gpus 0-5` into CUDA_VISIBLE_DEVICES; call it before importing torch.
 """
@@ -42,22 +43,35 @@ class ConfigError(ValueError):
 
 
 def load_config(
-    cls: type[T], argv: list[str] | None = None, description: str | None = None, default: T | None = None
+    cls: type[T],
+    argv: list[str] | None = None,
+    description: str | None = None,
+    default: T | None = None,
+    prog: str | None = None,
 ) -> T:
     """Defaults (`default`, else the dataclass's) < TOML file given by --config < command-line flags,
-    then validated."""
+    then validated. `prog` names the command in --help (default: `python -m <the running package>`)."""
     import tyro
+
+    from runtime.cli_errors import one_line_errors
 
     argv = list(sys.argv[1:] if argv is None else argv)
     path, rest = _split_config_flag(argv)
     try:
         if path:
             default = read_toml(cls, path, base=default)  # default None: tyro uses the dataclass defaults
-        cfg = tyro.cli(cls, args=rest, default=default, description=description)
+        with one_line_errors(cls):
+            cfg = tyro.cli(cls, args=rest, default=default, description=description, prog=prog or main_prog())
         validate(cfg)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
     return cfg
+
+
+def main_prog() -> str | None:
+    """`python -m <package>` when this process was started with -m (else None: tyro shows argv[0])."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return f"python -m {spec.name.removesuffix('.__main__')}" if spec is not None else None
 
 
 def read_toml(cls: type[T], path: str | os.PathLike, base: T | None = None) -> T:

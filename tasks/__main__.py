@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m tasks {{{','.join(COMMANDS)}}} [--help | options]", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cls, run = COMMANDS[argv[0]]
-    config = load_config(cls, argv[1:], description=f"python -m tasks {argv[0]}: {cls.__doc__}")
+    prog = f"python -m tasks {argv[0]}"
+    config = load_config(cls, argv[1:], description=f"{prog}: {cls.__doc__}", prog=prog)
     setup_logging("INFO", "%(levelname)s %(name)s: %(message)s")
     try:
         manifest = run(config)

@@ -132,15 +132,18 @@ def row_to_record(
     row_id = str(row.get("id") if row.get("id") is not None else index)
     answer = row.get("answer")
     if answer is None or not str(answer).strip():
-        return None, "missing_answer"
+        return None, "missing_answer: " + ("no answer" if answer is None else f"blank answer {answer!r}")
     problem = row.get("problem")
     if not isinstance(problem, str) or not problem.strip():
-        return None, "missing_problem"
+        return None, "missing_problem: " + ("no problem text" if problem is None else "blank problem text")
     images = []
-    for item in row.get("images") or []:
+    items = row.get("images") or []
+    for i, item in enumerate(items):
         data = item.get("bytes") if isinstance(item, dict) else item
         if not data:
-            return None, "missing_image"
+            path = item.get("path") if isinstance(item, dict) else None
+            where = f" (path {path})" if path else ""
+            return None, f"missing_image: image {i + 1} of {len(items)} has no bytes{where}"
         images.append(bytes(data))
     try:
         record, blobs = make_record(
@@ -164,6 +167,11 @@ def row_to_record(
     return record, blobs
 
 
+def row_name(row: dict, index: int) -> str:
+    """How a skip names a row: by its `id`, by its position in the file only when it has none."""
+    return f"row id {row['id']}" if row.get("id") is not None else f"row at index {index}"
+
+
 def preprocess(config: Geo3kConfig, processor=None) -> dict:
     """Convert the parquet file into a task directory; returns the manifest dict.
 
@@ -179,7 +187,7 @@ def preprocess(config: Geo3kConfig, processor=None) -> dict:
             )
             if record is None:
                 reason, _, detail = result.partition(": ")
-                skips.skip(reason, f"row {index}", detail)
+                skips.skip(reason, row_name(row, index), detail)
                 continue
             writer.write(record, result)
         kept = dict(writer.counts)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from broker.schemas import ImageRef, PromptRecord
 
@@ -48,7 +48,7 @@ def image_ref(data: bytes) -> ImageRef:
             img.load()
             fmt, (width, height) = (img.format or "png").lower(), img.size
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad bytes
-        raise BadImage(f"undecodable image ({len(data)} bytes): {exc}") from exc
+        raise BadImage(f"undecodable image ({len(data)} bytes): {_why(exc)}") from exc
     return ImageRef(
         sha256=hashlib.sha256(data).hexdigest(), format=fmt, width=width, height=height, nbytes=len(data)
     )
@@ -60,7 +60,15 @@ def decode_image(data: bytes) -> Image.Image:
         with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")
     except Exception as exc:  # noqa: BLE001
-        raise BadImage(f"undecodable image ({len(data)} bytes): {exc}") from exc
+        raise BadImage(f"undecodable image ({len(data)} bytes): {_why(exc)}") from exc
+
+
+def _why(exc: Exception) -> str:
+    """PIL's reason, without the repr of the in-memory file it names ("cannot identify image file
+    <_io.BytesIO object at 0x...>")."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "not in an image format PIL can read"
+    return str(exc) or type(exc).__name__
 
 
 def make_record(

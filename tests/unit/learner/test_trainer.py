@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import logging
-import math
 import time
 
 import pytest
@@ -118,7 +117,7 @@ def test_learner_trains_filters_and_acks(tiny_model_dir, redis_server, names, pu
     # the engine-mismatch KL is the behaviour KL; step 2 (version 1) has no version-1 sample.
     assert lines[0]["fresh_tokens"] > 0
     assert lines[0]["mismatch_kl_fresh"] == pytest.approx(lines[0]["mismatch_kl"], rel=1e-4)
-    assert lines[1]["fresh_tokens"] == 0 and math.isnan(lines[1]["mismatch_kl_fresh"])
+    assert lines[1]["fresh_tokens"] == 0 and "mismatch_kl_fresh" not in lines[1]  # NaN: left out of the line
     assert learner.transport.pending(names.scored, Names.LEARNER) == 0  # acked after each checkpoint
     learner.close()
     assert (tmp_path / "hf" / "model.safetensors").is_file()

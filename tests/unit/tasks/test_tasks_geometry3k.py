@@ -152,3 +152,33 @@ def test_a_parquet_without_any_usable_row_is_an_error(tmp_path, tiny_processor):
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
     with pytest.raises(BadInput, match="no row became a record.*missing_answer"):
         preprocess(Geo3kConfig(input=path, out=tmp_path / "out"), processor=tiny_processor)
+
+
+def test_a_skipped_row_is_named_by_its_id_with_a_reason_and_no_buffer_repr(tmp_path, tiny_processor, caplog):
+    good = problems(1, seed=7)  # id "7-0"
+    rows = [
+        {**good[0], "id": "q-17", "images": [{"bytes": b"\x89PNG broken", "path": "y.png"}]},
+        {**good[0], "id": "q-18", "answer": None},
+        {**good[0], "id": "q-19", "answer": "  "},
+        {**good[0], "id": "q-20", "problem": ""},
+        {**good[0], "id": None, "images": [{"bytes": None, "path": "lost.png"}]},
+        good[0],
+    ]
+    path = write_split(tmp_path, "train", rows)
+    with caplog.at_level("WARNING", logger="tasks.records"):
+        preprocess(Geo3kConfig(input=path, out=tmp_path / "out"), processor=tiny_processor)
+    skips = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert [m.split(" (")[0] for m in skips] == [
+        "geometry3k: skipped row id q-17",
+        "geometry3k: skipped row id q-18",
+        "geometry3k: skipped row id q-19",
+        "geometry3k: skipped row id q-20",
+        "geometry3k: skipped row at index 4",  # no id: its position in the file
+    ]
+    for message in skips:
+        reason, _, detail = message.partition(") ")
+        assert detail.strip(), f"no reason given: {message!r}"
+        assert "BytesIO" not in message and "object at 0x" not in message, message
+    assert skips[0].endswith("undecodable image (11 bytes): not in an image format PIL can read")
+    assert skips[1].endswith("(missing_answer) no answer") and skips[2].endswith("blank answer '  '")
+    assert skips[4].endswith("image 1 of 1 has no bytes (path lost.png)")
