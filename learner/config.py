@@ -179,13 +179,14 @@ class ParallelConfig:
 
     activation_checkpointing: bool = True
     """Recompute each decoder block's activations in the backward pass."""
-    checkpoint_mode: str = "full"
-    """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
-    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/),
-    "selective:<k>" (selective on the first k decoder blocks; see policy/recompute.py) or "auto": the
-    launcher's GPU layout picks selective where the training packs fit, else full recomputation at the
-    no-grad packs' size if that runs larger packs (deploy/layout.py `plan_recompute`); a learner started on
-    its own runs selective."""
+    checkpoint_mode: Literal["full", "selective", "none", "auto"] = "full"
+    """With activation_checkpointing, what the decoder blocks recompute in the backward pass: "full" (whole
+    blocks), "selective" (only elementwise ops; the matmul and attention outputs are kept: fewer FLOPs, more
+    memory), "none", or "auto": `python -m deploy` picks selective or full for its GPU layout; a learner
+    started on its own runs selective."""
+    selective_blocks: int = 0
+    """With checkpoint_mode "selective": only the first this many decoder blocks run selective, the rest full
+    (a knob to fit a memory budget); 0 = every block."""
     vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
     compile: Literal["", "elementwise", "blocks"] = ""
@@ -208,14 +209,10 @@ class ParallelConfig:
     keeps it on the device. CPU runs ignore it."""
 
     def validate(self) -> None:
-        mode, _, blocks = self.checkpoint_mode.partition(":")
-        if self.checkpoint_mode not in ("full", "selective", "none", "auto") and not (
-            mode == "selective" and blocks.isdigit()
-        ):
-            raise ValueError(
-                f"checkpoint_mode {self.checkpoint_mode!r}: expected full, selective, none, selective:<k> "
-                "or auto"
-            )
+        if self.selective_blocks < 0:
+            raise ValueError(f"selective_blocks must be >= 0, not {self.selective_blocks}")
+        if self.selective_blocks and self.checkpoint_mode != "selective":
+            raise ValueError(f"selective_blocks needs checkpoint_mode selective, not {self.checkpoint_mode}")
 
 
 @dataclass
