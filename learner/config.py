@@ -28,7 +28,7 @@ class PpoClipLoss:
     """ppo-clip: max(-A·u, -A·clip(u, 1 - clip_low, 1 + clip_high)) on the token ratio u = π_θ/π_prox."""
 
     type: Annotated[Literal["ppo-clip"], POLICY_TYPES] = "ppo-clip"
-    """The policy loss; each has its own parameters (`--loss.policy.type gspo --help` lists gspo's)."""
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
     clip_low: float = 0.2
     """The ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.3
@@ -47,7 +47,7 @@ class GspoLoss:
     clipped or not."""
 
     type: Annotated[Literal["gspo"], POLICY_TYPES] = "gspo"
-    """The policy loss; each has its own parameters (`--loss.policy.type gspo --help` lists gspo's)."""
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
     clip_low: float = 3e-4
     """The sequence ratio is clipped below at 1 - clip_low."""
     clip_high: float = 4e-4
@@ -65,7 +65,7 @@ class CispoLoss:
     """cispo: -A · sg(clip(u)) · log π_θ; the clip bounds each token's weight and drops no gradient."""
 
     type: Annotated[Literal["cispo"], POLICY_TYPES] = "cispo"
-    """The policy loss; each has its own parameters (`--loss.policy.type gspo --help` lists gspo's)."""
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
     clip_low: float = 1.0
     """The stop-gradient weight is clipped below at 1 - clip_low (>= 1: no lower bound)."""
     clip_high: float = 3.0
@@ -81,7 +81,7 @@ class SapoLoss:
     """sapo: -A · (4/τ)·σ(τ(u-1)), a soft gate instead of a clip."""
 
     type: Annotated[Literal["sapo"], POLICY_TYPES] = "sapo"
-    """The policy loss; each has its own parameters (`--loss.policy.type gspo --help` lists gspo's)."""
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
     tau_pos: float = 1.0
     """Temperature τ of the gate for tokens with a positive advantage."""
     tau_neg: float = 1.05
@@ -100,8 +100,8 @@ class NoCorrection:
     """none: every token has weight 1 (plain PPO on π_prox)."""
 
     type: Annotated[Literal["none"], CORRECTION_TYPES] = "none"
-    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--loss.correction.type tis
-    --help` lists tis's)."""
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
 
 
 @dataclass
@@ -109,8 +109,8 @@ class DecoupledCorrection:
     """decoupled: each token is weighted by k (decoupled PPO)."""
 
     type: Annotated[Literal["decoupled"], CORRECTION_TYPES] = "decoupled"
-    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--loss.correction.type tis
-    --help` lists tis's)."""
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
     weight_cap: float = 0.0
     """Tokens whose k exceeds this get no loss; 0 keeps every token."""
 
@@ -120,8 +120,8 @@ class TisCorrection:
     """tis: each token is weighted by min(k, cap) (truncated importance sampling)."""
 
     type: Annotated[Literal["tis"], CORRECTION_TYPES] = "tis"
-    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--loss.correction.type tis
-    --help` lists tis's)."""
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
     cap: float = 2.0
     """The largest weight a token gets."""
 
@@ -131,8 +131,8 @@ class IcepopCorrection:
     """icepop: each token is weighted by k, and tokens with k outside [low, high] get no loss."""
 
     type: Annotated[Literal["icepop"], CORRECTION_TYPES] = "icepop"
-    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--loss.correction.type tis
-    --help` lists tis's)."""
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
     low: float = 0.5
     """Tokens with k below this get no loss."""
     high: float = 2.0
@@ -145,8 +145,8 @@ class GeoMaskCorrection:
     weight 1."""
 
     type: Annotated[Literal["geo_mask"], CORRECTION_TYPES] = "geo_mask"
-    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--loss.correction.type tis
-    --help` lists tis's)."""
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
     low: float = 0.99
     """Sequences whose geometric-mean k is below this get no loss."""
     high: float = 1.01

@@ -37,8 +37,7 @@ class BroadcastTransport:
     on CPU or on a shared GPU); any number of generators on any hosts."""
 
     type: Annotated[Literal["broadcast"], TRANSPORT_TYPES] = "broadcast"
-    """The weight transport; each has its own settings (`--weight-sync.transport.type cuda-ipc --help` lists
-    cuda-ipc's)."""
+    """The weight transport; each has its own settings (`--help` after the type lists the chosen one's)."""
     bucket_mb: float = 256.0
     """Size of one packed bucket in MiB; each bucket is one collective per generator."""
     checksums: bool = True
@@ -61,8 +60,7 @@ class CudaIpcTransport:
     a one-rank learner on CUDA."""
 
     type: Annotated[Literal["cuda-ipc"], TRANSPORT_TYPES] = "cuda-ipc"
-    """The weight transport; each has its own settings (`--weight-sync.transport.type cuda-ipc --help` lists
-    cuda-ipc's)."""
+    """The weight transport; each has its own settings (`--help` after the type lists the chosen one's)."""
     params_in_buffer: bool = True
     """The model's parameters live in the shared buffer, so the GPU holds the weights once and a sync copies
     nothing; the optimizer's writes then wait for a generator still copying the previous version. Applies

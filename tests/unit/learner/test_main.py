@@ -24,17 +24,17 @@ def test_relaunch_runs_this_module_under_torch_distributed():
 
 def test_relaunched_rank_reads_the_resolved_config(tmp_path, monkeypatch):
     from learner.__main__ import CONFIG_ENV, resolve
-    from learner.config import GspoLoss, IcepopCorrection, LearnerConfig
+    from learner.config import CispoLoss, IcepopCorrection, LearnerConfig
     from runtime.config import write_resolved
 
     cfg = LearnerConfig(model="/m", nproc=2)
-    cfg.loss.policy, cfg.loss.correction = GspoLoss(clip_low=0.01), IcepopCorrection(low=0.4)
+    cfg.loss.policy, cfg.loss.correction = CispoLoss(clip_high=2.0), IcepopCorrection(low=0.4)
     cfg.optim.betas = (0.8, 0.9)
     monkeypatch.setenv(CONFIG_ENV, str(write_resolved(cfg, tmp_path, "learner")))
     monkeypatch.setenv("RANK", "1")
     got = resolve(["--model", "ignored"])
     assert got.model == "/m" and tuple(got.optim.betas) == (0.8, 0.9)
-    assert (got.loss.policy, got.loss.correction) == (GspoLoss(clip_low=0.01), IcepopCorrection(low=0.4))
+    assert (got.loss.policy, got.loss.correction) == (CispoLoss(clip_high=2.0), IcepopCorrection(low=0.4))
 
 
 def test_config_resolves_without_importing_torch(tmp_path):
