@@ -211,13 +211,13 @@ def worker_pass(engine, transport, prompts: list[Prompt], tag: str, **settings):
     from broker.schemas import PromptRecord, RolloutGroup
     from generator.config import GeneratorConfig
     from generator.worker import GeneratorWorker
-    from weights.config import WeightSyncConfig
+    from weights.config import WeightReceiverConfig
 
     names = Names(f"bench-{tag}-{time.time_ns()}")
     gen_cfg = GeneratorConfig(
         broker=BrokerConfig(namespace=names.namespace),
         generator_id=f"gen-{tag}",
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightReceiverConfig(enabled=False),
         **settings,
     )
     worker = GeneratorWorker(gen_cfg, engine=engine, transport=transport)

@@ -34,7 +34,7 @@ DEFAULT_EXTRA = (
     "2",
     "--learner.algo.proximal",
     "recompute",
-    "--learner.loss.correction",
+    "--learner.loss.correction.type",
     "none",
 )
 
@@ -62,7 +62,7 @@ class BenchConfig:
     target: float = 0.8
     """Held-out accuracy whose first crossing is reported."""
     extra: tuple[str, ...] = DEFAULT_EXTRA
-    """Flags passed to every run, before `--learner.loss.policy`."""
+    """Flags passed to every run, before `--learner.loss.policy.type`."""
     runs_dir: str = "runs/losses_demo"
     """Parent of the run directories (one per policy)."""
     out: str = "bench/results/losses_demo.json"
@@ -77,7 +77,7 @@ def command(cfg: BenchConfig, policy: str) -> list[str]:
     return [
         "python", "-m", "deploy", "--max-minutes", str(cfg.max_minutes),
         "--learner.max-steps", str(cfg.max_steps), "--run-dir", run_dir,
-        *NO_METRICS_PORTS, *cfg.extra, "--learner.loss.policy", policy,
+        *NO_METRICS_PORTS, *cfg.extra, "--learner.loss.policy.type", policy,
     ]  # fmt: skip
 
 

@@ -187,14 +187,15 @@ def learner_model(cfg: BenchConfig):
 
 def run_path(i: int, path: str, model, cfg: BenchConfig, ctl, child) -> dict:
     import weights
-    from weights.config import WeightSyncConfig
+    from weights.config import BroadcastTransport, CudaIpcTransport, WeightSenderConfig
     from weights.fingerprint import layer_sums
     from weights.protocol import encode
 
     transport, layout = PATHS[path]
     cuda_ipc = transport == "cuda-ipc"
-    sync_cfg = WeightSyncConfig(transport=transport, layout=layout, send_dtype="bfloat16", timeout_s=300.0)
-    sync_cfg.keep_last = cuda_ipc  # broadcast: one-tensor buckets go out unpacked
+    # broadcast: keep no version packed (one-tensor buckets go out unpacked)
+    options = CudaIpcTransport() if cuda_ipc else BroadcastTransport(keep_last=False)
+    sync_cfg = WeightSenderConfig(transport=options, layout=layout, send_dtype="bfloat16", timeout_s=300.0)
     sender = weights.sender(sync_cfg, device=cfg.device if cuda_ipc else "cpu")
     try:
         ctl.set(f"path/{i}", encode(sender.start()))
@@ -317,7 +318,7 @@ def generator_main(ctl_port: int, ckpt: str, device: str, gpu_memory_utilization
 
 def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> None:
     import weights
-    from weights.config import WeightSyncConfig
+    from weights.config import WeightReceiverConfig
     from weights.protocol import Announcement, decode
 
     def greedy() -> tuple[list[int], list[float]]:
@@ -326,7 +327,7 @@ def serve(engine, request, ctl, i: int, announcement: bytes, device: str) -> Non
 
     before = greedy()
     a = decode(announcement, Announcement)
-    cfg = WeightSyncConfig(
+    cfg = WeightReceiverConfig(
         transport=a.transport, address=a.address, token=a.token, timeout_s=300.0, poll_s=0.0005
     )
     receiver = weights.receiver(

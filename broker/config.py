@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote
 
+from broker.stream_options import StreamOptions
 from runtime.redact import MASK
 
 if TYPE_CHECKING:
@@ -61,10 +62,7 @@ class BrokerConfig:
             raise ValueError("namespace must not be empty")
         if self.password_file and not Path(self.password_file).is_file():
             raise ValueError(f"password_file {self.password_file} does not exist")
-        if self.claim_idle_s <= 0:
-            raise ValueError(f"claim_idle_s must be > 0, got {self.claim_idle_s}")
-        if self.max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        StreamOptions(claim_idle_s=self.claim_idle_s, max_deliveries=self.max_deliveries).validate()
 
     def password(self) -> str | None:
         """password_file's first line, else the URL's own password, else $PARALLAX_BROKER_PASSWORD."""

@@ -75,6 +75,7 @@ class RedisTransport(Transport):
         **opts,
     ):
         self.options = options or StreamOptions(**opts)
+        self.options.validate()
         self.url = url
         self.credit_batch = credit_batch
         self.credit_lease_s = credit_lease_s

@@ -1,7 +1,8 @@
 """Settings and records shared by both transport implementations (Redis and ZeroMQ).
 
 `StreamOptions` holds the knobs of the transport contract (bound, reclaim, redelivery cap,
-blob expiry); `broker.connect(url, **opts)` passes its keyword options through to it.
+blob expiry); `broker.connect(url, **opts)` passes its keyword options through to it, and each
+transport checks them (`validate`) when it is made. `BrokerConfig.validate` uses the same checks.
 `DeadLetter` is what `dead_letters(stream)` returns for inspection of a dead-letter stream.
 """
 
@@ -29,7 +30,8 @@ class StreamOptions:
     """After a connection error (broker restarting, network blip) a call reconnects and retries
     with exponential back-off for this long before it raises `TransportError`; 0 fails at once."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """Raise ValueError naming the first option out of range."""
         if self.max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {self.max_len}")
         if self.max_deliveries < 1:

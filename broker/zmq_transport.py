@@ -66,6 +66,7 @@ class ZmqTransport(Transport):
         **opts,
     ):
         self.options = options or StreamOptions(**opts)
+        self.options.validate()
         self.url = url
         self.request_timeout_s = request_timeout_s
         self.credit_batch = credit_batch

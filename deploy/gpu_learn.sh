@@ -92,7 +92,7 @@ run_flags() {  # run_flags NAME: the flags a run name stands for, "_" between pa
       control) echo --task.shuffle-images ;;                 # the same with images shuffled among prompts
       lr*) echo --learner.optim.lr "${part#lr}" ;;           # another learning rate
       kl*) echo --learner.loss.kl-coef "${part#kl}" ;;       # another KL coefficient
-      *) echo --learner.loss.correction "$part" ;;           # none | decoupled | tis | icepop
+      *) echo --learner.loss.correction.type "$part" ;;      # none | decoupled | tis | icepop
     esac
   done
 }

@@ -40,7 +40,7 @@ from learner.config import (
 from reward_service.config import RewardConfig
 from runtime.metrics import MetricsConfig
 from tasks.synthetic import SyntheticTask, images_per_prompt
-from weights.config import WeightSyncConfig
+from weights.config import SENDER_TRANSPORTS, CudaIpcTransport, WeightReceiverConfig
 
 
 @dataclass
@@ -135,7 +135,7 @@ def demo_generator() -> GeneratorConfig:
         gate_poll_s=0.1,
         broker=BrokerConfig(claim_idle_s=900.0, max_deliveries=5),
         metrics=MetricsConfig(port=9201),
-        weight_sync=WeightSyncConfig(timeout_s=120.0),
+        weight_sync=WeightReceiverConfig(timeout_s=120.0),
         engine=EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=256),
         sampling=SamplingConfig(
             n=8, temperature=1.0, top_p=1.0, max_tokens=20, eval_n=1, eval_temperature=0.0, eval_top_p=1.0
@@ -244,7 +244,7 @@ def gpu_plan(
             kl=kl,
             master_weights=cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
-            params_in_buffer=cfg.learner.weight_sync.params_in_buffer,
+            params_in_buffer=shared_transport_of(cfg.learner).params_in_buffer,
             reference=reference,
         )
 
@@ -344,8 +344,15 @@ def kv_cache_gb(engine: EngineConfig, gpus: GpuPlan) -> float:
 
 
 def weight_transport_of(learner: LearnerConfig) -> str:
-    """The learner's weight transport name (its `[weight_sync]` section)."""
-    return learner.weight_sync.transport
+    """The learner's weight transport name (its `[weight_sync.transport]` section)."""
+    return learner.weight_sync.transport.type
+
+
+def shared_transport_of(learner: LearnerConfig) -> CudaIpcTransport:
+    """The cuda-ipc settings a shared-GPU layout runs with: the config's when it chose cuda-ipc, else the
+    defaults (the layout picks the transport)."""
+    transport = learner.weight_sync.transport
+    return transport if isinstance(transport, CudaIpcTransport) else CudaIpcTransport()
 
 
 def with_weight_transport(learner: LearnerConfig, transport: str) -> LearnerConfig:
@@ -355,7 +362,9 @@ def with_weight_transport(learner: LearnerConfig, transport: str) -> LearnerConf
             f"weight transport {SHARED_TRANSPORT} needs the learner and the generator on one shared GPU "
             "(--learner.gpus 0 --generator.gpus 0); this layout broadcasts: drop the transport setting"
         )
-    section = dataclasses.replace(learner.weight_sync, transport=transport)
+    if weight_transport_of(learner) == transport:
+        return learner
+    section = dataclasses.replace(learner.weight_sync, transport=SENDER_TRANSPORTS[transport]())
     return dataclasses.replace(learner, weight_sync=section)
 
 

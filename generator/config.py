@@ -17,7 +17,7 @@ from typing import Literal
 
 from broker.config import BrokerConfig
 from runtime.metrics import MetricsConfig
-from weights.config import RPC_BYTES_LIMIT, WeightSyncConfig
+from weights.config import RPC_BYTES_LIMIT, WeightReceiverConfig
 
 MIN_SEQS = 256
 """The smallest derived `max_num_seqs` (room for evaluation batches and unusual calls)."""
@@ -161,7 +161,7 @@ class GeneratorConfig:
     """The vLLM engine."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    weight_sync: WeightReceiverConfig = field(default_factory=WeightReceiverConfig)
     """Receiving the learner's weights (`[weight_sync]`; weights/config.py): by default the generator
     follows the learner's announcement on the broker; `--weight-sync.no-enabled` serves the model as is."""
 

@@ -1,7 +1,7 @@
 """The learner's configuration: one `LearnerConfig` made of small per-component dataclasses.
 
 Resolved by `runtime.config.load_config` (defaults < `--config file.toml` < CLI flags via tyro),
-e.g. `python -m learner --model PATH --loss.correction tis --algo.groups-per-step 16`.
+e.g. `python -m learner --model PATH --loss.policy.type gspo --algo.groups-per-step 16`.
 Nothing here imports torch, so `python -m learner` can parse flags (and set
 CUDA_VISIBLE_DEVICES) before torch is loaded.
 """
@@ -9,23 +9,158 @@ CUDA_VISIBLE_DEVICES) before torch is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from broker.config import BrokerConfig
 from runtime.metrics import MetricsConfig
-from weights.config import WeightSyncConfig
+from runtime.variants import choices_shown, name_of
+from weights.config import WeightSenderConfig
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-Correction = Literal["none", "decoupled", "tis", "icepop", "geo_mask"]
 Estimator = Literal["grpo", "drgrpo", "rloo"]
-PolicyLoss = Literal["ppo-clip", "gspo", "cispo", "sapo"]
 Proximal = Literal["detached", "recompute", "behaviour"]
-POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+POLICY_TYPES = choices_shown("ppo-clip", "gspo", "cispo", "sapo")
+CORRECTION_TYPES = choices_shown("none", "decoupled", "tis", "icepop", "geo_mask")
+
+
+@dataclass
+class PpoClipLoss:
+    """ppo-clip: max(-A·u, -A·clip(u, 1 - clip_low, 1 + clip_high)) on the token ratio u = π_θ/π_prox."""
+
+    type: Annotated[Literal["ppo-clip"], POLICY_TYPES] = "ppo-clip"
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
+    clip_low: float = 0.2
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.3
+    """The ratio is clipped above at 1 + clip_high (above clip_low: clip-higher)."""
+    dual_clip: float = 3.0
+    """For negative advantages the loss is capped at -A·dual_clip; <= 1 disables the cap."""
+
+    def validate(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be >= 0")
+
+
+@dataclass
+class GspoLoss:
+    """gspo: PPO-clip on one ratio per sequence, exp of its mean token log-ratio; a whole sequence is
+    clipped or not."""
+
+    type: Annotated[Literal["gspo"], POLICY_TYPES] = "gspo"
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
+    clip_low: float = 3e-4
+    """The sequence ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 4e-4
+    """The sequence ratio is clipped above at 1 + clip_high."""
+    dual_clip: float = 3.0
+    """For negative advantages the loss is capped at -A·dual_clip; <= 1 disables the cap."""
+
+    def validate(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be >= 0")
+
+
+@dataclass
+class CispoLoss:
+    """cispo: -A · sg(clip(u)) · log π_θ; the clip bounds each token's weight and drops no gradient."""
+
+    type: Annotated[Literal["cispo"], POLICY_TYPES] = "cispo"
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
+    clip_low: float = 1.0
+    """The stop-gradient weight is clipped below at 1 - clip_low (>= 1: no lower bound)."""
+    clip_high: float = 3.0
+    """The stop-gradient weight is clipped above at 1 + clip_high."""
+
+    def validate(self) -> None:
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be >= 0")
+
+
+@dataclass
+class SapoLoss:
+    """sapo: -A · (4/τ)·σ(τ(u-1)), a soft gate instead of a clip."""
+
+    type: Annotated[Literal["sapo"], POLICY_TYPES] = "sapo"
+    """The policy loss; each has its own parameters (`--help` after the type lists the chosen one's)."""
+    tau_pos: float = 1.0
+    """Temperature τ of the gate for tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """Temperature τ for the other tokens; larger shuts the gate faster as u moves away from 1."""
+
+    def validate(self) -> None:
+        if self.tau_pos <= 0 or self.tau_neg <= 0:
+            raise ValueError("tau_pos and tau_neg must be > 0")
+
+
+PolicyLoss = PpoClipLoss | GspoLoss | CispoLoss | SapoLoss
+
+
+@dataclass
+class NoCorrection:
+    """none: every token has weight 1 (plain PPO on π_prox)."""
+
+    type: Annotated[Literal["none"], CORRECTION_TYPES] = "none"
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
+
+
+@dataclass
+class DecoupledCorrection:
+    """decoupled: each token is weighted by k (decoupled PPO)."""
+
+    type: Annotated[Literal["decoupled"], CORRECTION_TYPES] = "decoupled"
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
+    weight_cap: float = 0.0
+    """Tokens whose k exceeds this get no loss; 0 keeps every token."""
+
+
+@dataclass
+class TisCorrection:
+    """tis: each token is weighted by min(k, cap) (truncated importance sampling)."""
+
+    type: Annotated[Literal["tis"], CORRECTION_TYPES] = "tis"
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
+    cap: float = 2.0
+    """The largest weight a token gets."""
+
+
+@dataclass
+class IcepopCorrection:
+    """icepop: each token is weighted by k, and tokens with k outside [low, high] get no loss."""
+
+    type: Annotated[Literal["icepop"], CORRECTION_TYPES] = "icepop"
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
+    low: float = 0.5
+    """Tokens with k below this get no loss."""
+    high: float = 2.0
+    """Tokens with k above this get no loss."""
+
+
+@dataclass
+class GeoMaskCorrection:
+    """geo_mask: a sequence whose geometric-mean k is outside [low, high] gets no loss, the others
+    weight 1."""
+
+    type: Annotated[Literal["geo_mask"], CORRECTION_TYPES] = "geo_mask"
+    """The off-policy correction of k = π_prox/μ; each has its own parameters (`--help` after the type lists
+    the chosen one's)."""
+    low: float = 0.99
+    """Sequences whose geometric-mean k is below this get no loss."""
+    high: float = 1.01
+    """Sequences whose geometric-mean k is above this get no loss."""
+
+
+Correction = NoCorrection | DecoupledCorrection | TisCorrection | IcepopCorrection | GeoMaskCorrection
+POLICY_LOSSES: tuple[str, ...] = tuple(name_of(cls) for cls in get_args(PolicyLoss))
+CORRECTIONS: tuple[str, ...] = tuple(name_of(cls) for cls in get_args(Correction))
 POLICY_CORRECTIONS: dict[str, tuple[str, ...]] = {
-    "ppo-clip": get_args(Correction),
+    "ppo-clip": CORRECTIONS,
     "gspo": ("none", "geo_mask"),
     "cispo": ("none", "tis", "icepop", "geo_mask"),
-    "sapo": get_args(Correction),
+    "sapo": CORRECTIONS,
 }
 """The off-policy corrections each policy loss can be combined with (docs/algorithms.md, "Policy losses"):
 GSPO's ratio is one per sequence, so only sequence-level rejection fits it (a per-token weight brings back the
@@ -35,69 +170,31 @@ k on top of it would undo the truncation (tis and icepop keep it bounded)."""
 
 @dataclass
 class LossConfig:
-    """Policy loss (PPO-clip, GSPO, CISPO, SAPO), off-policy correction, regularisers (learner/losses.py)."""
+    """Policy loss, off-policy correction and regularisers (learner/losses.py)."""
 
-    policy: PolicyLoss = "ppo-clip"
-    """The policy-gradient surrogate on u = π_θ/π_prox: ppo-clip (token ratio, hard clip), gspo (one ratio per
-    sequence, exp of the mean token log-ratio, clipped per sequence), cispo (clipped stop-gradient ratio times
-    log π_θ), sapo (sigmoid soft gate instead of a clip). Corrections each takes: POLICY_CORRECTIONS."""
-    clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.3
-    """ε_high: the ratio is clipped above at 1 + clip_high (clip-higher when > clip_low)."""
-    dual_clip: float = 3.0
-    """Dual-clip constant c for negative advantages (loss capped at -A·c); <= 1 disables. ppo-clip and gspo
-    only (cispo and sapo have no clipped surrogate to cap)."""
-    gspo_clip_low: float = 3e-4
-    """gspo: the sequence ratio is clipped below at 1 - gspo_clip_low (GSPO paper: 3e-4)."""
-    gspo_clip_high: float = 4e-4
-    """gspo: the sequence ratio is clipped above at 1 + gspo_clip_high (GSPO paper: 4e-4)."""
-    cispo_clip_low: float = 1.0
-    """cispo: the stop-gradient weight is clipped below at 1 - cispo_clip_low (>= 1: no lower bound, as
-    MiniMax-M1)."""
-    cispo_clip_high: float = 3.0
-    """cispo: the stop-gradient weight is clipped above at 1 + cispo_clip_high (3: at most 4, Tinker's
-    default)."""
-    sapo_tau_pos: float = 1.0
-    """sapo: temperature τ of the gate (4/τ)·σ(τ(u-1)) for tokens with A > 0 (SAPO paper: 1.0)."""
-    sapo_tau_neg: float = 1.05
-    """sapo: temperature for A <= 0; larger decays faster off-policy (SAPO paper: 1.05, >= sapo_tau_pos)."""
+    policy: PolicyLoss = field(default_factory=PpoClipLoss)
+    """The policy-gradient surrogate on u = π_θ/π_prox and its parameters: `[loss.policy] type = "gspo"`,
+    `--loss.policy.type gspo`."""
+    correction: Correction = field(default_factory=DecoupledCorrection)
+    """The off-policy correction of k = π_prox/μ and its parameters: `[loss.correction] type = "tis"`,
+    `--loss.correction.type tis`. Which ones each policy loss takes: POLICY_CORRECTIONS."""
     aggregation: Aggregation = "token-mean"
     """How token losses become the batch loss; seq-mean-token-sum-norm is Dr.GRPO's constant normaliser."""
     norm_length: int = 1024
     """The constant length of seq-mean-token-sum-norm (Dr.GRPO: the maximum response length)."""
-    correction: Correction = "decoupled"
-    """Off-policy correction of k = π_prox/μ: none, decoupled PPO, truncated IS, IcePop, geometric mask."""
-    behav_weight_cap: float = 0.0
-    """decoupled: tokens whose k exceeds this are masked out (AReaL's cap); 0 disables."""
-    tis_cap: float = 2.0
-    """tis: the weight is min(k, tis_cap)."""
-    icepop_low: float = 0.5
-    """icepop: tokens with k below this are masked."""
-    icepop_high: float = 2.0
-    """icepop: tokens with k above this are masked."""
-    geo_low: float = 0.99
-    """geo_mask: a sequence whose geometric-mean k is below this is masked."""
-    geo_high: float = 1.01
-    """geo_mask: a sequence whose geometric-mean k is above this is masked."""
     kl_coef: float = 0.0
     """Weight of low_var_kl to the frozen reference policy (0 = no reference model is loaded)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
 
     def validate(self) -> None:
-        takes = POLICY_CORRECTIONS[self.policy]
-        if self.correction not in takes:
+        """The one place where a policy loss refuses a correction."""
+        takes = POLICY_CORRECTIONS[self.policy.type]
+        if self.correction.type not in takes:
             raise ValueError(
-                f"policy={self.policy} cannot take correction={self.correction}; "
+                f"policy={self.policy.type} cannot take correction={self.correction.type}; "
                 f"it takes one of {takes} (why: learner/config.py POLICY_CORRECTIONS)"
             )
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("clip_low and clip_high must be >= 0")
-        if min(self.gspo_clip_low, self.gspo_clip_high, self.cispo_clip_low, self.cispo_clip_high) < 0:
-            raise ValueError("gspo_clip_low/high and cispo_clip_low/high must be >= 0")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
 
 
 @dataclass
@@ -179,13 +276,14 @@ class ParallelConfig:
 
     activation_checkpointing: bool = True
     """Recompute each decoder block's activations in the backward pass."""
-    checkpoint_mode: str = "full"
-    """With activation_checkpointing: "full" (recompute whole blocks), "selective" (keep matmul and attention
-    outputs, recompute only elementwise ops: ~1/3 fewer FLOPs, more memory; bench/results/),
-    "selective:<k>" (selective on the first k decoder blocks; see policy/recompute.py) or "auto": the
-    launcher's GPU layout picks selective where the training packs fit, else full recomputation at the
-    no-grad packs' size if that runs larger packs (deploy/gpus/layout.py); a learner started on
-    its own runs selective."""
+    checkpoint_mode: Literal["full", "selective", "none", "auto"] = "full"
+    """With activation_checkpointing, what the decoder blocks recompute in the backward pass: "full" (whole
+    blocks), "selective" (only elementwise ops; the matmul and attention outputs are kept: fewer FLOPs, more
+    memory), "none", or "auto": `python -m deploy` picks selective or full for its GPU layout; a learner
+    started on its own runs selective."""
+    selective_blocks: int = 0
+    """With checkpoint_mode "selective": only the first this many decoder blocks run selective, the rest full
+    (a knob to fit a memory budget); 0 = every block."""
     vision_checkpoint_mode: Literal["full", "selective", "none"] = "full"
     """The same choice for the vision tower's blocks ("full", "selective" or "none")."""
     compile: Literal["", "elementwise", "blocks"] = ""
@@ -208,14 +306,10 @@ class ParallelConfig:
     keeps it on the device. CPU runs ignore it."""
 
     def validate(self) -> None:
-        mode, _, blocks = self.checkpoint_mode.partition(":")
-        if self.checkpoint_mode not in ("full", "selective", "none", "auto") and not (
-            mode == "selective" and blocks.isdigit()
-        ):
-            raise ValueError(
-                f"checkpoint_mode {self.checkpoint_mode!r}: expected full, selective, none, selective:<k> "
-                "or auto"
-            )
+        if self.selective_blocks < 0:
+            raise ValueError(f"selective_blocks must be >= 0, not {self.selective_blocks}")
+        if self.selective_blocks and self.checkpoint_mode != "selective":
+            raise ValueError(f"selective_blocks needs checkpoint_mode selective, not {self.checkpoint_mode}")
 
 
 @dataclass
@@ -337,13 +431,13 @@ class LearnerConfig:
     """Prompt feeding."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Periodic evaluation."""
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport cuda-ipc`;
+    weight_sync: WeightSenderConfig = field(default_factory=WeightSenderConfig)
+    """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport.type cuda-ipc`;
     weights/config.py)."""
 
     def validate(self) -> None:
         """Rules across sections (each section checks its own fields)."""
-        if self.loss.correction != "none" and self.algo.proximal == "behaviour":
+        if self.loss.correction.type != "none" and self.algo.proximal == "behaviour":
             raise ValueError(
-                f"loss.correction={self.loss.correction} needs a learner-side π_prox (algo.proximal)"
+                f"loss.correction={self.loss.correction.type} needs a learner-side π_prox (algo.proximal)"
             )

@@ -6,11 +6,11 @@ proximal logprob log π_prox (the learner's policy before this optimizer step; `
 "not recomputed", then π_prox := μ), the sequence's advantage and the sequence index.
 
 Per token, with u = π_θ/π_prox and k = π_prox/μ (engine mismatch + staleness), the surrogate pg
-of `LossConfig.policy` (sg = stop-gradient):
+of `LossConfig.policy` (its `type`; ε and τ are that variant's parameters; sg = stop-gradient):
     ppo-clip : pg = max(-A·u, -A·clip(u, 1-ε_low, 1+ε_high))     clip-higher (DAPO)
     gspo     : the same on s = sg(S)·u/sg(u), S = exp(mean_seq log u) (GSPO-token: every token
                carries its sequence's ratio S and the gradient of its own log π_θ), clipped by
-               gspo_clip_low/high, so a whole sequence is in or out of the trust region
+               GspoLoss's clip_low/high, so a whole sequence is in or out of the trust region
     cispo    : pg = -A · sg(clip(u, 1-ε_low^IS, 1+ε_high^IS)) · log π_θ   (MiniMax-M1)
     sapo     : pg = -A · (4/τ)·σ(τ·(u-1)),  τ = τ_pos if A > 0 else τ_neg   (soft gate, Qwen)
     ppo-clip and gspo: pg = min(pg, -A·c) where A < 0            dual clip (c > 1; 0 disables)
@@ -18,12 +18,12 @@ of `LossConfig.policy` (sg = stop-gradient):
 At u = 1 (one optimizer step per batch with π_prox detached) all four have the gradient -A·∇log π_θ;
 they differ once π_θ moves away from π_prox (mini-batches, recomputed π_prox). GSPO's paper
 aggregates seq-mean-token-mean (then each sequence weighs the same, whatever its length).
-The off-policy weight w is chosen by `LossConfig.correction`:
+The off-policy weight w is chosen by `LossConfig.correction` (its `type`, with that variant's parameters):
     none      : w = 1 (naive PPO on π_prox, or on μ when π_prox is not recomputed)
-    decoupled : w = k (AReaL); tokens with k > `behav_weight_cap` (when > 0) get w = 0
-    tis       : w = min(k, C)                                  truncated IS (Yao et al.)
-    icepop    : w = k if α ≤ k ≤ β else 0                       IcePop's M(k)
-    geo_mask  : w = 1 if lo ≤ exp(mean_seq log k) ≤ hi else 0   whole sequence rejected
+    decoupled : w = k (AReaL); tokens with k > `weight_cap` (when > 0) get w = 0
+    tis       : w = min(k, cap)                                 truncated IS (Yao et al.)
+    icepop    : w = k if low ≤ k ≤ high else 0                  IcePop's M(k)
+    geo_mask  : w = 1 if low ≤ exp(mean_seq log k) ≤ high else 0 whole sequence rejected
 w is a constant (no gradient flows through it). Which corrections each policy takes, and why:
 learner/config.py POLICY_CORRECTIONS (checked by LossConfig.validate).
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.config import POLICY_LOSSES, LossConfig
+from learner.config import POLICY_LOSSES, CispoLoss, GspoLoss, LossConfig, PpoClipLoss, SapoLoss
 
 
 @dataclass
@@ -103,29 +103,30 @@ def seq_mean(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
 
 def off_policy_weight(cfg: LossConfig, log_k: Tensor, batch: TokenBatch) -> Tensor:
     """The constant per-token weight w of `cfg.correction` from log k = log π_prox - log μ."""
-    if cfg.correction == "none":
+    corr = cfg.correction
+    if corr.type == "none":
         return torch.ones_like(log_k)
     k = log_k.clamp(-20.0, 20.0).exp()
-    if cfg.correction == "decoupled":
-        if cfg.behav_weight_cap > 0:
-            return torch.where(k > cfg.behav_weight_cap, torch.zeros_like(k), k)
+    if corr.type == "decoupled":
+        if corr.weight_cap > 0:
+            return torch.where(k > corr.weight_cap, torch.zeros_like(k), k)
         return k
-    if cfg.correction == "tis":
-        return k.clamp(max=cfg.tis_cap)
-    if cfg.correction == "icepop":
-        keep = (k >= cfg.icepop_low) & (k <= cfg.icepop_high)
+    if corr.type == "tis":
+        return k.clamp(max=corr.cap)
+    if corr.type == "icepop":
+        keep = (k >= corr.low) & (k <= corr.high)
         return torch.where(keep, k, torch.zeros_like(k))
-    if cfg.correction == "geo_mask":
+    if corr.type == "geo_mask":
         geo = seq_mean(log_k, batch.seq_index, batch.num_seqs).exp()
-        keep_seq = (geo >= cfg.geo_low) & (geo <= cfg.geo_high)
+        keep_seq = (geo >= corr.low) & (geo <= corr.high)
         return keep_seq[batch.seq_index].to(log_k.dtype)
-    raise ValueError(f"unknown correction {cfg.correction!r} (learner.config.Correction)")
+    raise ValueError(f"unknown correction {corr.type!r} (learner.config.Correction)")
 
 
-def _clipped(cfg: LossConfig, ratio: Tensor, adv: Tensor, low: float, high: float):
+def _clipped(cfg: PpoClipLoss | GspoLoss, ratio: Tensor, adv: Tensor):
     """max(-A·r, -A·clip(r)) with the dual clip: (pg, clipped mask, dual-clip mask)."""
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    pg_clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     clipped = pg_clipped > pg_unclipped
     dual_active = torch.zeros_like(pg, dtype=torch.bool)
@@ -136,35 +137,33 @@ def _clipped(cfg: LossConfig, ratio: Tensor, adv: Tensor, low: float, high: floa
     return pg, clipped, dual_active
 
 
-def ppo_clip_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+def ppo_clip_surrogate(cfg: PpoClipLoss, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
     """PPO-clip on the token ratio u: (pg, ratio, clipped mask, dual-clip mask)."""
     ratio = log_u.exp()
-    pg, clipped, dual_active = _clipped(cfg, ratio, adv, cfg.clip_low, cfg.clip_high)
+    pg, clipped, dual_active = _clipped(cfg, ratio, adv)
     return pg, ratio, clipped, dual_active
 
 
-def gspo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+def gspo_surrogate(cfg: GspoLoss, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
     """GSPO-token: the sequence ratio exp(mean log u) as each token's value, its own log u's gradient."""
     log_seq = seq_mean(log_u.detach(), batch.seq_index, batch.num_seqs)[batch.seq_index]
     ratio = (log_seq + log_u - log_u.detach()).exp()
-    pg, clipped, dual_active = _clipped(cfg, ratio, adv, cfg.gspo_clip_low, cfg.gspo_clip_high)
+    pg, clipped, dual_active = _clipped(cfg, ratio, adv)
     return pg, ratio, clipped, dual_active
 
 
-def cispo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+def cispo_surrogate(cfg: CispoLoss, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
     """CISPO: -A · sg(clip(u)) · log π_θ; the clip bounds the weight and never zeroes a gradient."""
     ratio = log_u.detach().exp()
-    weight = ratio.clamp(1.0 - cfg.cispo_clip_low, 1.0 + cfg.cispo_clip_high)
+    weight = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     clipped = weight != ratio
     return -adv * weight * logp, ratio, clipped, torch.zeros_like(clipped)
 
 
-def sapo_surrogate(cfg: LossConfig, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
+def sapo_surrogate(cfg: SapoLoss, log_u: Tensor, logp: Tensor, adv: Tensor, batch: TokenBatch):
     """SAPO: -A · (4/τ)·σ(τ(u-1)), with gradient -A·u·4σ(1-σ)·∇log π_θ (= -A·∇log π_θ at u = 1)."""
     ratio = log_u.exp()
-    tau = torch.where(
-        adv > 0, torch.full_like(ratio, cfg.sapo_tau_pos), torch.full_like(ratio, cfg.sapo_tau_neg)
-    )
+    tau = torch.where(adv > 0, torch.full_like(ratio, cfg.tau_pos), torch.full_like(ratio, cfg.tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     none = torch.zeros_like(ratio, dtype=torch.bool)
     return -adv * gate, ratio, none, none
@@ -176,7 +175,8 @@ SURROGATES = {
     "cispo": cispo_surrogate,
     "sapo": sapo_surrogate,
 }
-"""`LossConfig.policy` -> its surrogate; each returns (pg, ratio, clipped mask, dual-clip mask) per token."""
+"""`LossConfig.policy.type` -> its surrogate, called with that variant; each returns (pg, ratio, clipped mask,
+dual-clip mask) per token."""
 
 
 def _aggregate(cfg: LossConfig, token_loss: Tensor, batch: TokenBatch, denom: float) -> Tensor:
@@ -200,10 +200,10 @@ def policy_loss(
         denom = loss_denominator(cfg, logp.numel(), batch.num_seqs)
 
     log_u = (logp - prox).clamp(-20.0, 20.0)
-    surrogate = SURROGATES.get(cfg.policy)
+    surrogate = SURROGATES.get(cfg.policy.type)
     if surrogate is None:
-        raise ValueError(f"unknown policy loss {cfg.policy!r}; choose one of {POLICY_LOSSES}")
-    pg, ratio, clipped, dual_active = surrogate(cfg, log_u, logp, adv, batch)
+        raise ValueError(f"unknown policy loss {cfg.policy.type!r}; choose one of {POLICY_LOSSES}")
+    pg, ratio, clipped, dual_active = surrogate(cfg.policy, log_u, logp, adv, batch)
 
     weight = off_policy_weight(cfg, (prox - behav).detach(), batch).detach()
     token_loss = weight * pg

@@ -84,11 +84,14 @@ def distributed() -> bool:
 
 
 def text_checkpoint_mode(cfg: ParallelConfig) -> str:
-    """The decoder blocks' recompute mode: the config's, with "auto" (which the launcher's layout resolves
-    before the learner starts) run as selective by a learner started on its own."""
+    """The decoder blocks' recompute mode (policy/recompute.py `parse_mode`): the config's, "selective:<k>"
+    for selective on the first k blocks, and "auto" (which the launcher's layout resolves before the learner
+    starts) run as selective by a learner started on its own."""
     if cfg.checkpoint_mode == "auto":
         log.info("checkpoint_mode auto outside a launcher's GPU layout: selective recomputation")
         return "selective"
+    if cfg.checkpoint_mode == "selective" and cfg.selective_blocks:
+        return f"selective:{cfg.selective_blocks}"
     return cfg.checkpoint_mode
 
 

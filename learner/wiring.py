@@ -124,9 +124,9 @@ def build_sender(learner):
     import weights
     from weights.follow import broker_publisher
 
-    if cfg.transport == "cuda-ipc" and learner.info.world_size != 1:
+    if cfg.transport.type == "cuda-ipc" and learner.info.world_size != 1:
         raise ValueError(
-            f"weight_sync.transport = cuda-ipc needs a one-rank learner (this one has "
+            f"weight_sync.transport cuda-ipc needs a one-rank learner (this one has "
             f"{learner.info.world_size} ranks); use broadcast"
         )
     sender = weights.sender(

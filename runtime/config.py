@@ -10,7 +10,10 @@ calls `validate()` on every section that has one, innermost first. The style:
   other value, naming the field and the allowed values;
 * a wrong type in a TOML file is an error naming the file, the key and the expected type;
 * cross-field rules live in the section's `validate()` (raise ValueError), never in
-  `__post_init__`, and nobody else calls them: the loader does, after TOML and flags are merged.
+  `__post_init__`, and nobody else calls them: the loader does, after TOML and flags are merged;
+* settings that exist only for one variant of something (one policy loss, one weight transport)
+  live in that variant's own dataclass, and the field is a union of them picked by `type`
+  (runtime/variants.py): `[loss.policy] type = "gspo"` in TOML, `--loss.policy.type gspo` as a flag.
 
 Errors are `ConfigError` (a ValueError); `load_config` turns them into `SystemExit("error: ...")`
 so that a process with a bad config exits 1 with one clear line; so does a wrong flag, type or choice on
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Literal, TypeVar, Union
 
 from runtime.redact import redact_tree
+from runtime.variants import choose, pick, variants
 
 T = TypeVar("T")
 
@@ -59,9 +63,20 @@ def load_config(
     path, rest = _split_config_flag(argv)
     try:
         if path:
-            default = read_toml(cls, path, base=default)  # default None: tyro uses the dataclass defaults
+            default = read_toml(cls, path, base=default)
+        if default is None and not _required(cls):
+            default = build(cls, {})
+        if default is not None:
+            default, rest = _choose(default, rest)
         with one_line_errors(cls):
-            cfg = tyro.cli(cls, args=rest, default=default, description=description, prog=prog or main_prog())
+            cfg = tyro.cli(
+                cls,
+                args=rest,
+                default=default,
+                description=description,
+                prog=prog or main_prog(),
+                config=(tyro.conf.AvoidSubcommands,),
+            )
         validate(cfg)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -110,17 +125,47 @@ def build(cls: type[T], data: dict, source: str = "", prefix: str = "", base: T 
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if dataclasses.is_dataclass(hint) or variants(hint):
             section = getattr(base, key) if base is not None else _field_default(fields[key])
-            kwargs[key] = build(hint, value, source, prefix + key + ".", base=section)
+            build_section = build_variant if variants(hint) else build
+            kwargs[key] = build_section(hint, value, source, prefix + key + ".", base=section)
         else:
             kwargs[key] = _convert(value, hint, prefix + key, source)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
-    missing = [n for n, f in fields.items() if n not in data and _field_default(f) is dataclasses.MISSING]
+    missing = [name for name in _required(cls) if name not in data]
     if missing:
         raise ConfigError(f"{where}missing config keys {[prefix + name for name in missing]}")
     return cls(**kwargs)
+
+
+def _choose(default: T, argv: list[str]) -> tuple[T, list[str]]:
+    """`default` with the variants that flags like `--loss.policy.type gspo` pick (tyro then parses the
+    chosen variant's fields), and the flags left for tyro."""
+    try:
+        return choose(default, argv)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _required(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if _field_default(f) is dataclasses.MISSING]
+
+
+def build_variant(hint, data, source: str, prefix: str, base=None):
+    """The variant of the union `hint` that `data["type"]` names (else `base`'s), built over `base` when
+    it is that variant, else from the variant's defaults; a bare string is short for {"type": it}."""
+    choices = variants(hint)
+    data = {"type": data} if isinstance(data, str) else data
+    if not isinstance(data, dict):
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}{prefix.rstrip('.')}: expected a table, got {_kind(data)}")
+    name = data.get("type", getattr(base, "type", None))
+    try:
+        variant = pick(choices, name, f"{source + ': ' if source else ''}{prefix}type")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return build(variant, data, source, prefix, base=base if isinstance(base, variant) else None)
 
 
 def _field_default(f: dataclasses.Field):

@@ -1,7 +1,8 @@
 """Parallax weight sync: the only code that moves policy versions from the learner to the generators.
 
 `weights.sender(cfg, ...)` and `weights.receiver(cfg, ...)` return the `WeightSender` /
-`WeightReceiver` (weights/interface.py) of `cfg.transport` (a `weights.config.WeightSyncConfig`):
+`WeightReceiver` (weights/interface.py) of the configured transport (the learner's
+`weights.config.WeightSenderConfig.transport`, a generator's `WeightReceiverConfig`):
     broadcast   bucketed collectives on a 2-rank group per generator: NCCL between GPUs, gloo on CPU
                 (weights/broadcast_sender.py, weights/broadcast_receiver.py);
     cuda-ipc    one packed buffer on the learner's GPU, read in place by generators on this host
@@ -10,7 +11,7 @@ Shared by both: the wire (weights/protocol.py), packed layouts and views (weight
 in place (weights/inplace.py), the token-checked rendezvous (weights/rendezvous.py,
 weights/membership.py), the broker announcement (weights/follow.py) and applying a version to vLLM
 (weights/vllm_apply.py, in vLLM's worker weights/vllm_worker.py). Nothing is imported
-until a factory is called. The factories take a checked `WeightSyncConfig`: each process validates
+until a factory is called. The factories take a checked config: each process validates
 its config once, where it loads it (runtime.config.load_config / from_dict). How this compares with
 vLLM's own weight-transfer engines (`vllm.distributed.weight_transfer`), and why both transports are
 ours: docs/weights.md.
@@ -29,38 +30,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from weights.config import TRANSPORTS, WeightSyncConfig
+from weights.config import TRANSPORTS, WeightReceiverConfig, WeightSenderConfig
 
 if TYPE_CHECKING:
     from weights.interface import ApplyFn, Resolve, WeightReceiver, WeightSender
     from weights.membership import Publish
 
-__all__ = ["TRANSPORTS", "WeightSyncConfig", "sender", "receiver"]
+__all__ = ["TRANSPORTS", "WeightReceiverConfig", "WeightSenderConfig", "sender", "receiver"]
 
 
 def sender(
-    cfg: WeightSyncConfig, *, publish: Publish | None = None, rank: int = 0, device="cpu"
+    cfg: WeightSenderConfig, *, publish: Publish | None = None, rank: int = 0, device="cpu"
 ) -> WeightSender:
     """The learner's sender of `cfg.transport` (not started). `rank`: this training rank (0 sends);
     `device`: the learner's device (cuda -> NCCL / cuda-ipc; cpu -> gloo). `cfg` is checked where it is
-    loaded (runtime.config); only a transport name outside TRANSPORTS is refused here."""
-    if cfg.transport not in TRANSPORTS:
-        raise ValueError(f"unknown weight-sync transport {cfg.transport!r} (known: {TRANSPORTS})")
-    if cfg.transport == "broadcast":
+    loaded (runtime.config)."""
+    if cfg.transport.type == "broadcast":
         from weights.broadcast_sender import BroadcastSender
 
         return BroadcastSender(cfg, publish=publish, rank=rank, device=device)
     import torch
 
     if torch.device(device).type != "cuda":
-        raise ValueError("weight_sync.transport = cuda-ipc needs the learner on a CUDA GPU")
+        raise ValueError("weight_sync.transport cuda-ipc needs the learner on a CUDA GPU")
     from weights.ipc_sender import IpcSender
 
     return IpcSender(cfg, publish=publish, rank=rank, device=device)
 
 
 def receiver(
-    cfg: WeightSyncConfig,
+    cfg: WeightReceiverConfig,
     generator_id: str,
     *,
     resolve: Resolve | None = None,

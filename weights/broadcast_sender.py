@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weights.config import WeightSyncConfig
+from weights.config import BroadcastTransport, WeightSenderConfig
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, checksum, pack_bucket, plan_layout, trailer
 from weights.membership import Member, Publish
@@ -49,7 +49,7 @@ class BroadcastSender(WeightSender):
 
     def __init__(
         self,
-        config: WeightSyncConfig,
+        config: WeightSenderConfig,
         *,
         publish: Publish | None = None,
         rank: int = 0,
@@ -57,6 +57,7 @@ class BroadcastSender(WeightSender):
     ):
         """`device`: where buckets are packed: a CUDA device selects NCCL, the CPU gloo."""
         super().__init__(config, publish=publish, rank=rank)
+        self.options: BroadcastTransport = config.transport
         self._device = torch.device(device)
         self._backend = "nccl" if self._device.type == "cuda" else "gloo"
         self._uuid = device_uuid(self._device)
@@ -75,14 +76,14 @@ class BroadcastSender(WeightSender):
         if self._wire is None or self._wire.model is not model:
             self._wire = WireTensors(model, self.config.send_dtype, self.config.layout, self.transport)
         tensors = self._wire.tensors()
-        layout = plan_layout(self._wire.entries, self.config.bucket_bytes)
+        layout = plan_layout(self._wire.entries, self.options.bucket_bytes)
         if self._rank != 0:
             for b in range(len(layout.bucket_nbytes)):
                 for i in layout.bucket_members(b):
                     self._wire.gather(tensors, i)
             return SyncReport(version, step, 0, time.perf_counter() - t0)
-        manifest = self._wire.manifest(layout, version, step, self.config.checksums)
-        keep = self.config.keep_last
+        manifest = self._wire.manifest(layout, version, step, self.options.checksums)
+        keep = self.options.keep_last
         with self._membership.lock:
             self._kept = None
             members = self._membership.live()
@@ -100,7 +101,7 @@ class BroadcastSender(WeightSender):
                     buf = self._bucket_buffer(b, nbytes)
                     pack_bucket(buf, specs, whole)
                     buffers.append(buf)
-                return buf, checksum(buf) if self.config.checksums else 0
+                return buf, checksum(buf) if self.options.checksums else 0
 
             sums = self._stream(members, manifest, produce)
             if keep:
@@ -113,7 +114,7 @@ class BroadcastSender(WeightSender):
     def _bucket_buffer(self, b: int, nbytes: int) -> torch.Tensor:
         """One buffer per bucket when the version is kept, else one of two alternating staging buffers;
         both are reused from sync to sync (fresh host memory costs page faults that outweigh the copy)."""
-        slot = b if self.config.keep_last else b % 2
+        slot = b if self.options.keep_last else b % 2
         while len(self._staging) <= slot:
             self._staging.append(torch.empty(0, dtype=torch.uint8, device=self._device))
         if self._staging[slot].numel() < nbytes:

@@ -2,7 +2,7 @@
 
 The learner publishes an `Announcement` (transport, rendezvous "host:port", the run's token) under
 `names.weight_sync_address` (`broker_publisher`); generators read it (`broker_resolver`). With
-`WeightSyncConfig.address = ""` a generator's receiver is a `FollowingReceiver`: it builds the
+`WeightReceiverConfig.address = ""` a generator's receiver is a `FollowingReceiver`: it builds the
 receiver of the announced transport when the learner first appears, and rebuilds it if a restarted
 learner announces the other one, so generators need no setting that must match the learner's.
 """

@@ -1,7 +1,7 @@
 """The two interfaces of weight sync, `WeightSender` and `WeightReceiver`, and what they hand over.
 
 Every transport implements both (weights/broadcast_*.py, weights/ipc_*.py); `weights.sender(cfg)` and
-`weights.receiver(cfg, ...)` pick one by `WeightSyncConfig.transport`. The contract:
+`weights.receiver(cfg, ...)` pick one by the configured transport. The contract:
 
   sender.start()                      -> Announcement (also published through `publish`)
   sender.sync(model, version, step)   -> SyncReport, once every live generator can read the version
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weights.config import WeightSyncConfig
+from weights.config import WeightReceiverConfig, WeightSenderConfig
 from weights.manifest import views
 from weights.membership import Member, Membership, Publish
 from weights.protocol import Announcement, Manifest
@@ -131,7 +131,7 @@ class WeightSender(abc.ABC):
 
     transport: str
 
-    def __init__(self, config: WeightSyncConfig, *, publish: Publish | None = None, rank: int = 0):
+    def __init__(self, config: WeightSenderConfig, *, publish: Publish | None = None, rank: int = 0):
         self.config = config
         self._rank = rank
         self._membership = Membership(
@@ -183,7 +183,7 @@ class WeightReceiver(abc.ABC):
 
     def __init__(
         self,
-        config: WeightSyncConfig,
+        config: WeightReceiverConfig,
         generator_id: str,
         *,
         resolve: Resolve | None = None,

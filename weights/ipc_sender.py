@@ -14,8 +14,8 @@ reads a half-written version; a generator holds its lock ("reader") only from `p
 `lock_timeout_s` is dropped ("dropped"; it rejoins by itself). A generator that joins late reads
 the current version at once. Needs a one-rank learner on CUDA.
 
-Parameters in the buffer (`weight_sync.params_in_buffer`, the default): after the first pack, every plain
-parameter whose dtype is the wire's (bf16 parameters: master weights in host memory) is pointed at its
+Parameters in the buffer (`weight_sync.transport.params_in_buffer`, the default): after the first pack, every
+plain parameter whose dtype is the wire's (bf16 parameters: master weights in host memory) is pointed at its
 view of the buffer, as FSDP1 did with its flat parameter. The GPU then holds the weights once (2 bytes a
 parameter less: 15.4 GiB at 7B) and a sync copies only what did not move. The optimizer then writes
 straight into what generators read, so the learner takes every lock before its first write of a version
@@ -35,7 +35,7 @@ import time
 import torch
 
 from weights import ipc
-from weights.config import WeightSyncConfig
+from weights.config import CudaIpcTransport, WeightSenderConfig
 from weights.inplace import copy_all
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, full, one_buffer, tensor_view
@@ -52,11 +52,12 @@ class IpcSender(WeightSender):
     transport = "cuda-ipc"
 
     def __init__(
-        self, config: WeightSyncConfig, *, publish: Publish | None = None, rank: int = 0, device=None
+        self, config: WeightSenderConfig, *, publish: Publish | None = None, rank: int = 0, device=None
     ):
         if rank != 0:
-            raise WeightSyncError("weight_sync.transport = cuda-ipc needs a one-rank learner; use broadcast")
+            raise WeightSyncError("weight_sync.transport cuda-ipc needs a one-rank learner; use broadcast")
         super().__init__(config, publish=publish, rank=rank)
+        self.options: CudaIpcTransport = config.transport
         self._wire: WireTensors | None = None
         self._buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
@@ -99,7 +100,7 @@ class IpcSender(WeightSender):
             t1 = time.perf_counter()
             self._pack(tensors)
             if new:
-                self._in_buffer = self._params_into_buffer(tensors) if self.config.params_in_buffer else 0
+                self._in_buffer = self._params_into_buffer(tensors) if self.options.params_in_buffer else 0
             if self._buffer.is_cuda:  # every stream's writes (the optimizer copies on streams of its own)
                 torch.cuda.synchronize(self._buffer.device)
             self._version = version
@@ -182,17 +183,17 @@ class IpcSender(WeightSender):
         """Take every member's lock (waiting out one that is copying); drop the ones that time out."""
         store, locked = self._membership.store, []
         for m in members:
-            deadline = time.monotonic() + self.config.lock_timeout_s
+            deadline = time.monotonic() + self.options.lock_timeout_s
             while True:
                 got = store.compare_set(Keys.lock(m.session), Keys.FREE, Keys.WRITER)
                 if got == Keys.WRITER:
                     locked.append(m)
                     break
                 if got == Keys.DROPPED or time.monotonic() > deadline:
-                    reason = f"held the buffer's lock longer than {self.config.lock_timeout_s} s"
+                    reason = f"held the buffer's lock longer than {self.options.lock_timeout_s} s"
                     self._membership.drop(m, reason)
                     break
-                time.sleep(self.config.poll_s)
+                time.sleep(self.options.poll_s)
         return locked
 
     def _end(self, member: Member, reason: str) -> None:

@@ -170,7 +170,7 @@ def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def wire_dtype(send_dtype: str, device: torch.device) -> torch.dtype | None:
-    """The dtype floating-point tensors travel in (None: each its own), from `WeightSyncConfig.send_dtype`."""
+    """The dtype floating-point tensors travel in (None: each its own), from the learner's `send_dtype`."""
     if send_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     if send_dtype in ("keep", ""):

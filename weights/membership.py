@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from weights.config import WeightSyncConfig
+from weights.config import WeightSenderConfig
 from weights.protocol import Announcement
 from weights.rendezvous import Admit, Rendezvous
 
@@ -44,7 +44,7 @@ class Membership:
 
     def __init__(
         self,
-        config: WeightSyncConfig,
+        config: WeightSenderConfig,
         transport: str,
         *,
         admit: Admit,

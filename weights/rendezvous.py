@@ -1,6 +1,6 @@
 """The rendezvous both transports meet at: a TCPStore the learner hosts, admission with the run's token.
 
-Learner side (`Rendezvous`): binds a TCPStore server to `WeightSyncConfig.host` (the address it
+Learner side (`Rendezvous`): binds a TCPStore server to `WeightSenderConfig.host` (the address it
 announces; loopback by default), draws the run's token unless one is configured, and runs one
 admission thread: every `JoinRequest` that presents the token and names this transport is handed to
 the sender's `admit` callback (which builds the session and writes the `JoinAccept`); any other

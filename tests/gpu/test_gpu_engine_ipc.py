@@ -34,7 +34,7 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
     from policy.builder import build_checkpoint, build_model
     from tasks.prompt import render_prompt_ids
     from weights import ipc
-    from weights.config import WeightSyncConfig
+    from weights.config import CudaIpcTransport, WeightReceiverConfig, WeightSenderConfig
     from weights.fingerprint import layer_sums
 
     ckpt = build_checkpoint("tiny-fullvocab", seed=0, out=tmp_path / "ckpt", device="cuda")
@@ -68,10 +68,11 @@ def test_ipc_versions_reach_a_multi_process_engine(tmp_path, layout):
         original = greedy()
         model = build_model("tiny-fullvocab", "cuda", torch.bfloat16, seed=1)
         sender = weights.sender(
-            WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16", layout=layout), device="cuda"
+            WeightSenderConfig(transport=CudaIpcTransport(), send_dtype="bfloat16", layout=layout),
+            device="cuda",
         )
         a = sender.start()
-        cfg = WeightSyncConfig(transport=a.transport, address=a.address, token=a.token)
+        cfg = WeightReceiverConfig(transport=a.transport, address=a.address, token=a.token)
         receiver = weights.receiver(cfg, "gpu-engine", device="cuda").start()
         deadline = time.monotonic() + 30
         while "gpu-engine" not in sender.members() and time.monotonic() < deadline:

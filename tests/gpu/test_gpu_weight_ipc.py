@@ -21,7 +21,7 @@ def _generator(announcement: bytes, port: int) -> None:
     from torch.distributed import TCPStore
 
     import weights
-    from weights.config import WeightSyncConfig
+    from weights.config import WeightReceiverConfig
     from weights.manifest import module_loader
     from weights.protocol import Announcement, decode
 
@@ -29,7 +29,7 @@ def _generator(announcement: bytes, port: int) -> None:
     model = _model(seed=7)
     load = module_loader(model)
     a = decode(announcement, Announcement)
-    cfg = WeightSyncConfig(transport=a.transport, address=a.address, token=a.token, poll_s=0.001)
+    cfg = WeightReceiverConfig(transport=a.transport, address=a.address, token=a.token, poll_s=0.001)
     receiver = weights.receiver(cfg, "gpu-test", device="cuda").start()
     while not receiver.wait_for(2, timeout_s=0.0):
         got = receiver.poll()
@@ -45,11 +45,13 @@ def test_two_processes_share_the_weights():
     from torch.distributed import TCPStore
 
     import weights
-    from weights.config import WeightSyncConfig
+    from weights.config import CudaIpcTransport, WeightSenderConfig
     from weights.protocol import encode
 
     model = _model(seed=1)
-    sender = weights.sender(WeightSyncConfig(transport="cuda-ipc", send_dtype="bfloat16"), device="cuda")
+    sender = weights.sender(
+        WeightSenderConfig(transport=CudaIpcTransport(), send_dtype="bfloat16"), device="cuda"
+    )
     address = encode(sender.start())
     ctl = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
     child = mp.get_context("spawn").Process(target=_generator, args=(address, ctl.port))

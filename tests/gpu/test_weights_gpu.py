@@ -16,14 +16,14 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "weights"))
 from weights_procs import Net, digest, gpu_generator_main, perturb, read_lines, wait_until  # noqa: E402
 
 import weights  # noqa: E402
-from weights.config import WeightSyncConfig  # noqa: E402
+from weights.config import BroadcastTransport, WeightSenderConfig  # noqa: E402
 from weights.protocol import encode  # noqa: E402
 
 
 def _run(tmp_path, learner_device: str, generator_device: str) -> None:
     """A CUDA model; the learner packs its buckets on `learner_device` (cuda: NCCL, cpu: gloo)."""
     model = Net(seed=0).cuda()
-    cfg = WeightSyncConfig(bucket_mb=0.002, timeout_s=30.0, send_dtype="keep")
+    cfg = WeightSenderConfig(transport=BroadcastTransport(bucket_mb=0.002), timeout_s=30.0, send_dtype="keep")
     sender = weights.sender(cfg, device=learner_device)
     p = mp.get_context("spawn").Process(
         target=gpu_generator_main, args=(encode(sender.start()), "gen", str(tmp_path), generator_device)

@@ -18,7 +18,7 @@ from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import ImageRef, PromptRecord, RolloutGroup, WeightVersion
-from weights.config import WeightSyncConfig
+from weights.config import WeightReceiverConfig, WeightSenderConfig
 from weights.interface import ReceivedVersion
 
 pytestmark = pytest.mark.vllm
@@ -81,7 +81,7 @@ def worker_for(engine, transport, names, **overrides):
     settings = dict(
         broker=BrokerConfig(namespace=names.namespace),
         generator_id="gen-a",
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightReceiverConfig(enabled=False),
         block_s=0.05,
         gate_poll_s=0.02,
         batch_prompts=4,
@@ -220,7 +220,7 @@ def test_a_dead_learner_does_not_wedge_the_generator(engine, transport, names):
         names,
         generator_id="gen-dead",
         idle_exit_s=0,
-        weight_sync=WeightSyncConfig(address=f"127.0.0.1:{free_port()}", timeout_s=0.5),
+        weight_sync=WeightReceiverConfig(address=f"127.0.0.1:{free_port()}", timeout_s=0.5),
         max_staleness=5,
     )
     threading.Timer(4.0, worker.stop).start()
@@ -263,14 +263,14 @@ def test_weights_synced_from_the_learner_reproduce_its_greedy_output(
         expected = learner_model.generate(
             **enc, max_new_tokens=8, do_sample=False, suppress_tokens=engine.banned_token_ids
         )[0, enc["input_ids"].shape[1] :]
-    sender = weights.sender(WeightSyncConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
+    sender = weights.sender(WeightSenderConfig(timeout_s=20.0), publish=broker_publisher(transport, names))
     sender.start()
     worker = worker_for(
         engine,
         transport,
         names,
         generator_id="gen-sync",
-        weight_sync=WeightSyncConfig(timeout_s=20.0),
+        weight_sync=WeightReceiverConfig(timeout_s=20.0),
         idle_exit_s=0,
         max_groups=1,
     )

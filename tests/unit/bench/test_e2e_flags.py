@@ -16,7 +16,7 @@ from bench.e2e import BenchConfig, gpu_args, launcher_args, main
 from bench.e2e_rows import format_table, measure, reference
 from deploy.gpus.estimate import DecoderShape, learner_memory_gib
 from deploy.gpus.indices import GpuInfo
-from deploy.plan import LaunchConfig, gpu_plan
+from deploy.plan import LaunchConfig, gpu_plan, shared_transport_of
 from runtime.config import load_config
 
 H200 = [GpuInfo(0, 0, 139.8, "NVIDIA H200")]
@@ -75,8 +75,9 @@ def test_gpu_flags_plan_one_shared_h200_that_fits(model):
     want = {"3b": (16384, "selective"), "7b": (32768, "full")}[model]
     assert (plan.pack_tokens, plan.checkpoint_mode) == want
     # one GPU: the fp32 master weights and AdamW states live in host memory (bf16 weights + grads +
-    # reference); the bf16 weights are the CUDA-IPC buffer the generator maps (weight_sync.params_in_buffer)
-    assert cfg.learner.weight_sync.params_in_buffer
+    # reference); the bf16 weights are the CUDA-IPC buffer the generator maps
+    # (weight_sync.transport.params_in_buffer)
+    assert shared_transport_of(cfg.learner).params_in_buffer
     assert plan.learner_gib == pytest.approx(learner_memory_gib(N_PARAMS[model], 1, True, "host"))
     assert plan.learner_gib + plan.generator_gib < 139.8
 
@@ -360,11 +361,14 @@ def test_a_row_says_what_packs_and_recomputation_the_learner_ran(tmp_path):
 
 
 def test_the_extra_flag_keeps_the_weight_copy_apart():
-    # `--extra="--learner.weight-sync.no-params-in-buffer"` is the A/B against the default (e2e_3b_1gpu.json)
-    cfg = BenchConfig(device="cuda", model="3b", extra="--learner.weight-sync.no-params-in-buffer")
+    # the extra flags below are the A/B against the default (e2e_3b_1gpu.json)
+    extra = (
+        "--learner.weight-sync.transport.type cuda-ipc --learner.weight-sync.transport.no-params-in-buffer"
+    )
+    cfg = BenchConfig(device="cuda", model="3b", extra=extra)
     args = launcher_args(cfg, 1, Path("/models/3b"), Path("/tmp/run"))
-    assert not load_config(LaunchConfig, args).learner.weight_sync.params_in_buffer
-    assert launch_config("3b", 1).learner.weight_sync.params_in_buffer
+    assert not shared_transport_of(load_config(LaunchConfig, args).learner).params_in_buffer
+    assert shared_transport_of(launch_config("3b", 1).learner).params_in_buffer
 
 
 def test_sharing_is_the_work_both_did_while_they_shared_the_gpu():

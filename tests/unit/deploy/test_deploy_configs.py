@@ -1,18 +1,22 @@
 """Every deploy/configs/*.toml and every compose command parses into its role's config dataclass.
 
 A shipped TOML names its role on its first line (`# python -m <module> --config ...`); a file
-whose module has no registered config class fails, so a new config cannot go untested.
+whose module has no registered config class fails, so a new config cannot go untested. Every
+value a file writes must reach the parsed config, variant tables (`[loss.policy] type = ...`)
+included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from runtime.config import load_config
+from runtime.config import load_config, read_toml
 from tests.support.compose import load_compose
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,6 +70,33 @@ def test_shipped_toml_parses_into_its_role_config(path, monkeypatch):
     cls = config_class(role_of(path))
     cfg = load_config(cls, ["--config", str(path)])  # type-checked and validated; SystemExit if not
     assert isinstance(cfg, cls)
+
+
+def assert_written_values_reached(cfg, data: dict, where: str = "") -> None:
+    """Each key of the TOML table `data` is a field of `cfg` holding the written value."""
+    for key, value in data.items():
+        got = getattr(cfg, key)
+        if isinstance(value, dict) and dataclasses.is_dataclass(got):
+            assert_written_values_reached(got, value, f"{where}{key}.")
+        else:
+            want = tuple(value) if isinstance(got, tuple) else value
+            assert got == want, f"{where}{key}: the file writes {value!r}, the config holds {got!r}"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_value_a_shipped_toml_writes_reaches_the_config(path, monkeypatch):
+    monkeypatch.delenv("PARALLAX_BROKER_URL", raising=False)
+    cfg = read_toml(config_class(role_of(path)), path)  # as read, before validate() derives any "0 = derived"
+    with open(path, "rb") as f:
+        assert_written_values_reached(cfg, tomllib.load(f))
+
+
+def test_the_reference_configs_choose_their_loss_and_transport_by_type():
+    learner = load_config(config_class("learner"), ["--config", str(CONFIGS / "learner.toml")])
+    assert (learner.loss.policy.type, learner.loss.correction.type) == ("ppo-clip", "decoupled")
+    assert learner.weight_sync.transport.type == "broadcast"
+    launch = load_config(config_class("deploy"), ["--config", str(CONFIGS / "qwen2_5_vl_7b_geometry3k.toml")])
+    assert launch.learner.loss == learner.loss
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))

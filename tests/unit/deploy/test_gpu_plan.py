@@ -472,9 +472,12 @@ def _transport(learner):
 def _with_transport(learner, name):
     import dataclasses
 
+    from weights.config import SENDER_TRANSPORTS
+
     section = getattr(learner, "weight_sync", None)
     if dataclasses.is_dataclass(section):
-        return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=name))
+        transport = SENDER_TRANSPORTS[name]()
+        return dataclasses.replace(learner, weight_sync=dataclasses.replace(section, transport=transport))
     return dataclasses.replace(learner, weight_transport=name)
 
 

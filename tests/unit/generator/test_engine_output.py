@@ -19,7 +19,7 @@ from broker.names import Names
 from broker.schemas import PromptRecord, RolloutGroup
 from generator.inputs import Completion, Result
 from tests.fixtures.models import noisy_png
-from weights.config import WeightSyncConfig
+from weights.config import WeightReceiverConfig
 
 
 class NanEngine:
@@ -71,7 +71,7 @@ def run_worker(broker_url, names, tokenizer, n_prompts: int, nan):
     config = GeneratorConfig(
         broker=BrokerConfig(namespace=names.namespace),
         generator_id="gen-nan",
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightReceiverConfig(enabled=False),
         block_s=0.05,
         batch_prompts=n_prompts,
         prepare_threads=0,

@@ -21,7 +21,7 @@ from generator.inputs import Completion, Result
 from generator.prepare import prepare_batch
 from tasks.prompt import render_prompt_ids
 from tests.fixtures.models import noisy_png
-from weights.config import WeightSyncConfig
+from weights.config import WeightReceiverConfig
 
 
 def noise_png(seed: int, size=(48, 40)) -> bytes:
@@ -142,7 +142,7 @@ def test_worker_rejects_bad_images_with_their_reasons_and_publishes_the_rest(
     config = GeneratorConfig(
         broker=BrokerConfig(namespace=names.namespace),
         generator_id="gen-prep",
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightReceiverConfig(enabled=False),
         block_s=0.05,
         batch_prompts=len(records),
         prepare_threads=threads,

@@ -21,7 +21,7 @@ from learner.trainer import Learner
 from learner.wiring import NullSender
 from tasks.prompt import render_prompt_ids
 from tasks.synthetic import SyntheticConfig, write_task
-from weights.config import WeightSyncConfig
+from weights.config import WeightSenderConfig
 
 
 class StandIn(threading.Thread):
@@ -91,7 +91,7 @@ def test_feeder_drives_training_within_the_staleness_bound(
         broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
         run_dir=str(tmp_path / "run"),
         max_steps=4,
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightSenderConfig(enabled=False),
         idle_exit_s=20.0,
     )
     cfg.algo.groups_per_step, cfg.algo.max_staleness = 2, 1

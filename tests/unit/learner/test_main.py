@@ -24,21 +24,22 @@ def test_relaunch_runs_this_module_under_torch_distributed():
 
 def test_relaunched_rank_reads_the_resolved_config(tmp_path, monkeypatch):
     from learner.__main__ import CONFIG_ENV, resolve
-    from learner.config import LearnerConfig
+    from learner.config import CispoLoss, IcepopCorrection, LearnerConfig
     from runtime.config import write_resolved
 
     cfg = LearnerConfig(model="/m", nproc=2)
-    cfg.loss.correction = "icepop"
+    cfg.loss.policy, cfg.loss.correction = CispoLoss(clip_high=2.0), IcepopCorrection(low=0.4)
     cfg.optim.betas = (0.8, 0.9)
     monkeypatch.setenv(CONFIG_ENV, str(write_resolved(cfg, tmp_path, "learner")))
     monkeypatch.setenv("RANK", "1")
     got = resolve(["--model", "ignored"])
-    assert got.model == "/m" and got.loss.correction == "icepop" and tuple(got.optim.betas) == (0.8, 0.9)
+    assert got.model == "/m" and tuple(got.optim.betas) == (0.8, 0.9)
+    assert (got.loss.policy, got.loss.correction) == (CispoLoss(clip_high=2.0), IcepopCorrection(low=0.4))
 
 
 def test_config_resolves_without_importing_torch(tmp_path):
     toml = tmp_path / "learner.toml"
-    toml.write_text('model = "/x"\n[loss]\ncorrection = "tis"\n')
+    toml.write_text('model = "/x"\n[loss.correction]\ntype = "tis"\n')
     code = (
         "import sys\n"
         "from learner.config import LearnerConfig\n"
@@ -47,7 +48,7 @@ def test_config_resolves_without_importing_torch(tmp_path):
         "apply_gpus('2-3')\n"
         "assert 'torch' not in sys.modules, 'torch imported before CUDA_VISIBLE_DEVICES was set'\n"
         "import os\n"
-        "print(cfg.model, cfg.loss.correction, cfg.algo.groups_per_step,"
+        "print(cfg.model, cfg.loss.correction.type, cfg.algo.groups_per_step,"
         " os.environ['CUDA_VISIBLE_DEVICES'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

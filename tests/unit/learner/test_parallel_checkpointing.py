@@ -6,6 +6,7 @@ import torch
 from learner.config import ParallelConfig
 from learner.parallel import apply_parallelism
 from policy.loading import load_model
+from runtime.config import from_dict
 
 
 def _grads(model_dir, **cfg):
@@ -17,10 +18,12 @@ def _grads(model_dir, **cfg):
     return {n: p.grad.clone() for n, p in root.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("mode", ["selective", "selective:1"])
-def test_selective_checkpointing_gives_the_gradients_of_no_checkpointing(tiny_model_dir, mode):
+@pytest.mark.parametrize("blocks", [0, 1])
+def test_selective_checkpointing_gives_the_gradients_of_no_checkpointing(tiny_model_dir, blocks):
     reference = _grads(tiny_model_dir, activation_checkpointing=False)
-    ours = _grads(tiny_model_dir, activation_checkpointing=True, checkpoint_mode=mode)
+    ours = _grads(
+        tiny_model_dir, activation_checkpointing=True, checkpoint_mode="selective", selective_blocks=blocks
+    )
     assert ours.keys() == reference.keys() and len(ours) > 10
     for name, grad in reference.items():
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -33,5 +36,10 @@ def test_auto_outside_a_launcher_layout_runs_selective_and_a_bad_mode_is_named()
     cfg.validate()
     assert text_checkpoint_mode(cfg) == "selective"
     assert text_checkpoint_mode(ParallelConfig(checkpoint_mode="full")) == "full"
-    with pytest.raises(ValueError, match="checkpoint_mode 'partial'.*or auto"):
-        ParallelConfig(checkpoint_mode="partial").validate()
+    assert (
+        text_checkpoint_mode(ParallelConfig(checkpoint_mode="selective", selective_blocks=2)) == "selective:2"
+    )
+    with pytest.raises(ValueError, match="checkpoint_mode = 'partial': expected one of 'full', 'selective'"):
+        from_dict(ParallelConfig, {"checkpoint_mode": "partial"})
+    with pytest.raises(ValueError, match="selective_blocks needs checkpoint_mode selective, not full"):
+        from_dict(ParallelConfig, {"selective_blocks": 2})

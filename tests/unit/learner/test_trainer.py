@@ -18,7 +18,7 @@ from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
 from tests.unit.learner.groups import make_group, set_token
-from weights.config import WeightSyncConfig
+from weights.config import WeightSenderConfig
 
 
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
@@ -27,7 +27,7 @@ def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
         broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
         run_dir=str(run_dir),
         max_steps=2,
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightSenderConfig(enabled=False),
         idle_exit_s=3.0,
     )
     cfg.algo.groups_per_step = 2
@@ -372,7 +372,7 @@ def test_each_step_reaches_a_generator_bit_for_bit(
         names,
         tmp_path,
         max_steps=2,
-        weight_sync=weights.WeightSyncConfig(timeout_s=20.0),
+        weight_sync=weights.WeightSenderConfig(timeout_s=20.0),
     )
     transport = broker.connect(redis_server.url)
     publisher, store = Publisher(transport, names.scored), ImageStore(transport, names)
@@ -384,7 +384,7 @@ def test_each_step_reaches_a_generator_bit_for_bit(
     before = {k: v.detach().clone() for k, v in learner.hf.state_dict().items()}
     replica = load_model(family_model_dir)
     receiver = weights.receiver(
-        weights.WeightSyncConfig(timeout_s=20.0),
+        weights.WeightReceiverConfig(timeout_s=20.0),
         "gen-test",
         apply=module_loader(replica),
         resolve=broker_resolver(transport, names),

@@ -18,7 +18,7 @@ from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
 from tests.unit.learner.groups import make_group
-from weights.config import WeightSyncConfig
+from weights.config import WeightSenderConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -86,7 +86,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tiny_processor, redis_serve
         broker=BrokerConfig(url=redis_server.url, namespace="ranks-one"),
         run_dir=str(tmp_path / "one"),
         max_steps=1,
-        weight_sync=WeightSyncConfig(enabled=False),
+        weight_sync=WeightSenderConfig(enabled=False),
         idle_exit_s=5.0,
     )
     cfg.algo.groups_per_step = 3

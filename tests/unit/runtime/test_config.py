@@ -132,3 +132,79 @@ def test_write_resolved_redacts_passwords(tmp_path):
     text = path.read_text()
     assert "hunter2" not in text
     assert json.loads(text)["url"] == "redis://user:***@h:1/0"
+
+
+@dataclasses.dataclass
+class Clip:
+    """A variant with two parameters."""
+
+    type: Literal["clip"] = "clip"
+    low: float = 0.2
+    high: float = 0.3
+
+    def validate(self) -> None:
+        if self.low < 0:
+            raise ValueError(f"low must be >= 0, got {self.low}")
+
+
+@dataclasses.dataclass
+class Gate:
+    """A variant with one parameter."""
+
+    type: Literal["soft-gate"] = "soft-gate"
+    tau: float = 1.0
+
+
+@dataclasses.dataclass
+class Loss:
+    policy: Clip | Gate = dataclasses.field(default_factory=Clip)
+    """A variant picked by `type`."""
+    coef: float = 0.0
+
+
+@dataclasses.dataclass
+class Outer:
+    loss: Loss = dataclasses.field(default_factory=Loss)
+    steps: int = 1
+
+
+def test_a_toml_table_picks_a_variant_tunes_the_chosen_one_or_names_it_in_short(tmp_path):
+    toml = tmp_path / "v.toml"
+    toml.write_text('[loss.policy]\ntype = "soft-gate"\ntau = 2.0\n')
+    assert load_config(Outer, ["--config", str(toml)]).loss.policy == Gate(tau=2.0)
+    toml.write_text("[loss.policy]\nhigh = 0.5\n")  # no type: the default variant, tuned
+    assert load_config(Outer, ["--config", str(toml)]).loss.policy == Clip(high=0.5)
+    toml.write_text('[loss]\npolicy = "soft-gate"\n')
+    assert load_config(Outer, ["--config", str(toml)]).loss.policy == Gate()
+    assert from_dict(Outer, dataclasses.asdict(Outer(Loss(Gate(tau=3.0))))) == Outer(Loss(Gate(tau=3.0)))
+
+
+def test_a_wrong_variant_or_a_parameter_of_another_variant_is_one_clear_error(tmp_path):
+    toml = tmp_path / "v.toml"
+    toml.write_text('[loss.policy]\ntype = "hard"\n')
+    with pytest.raises(SystemExit) as info:
+        load_config(Outer, ["--config", str(toml)])
+    assert str(info.value) == f"error: {toml}: loss.policy.type = 'hard': expected one of 'clip', 'soft-gate'"
+    toml.write_text('[loss.policy]\ntype = "soft-gate"\nlow = 0.1\n')
+    with pytest.raises(
+        SystemExit, match=r"unknown config keys \[loss.policy\] \['low'\]; known: \['tau', 'type'\]"
+    ):
+        load_config(Outer, ["--config", str(toml)])
+    with pytest.raises(SystemExit, match="error: loss.policy: low must be >= 0, got -1.0"):
+        load_config(Outer, ["--loss.policy.low", "-1"])
+
+
+def test_flags_pick_a_variant_and_then_set_its_parameters(tmp_path, capsys):
+    cfg = load_config(Outer, ["--loss.policy.type", "soft-gate", "--loss.policy.tau", "4", "--steps", "2"])
+    assert cfg == Outer(loss=Loss(policy=Gate(tau=4.0)), steps=2)
+    assert load_config(Outer, ["--loss.policy=soft-gate"]).loss.policy == Gate()  # short for .type
+    toml = tmp_path / "v.toml"
+    toml.write_text('[loss.policy]\ntype = "soft-gate"\ntau = 2.0\n')
+    assert load_config(Outer, ["--config", str(toml), "--loss.policy.type", "clip"]).loss.policy == Clip()
+    assert load_config(Outer, ["--config", str(toml), "--loss.policy.tau", "5"]).loss.policy == Gate(tau=5.0)
+    with pytest.raises(SystemExit) as info:
+        load_config(Outer, ["--loss.policy.type", "hard"])
+    assert str(info.value) == "error: --loss.policy.type = 'hard': expected one of 'clip', 'soft-gate'"
+    with pytest.raises(SystemExit):  # a parameter of the variant not chosen is not a flag
+        load_config(Outer, ["--loss.policy.tau", "4"])
+    capsys.readouterr()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import weights
-from weights.config import WeightSyncConfig
+from weights.config import SENDER_TRANSPORTS, WeightReceiverConfig, WeightSenderConfig
 from weights.follow import FollowingReceiver, broker_publisher, broker_resolver
 from weights.protocol import Announcement
 
@@ -43,7 +43,7 @@ def following(published: dict, version=0, resolve=None):
         return made[-1]
 
     resolve = resolve or (lambda: published.get("announcement"))
-    return FollowingReceiver(WeightSyncConfig(), "gen", resolve=resolve, make=make, version=version), made
+    return FollowingReceiver(WeightReceiverConfig(), "gen", resolve=resolve, make=make, version=version), made
 
 
 def test_the_announcement_round_trips_through_the_broker():
@@ -104,38 +104,55 @@ def test_an_unreadable_announcement_keeps_the_current_receiver():
 
 
 def test_the_factory_builds_a_receiver_of_the_configured_transport_with_an_explicit_address():
-    cfg = WeightSyncConfig(transport="cuda-ipc", address="127.0.0.1:1", token="t")
+    cfg = WeightReceiverConfig(transport="cuda-ipc", address="127.0.0.1:1", token="t")
     assert type(weights.receiver(cfg, "gen")).__name__ == "IpcReceiver"
-    plain = WeightSyncConfig(address="127.0.0.1:1")
+    plain = WeightReceiverConfig(address="127.0.0.1:1")
     assert type(weights.receiver(plain, "gen")).__name__ == "BroadcastReceiver"
-    assert isinstance(weights.receiver(WeightSyncConfig(), "gen", resolve=lambda: None), FollowingReceiver)
+    assert isinstance(
+        weights.receiver(WeightReceiverConfig(), "gen", resolve=lambda: None), FollowingReceiver
+    )
     with pytest.raises(ValueError, match="no resolve"):
-        weights.receiver(WeightSyncConfig(), "gen")
+        weights.receiver(WeightReceiverConfig(), "gen")
     with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
-        weights.receiver(WeightSyncConfig(transport="nccl", address="127.0.0.1:1"), "gen")
-    with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
-        weights.sender(WeightSyncConfig(transport="nccl"))
+        weights.receiver(WeightReceiverConfig(transport="nccl", address="127.0.0.1:1"), "gen")
 
 
 @pytest.mark.parametrize(
-    "field, value, match",
+    "cls, data, match",
     [
-        ("transport", "nccl-p2p", "transport = 'nccl-p2p': expected one of 'broadcast', 'cuda-ipc'"),
-        ("send_dtype", "int3", "send_dtype"),
-        ("layout", "megatron", "layout"),
-        ("address", "nohost", "host:port"),
-        ("address", "host:port", "port number"),
-        ("port", 70000, "port"),
-        ("bucket_mb", 0.0, "bucket_mb"),
-        ("timeout_s", 0.0, "timeout_s"),
-        ("host", "", "host"),
+        (
+            WeightSenderConfig,
+            {"transport": "nccl-p2p"},
+            "transport.type = 'nccl-p2p': expected one of 'broadcast'",
+        ),
+        (
+            WeightReceiverConfig,
+            {"transport": "nccl-p2p"},
+            "transport = 'nccl-p2p': expected one of 'broadcast'",
+        ),
+        (WeightSenderConfig, {"send_dtype": "int3"}, "send_dtype"),
+        (WeightSenderConfig, {"layout": "megatron"}, "layout"),
+        (WeightReceiverConfig, {"address": "nohost"}, "host:port"),
+        (WeightReceiverConfig, {"address": "host:port"}, "port number"),
+        (WeightSenderConfig, {"port": 70000}, "port"),
+        (WeightSenderConfig, {"transport": {"bucket_mb": 0.0}}, "transport: bucket_mb"),
+        (WeightSenderConfig, {"transport": {"type": "cuda-ipc", "lock_timeout_s": 0.0}}, "lock_timeout_s"),
+        (WeightSenderConfig, {"timeout_s": 0.0}, "timeout_s"),
+        (WeightReceiverConfig, {"retry_s": 0.0}, "retry_s"),
+        (WeightSenderConfig, {"host": ""}, "host"),
+        (
+            WeightSenderConfig,
+            {"transport": {"type": "cuda-ipc", "bucket_mb": 64.0}},
+            r"\[transport\] \['bucket_mb'\]",
+        ),
+        (WeightSenderConfig, {"address": "h:1"}, "unknown config keys"),  # a generator's setting
     ],
 )
-def test_bad_settings_are_named(field, value, match):
+def test_bad_settings_are_named(cls, data, match):
     from runtime.config import from_dict
 
     with pytest.raises(ValueError, match=match):
-        from_dict(WeightSyncConfig, {field: value})
+        from_dict(cls, data)
 
 
 def test_both_roles_read_the_section_from_toml_and_flags(tmp_path):
@@ -144,14 +161,25 @@ def test_both_roles_read_the_section_from_toml_and_flags(tmp_path):
     from runtime.config import load_config
 
     toml = tmp_path / "c.toml"
-    toml.write_text('[weight_sync]\ntransport = "cuda-ipc"\nbucket_mb = 64.0\n')
-    for cls in (LearnerConfig, GeneratorConfig):
-        cfg = load_config(cls, ["--config", str(toml), "--weight-sync.send-dtype", "bfloat16"])
-        assert (cfg.weight_sync.transport, cfg.weight_sync.bucket_mb) == ("cuda-ipc", 64.0)
-        assert cfg.weight_sync.send_dtype == "bfloat16"
+    toml.write_text('[weight_sync]\ntransport = "cuda-ipc"\n')  # the same line reads on either side
+    assert load_config(LearnerConfig, ["--config", str(toml)]).weight_sync.transport.type == "cuda-ipc"
+    assert load_config(GeneratorConfig, ["--config", str(toml)]).weight_sync.transport == "cuda-ipc"
+    toml.write_text('[weight_sync]\nsend_dtype = "bfloat16"\n[weight_sync.transport]\nbucket_mb = 64.0\n')
+    cfg = load_config(LearnerConfig, ["--config", str(toml), "--weight-sync.transport.no-checksums"])
+    assert (cfg.weight_sync.send_dtype, cfg.weight_sync.transport) == (
+        "bfloat16",
+        SENDER_TRANSPORTS["broadcast"](bucket_mb=64.0, checksums=False),
+    )
+    flags = ["--weight-sync.transport.type", "cuda-ipc", "--weight-sync.transport.no-params-in-buffer"]
+    cfg = load_config(LearnerConfig, ["--config", str(toml), *flags])
+    assert cfg.weight_sync.transport == SENDER_TRANSPORTS["cuda-ipc"](params_in_buffer=False)
+    cfg = load_config(
+        GeneratorConfig, ["--weight-sync.address", "h:1", "--weight-sync.transport", "cuda-ipc"]
+    )
+    assert (cfg.weight_sync.address, cfg.weight_sync.transport) == ("h:1", "cuda-ipc")
     from runtime.config import from_dict
 
-    with pytest.raises(ValueError, match="weight_sync.transport = 'nccl-p2p': expected one of"):
+    with pytest.raises(ValueError, match="weight_sync.transport.type = 'nccl-p2p': expected one of"):
         from_dict(LearnerConfig, {"weight_sync": {"transport": "nccl-p2p"}})
 
 
@@ -162,7 +190,9 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
     from learner.wiring import build_sender
 
     def learner(transport, device="cpu", world=1):
-        cfg = SimpleNamespace(weight_sync=WeightSyncConfig(transport=transport, timeout_s=1.0))
+        cfg = SimpleNamespace(
+            weight_sync=WeightSenderConfig(transport=SENDER_TRANSPORTS[transport](), timeout_s=1.0)
+        )
         info = DistInfo(rank=0, world_size=world, local_rank=0, device=torch.device(device))
         return SimpleNamespace(cfg=cfg, info=info, transport=None, names=None)
 
@@ -170,5 +200,3 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
         build_sender(learner("cuda-ipc"))
     with pytest.raises(ValueError, match="needs a one-rank learner"):
         build_sender(learner("cuda-ipc", device="cuda", world=2))
-    with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
-        build_sender(learner("nccl"))

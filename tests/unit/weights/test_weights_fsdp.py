@@ -10,7 +10,7 @@ from weights_procs import digest, file_resolver, fsdp_learner_main, perturb
 
 import weights
 from policy.loading import load_model
-from weights.config import WeightSyncConfig
+from weights.config import WeightReceiverConfig
 from weights.manifest import module_loader
 
 
@@ -26,7 +26,7 @@ def test_fsdp_sharded_learner_sends_full_tensors_bit_exact(tiny_model_dir, tmp_p
     perturb(expected, 0.25)
     target = load_model(tiny_model_dir)
     receiver = weights.receiver(
-        WeightSyncConfig(timeout_s=20.0, retry_s=0.2),
+        WeightReceiverConfig(timeout_s=20.0, retry_s=0.2),
         "gen",
         apply=module_loader(target),
         resolve=file_resolver(address_file),

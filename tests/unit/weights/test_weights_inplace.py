@@ -11,7 +11,7 @@ from fake_worker import shared
 from torch import nn
 
 from weights import ipc, vllm_worker
-from weights.config import WeightSyncConfig
+from weights.config import CudaIpcTransport, WeightSenderConfig
 from weights.inplace import Slots, copy_all
 from weights.ipc import MappingCache
 from weights.ipc_sender import IpcSender
@@ -54,7 +54,7 @@ class Two(nn.Module):
 
 def test_the_sender_packs_a_parameter_replaced_after_its_first_sync(fake_ipc):
     model = Two()
-    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype="keep"))
+    sender = IpcSender(WeightSenderConfig(transport=CudaIpcTransport(), send_dtype="keep"))
     try:
         sender.sync(model, version=1)
         model.b.weight = nn.Parameter(torch.full((2, 3), 5.0))  # e.g. load_state_dict(assign=True)

@@ -10,7 +10,7 @@ from torch import nn
 from weights_procs import announced_config, wait_until
 
 import weights
-from weights.config import WeightSyncConfig
+from weights.config import CudaIpcTransport, WeightReceiverConfig, WeightSenderConfig
 from weights.ipc_sender import IpcSender
 
 
@@ -22,8 +22,8 @@ class Tiny(nn.Module):
 
 
 def _pair(generator_id: str, send_dtype: str = "keep", apply=None, **kwargs):
-    """A started cuda-ipc sender and a started receiver that has joined it."""
-    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype=send_dtype, **kwargs))
+    """A started cuda-ipc sender (`kwargs`: its transport's settings) and a started receiver joined to it."""
+    sender = IpcSender(WeightSenderConfig(transport=CudaIpcTransport(**kwargs), send_dtype=send_dtype))
     sender.start()
     config = announced_config(sender.announcement, retry_s=0.05)
     receiver = weights.receiver(config, generator_id, apply=apply).start()
@@ -120,7 +120,7 @@ def test_a_vanished_learner_is_not_an_error(fake_ipc):
 
 def test_a_cuda_ipc_learner_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
-        weights.sender(WeightSyncConfig(transport="cuda-ipc"), device="cpu")
+        weights.sender(WeightSenderConfig(transport=CudaIpcTransport()), device="cpu")
 
 
 def test_a_learner_that_closes_withdraws_its_announcement_and_is_not_called_again(
@@ -135,9 +135,11 @@ def test_a_learner_that_closes_withdraws_its_announcement_and_is_not_called_agai
     values = {}
     broker = type("Broker", (), {"set_value": values.__setitem__, "get_value": values.get})()
     names = type("Names", (), {"weight_sync_address": "run:weights:address"})()
-    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc"), publish=broker_publisher(broker, names))
+    sender = IpcSender(
+        WeightSenderConfig(transport=CudaIpcTransport()), publish=broker_publisher(broker, names)
+    )
     sender.start()
-    config = WeightSyncConfig(transport="cuda-ipc", retry_s=0.05)
+    config = WeightReceiverConfig(retry_s=0.05)
     receiver = weights.receiver(config, "gen-w", resolve=broker_resolver(broker, names)).start()
     wait_until(lambda: "gen-w" in sender.members(), what="gen-w to join")
     calls = []

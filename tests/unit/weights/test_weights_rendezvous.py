@@ -8,7 +8,7 @@ import pytest
 from weights_procs import Net, announced_config, digest, wait_until
 
 import weights
-from weights.config import WeightSyncConfig
+from weights.config import BroadcastTransport, WeightSenderConfig
 from weights.manifest import module_loader
 
 
@@ -26,7 +26,7 @@ def _listening_addresses(port: int) -> list[str]:
 
 @pytest.fixture
 def sender():
-    s = weights.sender(WeightSyncConfig(timeout_s=10.0, bucket_mb=0.002))
+    s = weights.sender(WeightSenderConfig(transport=BroadcastTransport(bucket_mb=0.002), timeout_s=10.0))
     s.start()
     yield s
     s.close()
@@ -40,8 +40,8 @@ def test_the_store_listens_on_the_announced_loopback_address_only(sender):
 
 
 def test_a_random_token_is_announced_and_a_configured_one_kept():
-    one, two = (weights.sender(WeightSyncConfig()) for _ in range(2))
-    fixed = weights.sender(WeightSyncConfig(token="run-secret"))
+    one, two = (weights.sender(WeightSenderConfig()) for _ in range(2))
+    fixed = weights.sender(WeightSenderConfig(token="run-secret"))
     try:
         tokens = [s.start().token for s in (one, two, fixed)]
         assert tokens[0] != tokens[1] and len(tokens[0]) >= 24 and tokens[2] == "run-secret"

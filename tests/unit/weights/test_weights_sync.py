@@ -28,7 +28,7 @@ from weights_procs import (
 import weights
 from policy.loading import load_model
 from weights.broadcast_sender import BroadcastSender
-from weights.config import WeightSyncConfig
+from weights.config import BroadcastTransport, WeightReceiverConfig, WeightSenderConfig
 from weights.manifest import module_loader
 from weights.protocol import encode
 
@@ -60,7 +60,7 @@ def sender():
     made = []
 
     def make(**kwargs):
-        s = weights.sender(WeightSyncConfig(**{"timeout_s": 10.0, **kwargs}))
+        s = weights.sender(WeightSenderConfig(transport=BroadcastTransport(**kwargs), timeout_s=10.0))
         s.start()
         made.append(s)
         return s
@@ -155,7 +155,7 @@ def test_learner_dying_mid_version_leaves_old_weights_then_rejoin_gets_new(tmp_p
     address_file = tmp_path / "address"
     target = Net(seed=123)
     receiver = weights.receiver(
-        WeightSyncConfig(timeout_s=3.0, retry_s=0.2),
+        WeightReceiverConfig(timeout_s=3.0, retry_s=0.2),
         "gen",
         apply=module_loader(target),
         resolve=file_resolver(address_file),
@@ -194,7 +194,7 @@ class StallingSender(DyingSender):
 
 def test_stalled_transfer_times_out_keeps_old_weights_and_catches_up():
     model, target = Net(seed=0), Net(seed=5)
-    s = StallingSender(WeightSyncConfig(bucket_mb=0.002, timeout_s=1.0))
+    s = StallingSender(WeightSenderConfig(transport=BroadcastTransport(bucket_mb=0.002), timeout_s=1.0))
     s.die_at = 2
     s.start()
     applied: list[tuple[int, str]] = []

@@ -17,7 +17,7 @@ from weights_procs import announced_config, digest, perturb, wait_until
 import weights
 from policy.loading import load_model
 from weights import vllm_layout
-from weights.config import WeightSyncConfig
+from weights.config import BroadcastTransport, CudaIpcTransport, WeightSenderConfig
 from weights.ipc_sender import IpcSender
 from weights.manifest import WireTensors, module_loader
 from weights.protocol import WeightSyncError
@@ -48,7 +48,7 @@ def test_the_plan_stacks_attention_and_mlp_under_vllms_names(tiny_model_dir):
 def test_cuda_ipc_in_vllm_layout_delivers_the_checkpoint_tensors_bit_exact(tiny_model_dir, fake_ipc):
     model, target = load_model(tiny_model_dir), load_model(tiny_model_dir)
     perturb(model, 0.25)
-    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype="keep", layout="vllm"))
+    sender = IpcSender(WeightSenderConfig(transport=CudaIpcTransport(), send_dtype="keep", layout="vllm"))
     sender.start()
     receiver = weights.receiver(announced_config(sender.announcement), "gen").start()
     try:
@@ -67,7 +67,9 @@ def test_cuda_ipc_in_vllm_layout_delivers_the_checkpoint_tensors_bit_exact(tiny_
 def test_broadcast_in_vllm_layout_is_bit_exact(tiny_model_dir):
     model, target = load_model(tiny_model_dir), load_model(tiny_model_dir)
     perturb(model, 0.5)
-    sender = weights.sender(WeightSyncConfig(layout="vllm", bucket_mb=0.5, timeout_s=20.0))
+    sender = weights.sender(
+        WeightSenderConfig(transport=BroadcastTransport(bucket_mb=0.5), layout="vllm", timeout_s=20.0)
+    )
     sender.start()
     config = announced_config(sender.announcement)
     receiver = weights.receiver(config, "gen", apply=module_loader(target)).start()
@@ -102,7 +104,7 @@ def test_vllm_serves_the_learners_weights_after_the_vllm_layout_path(preset, tmp
         SamplingConfig(n=1, max_tokens=8, eval_temperature=0.0),
         run_dir=tmp_path,
     )
-    sender = IpcSender(WeightSyncConfig(transport="cuda-ipc", send_dtype="keep", layout="vllm"))
+    sender = IpcSender(WeightSenderConfig(transport=CudaIpcTransport(), send_dtype="keep", layout="vllm"))
     sender.start()
     receiver = weights.receiver(announced_config(sender.announcement), "gen").start()
     request = Request(render_prompt_ids(engine.tokenizer, "Count to three.", 0), [], split="test")

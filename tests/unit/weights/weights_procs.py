@@ -18,7 +18,7 @@ from torch import nn
 
 import weights
 from weights.broadcast_sender import BroadcastSender
-from weights.config import WeightSyncConfig
+from weights.config import BroadcastTransport, WeightReceiverConfig, WeightSenderConfig
 from weights.manifest import checkpoint_names, module_loader, named_tensors
 from weights.protocol import Announcement, decode, encode
 
@@ -83,11 +83,11 @@ def _load_model(kind: str):
     return load_model(kind, dtype="float32", device="cpu")
 
 
-def announced_config(announcement: bytes | Announcement, **kwargs) -> WeightSyncConfig:
+def announced_config(announcement: bytes | Announcement, **kwargs) -> WeightReceiverConfig:
     """A generator's config joining the learner of `announcement` (its msgpack bytes, or itself)."""
     if isinstance(announcement, bytes):
         announcement = decode(announcement, Announcement)
-    return WeightSyncConfig(
+    return WeightReceiverConfig(
         transport=announcement.transport, address=announcement.address, token=announcement.token, **kwargs
     )
 
@@ -144,7 +144,9 @@ def dying_learner_main(address_file: str, out_dir: str, bucket_mb: float) -> Non
 
     Writes its announcement to `address_file` and the digests of versions 1 and 2 to <out_dir>/learner.json.
     """
-    sender = DyingSender(WeightSyncConfig(bucket_mb=bucket_mb, timeout_s=10.0))
+    sender = DyingSender(
+        WeightSenderConfig(transport=BroadcastTransport(bucket_mb=bucket_mb), timeout_s=10.0)
+    )
     sender.die_at = 2
     model = Net(seed=0)
     model_v2 = copy.deepcopy(model)
@@ -170,7 +172,9 @@ def fsdp_learner_main(rank: int, init_port: int, model_dir: str, address_file: s
     for layer in model.model.language_model.layers:
         fully_shard(layer)
     fully_shard(model)
-    sender = weights.sender(WeightSyncConfig(bucket_mb=0.5, timeout_s=20.0), rank=rank)
+    sender = weights.sender(
+        WeightSenderConfig(transport=BroadcastTransport(bucket_mb=0.5), timeout_s=20.0), rank=rank
+    )
     if rank == 0:
         Path(address_file).write_bytes(encode(sender.start()))
         wait_until(lambda: sender.members(), what="a generator to join")
