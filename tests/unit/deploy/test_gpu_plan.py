@@ -435,7 +435,7 @@ def test_known_vllm_failures_are_explained():
         "utilization (0.9, 125.8 GiB)."
     )
     assert "lower --generator.engine.gpu-memory-utilization" in explain_failure(log)
-    assert "pip install vllm" in explain_failure("ModuleNotFoundError: No module named 'vllm'")
+    assert "requirements-gpu.txt" in explain_failure("ModuleNotFoundError: No module named 'vllm'")
     assert "max-model-len" in explain_failure(
         "ValueError: User-specified max_model_len (9000) is greater than the derived max_model_len"
     )
