@@ -156,7 +156,7 @@ class Inbox:
             self._held.difference_update(d.id for d in self.unacked)
             self.unacked = []
         if self.feeder is not None:
-            self.feeder.settle(self._committed)
+            self.feeder.mark_durable(self._committed)
         self._committed = set()
         return n
 
