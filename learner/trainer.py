@@ -14,7 +14,8 @@ One `train_step(groups)` (every rank, same groups):
      every `checkpoint.every` steps a checkpoint, then the consumed groups are acked.
 With `optim.defer_update` a step's last AdamW may wait for the next step (`_may_hold`): when that step's
 groups are already waiting, its first KL pass runs beside the AdamW and the weights go out before it trains
-(`_settle`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at once.
+(`_finish_held_update`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at
+once (`_finish_held_update_alone`, or `_finish_held_update` without a KL pass beside it).
 Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
 step's groups to the other ranks.
 """
@@ -169,16 +170,16 @@ class Learner:
             groups = self._next_groups(wait=self.updater.pending is None)
             if groups is NOT_READY:  # the learner does not bound the pipeline now: the held update goes out
                 t1 = time.perf_counter()
-                self._settle_alone()
+                self._finish_held_update_alone()
                 t0 += time.perf_counter() - t1  # not waiting
                 groups = self._next_groups()
             if groups is None:
-                self._settle(self._carried)
+                self._finish_held_update(self._carried)
                 self._data_ended(trained=self.state.step - first)
                 return
             wait_s = time.perf_counter() - t0
             self.train_step(groups, wait_s=wait_s)
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
         log.info("stopping at step %d: max_steps reached", self.state.step)
 
     def _data_ended(self, trained: int) -> None:
@@ -201,7 +202,7 @@ class Learner:
     def close(self) -> None:
         """The held update, final checkpoint and acks, Hugging Face export, release sockets and the process
         group."""
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
@@ -235,10 +236,10 @@ class Learner:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
         plans = self.updater.plan_step(samples) if samples else []
-        ref_done = self._settle(values, beside=plans[:1])  # the last step's held update, then its sync
+        ref_done = self._finish_held_update(values, beside=plans[:1])  # the last step's held AdamW, its sync
         if plans:
             hold = self._may_hold()
-            values["update_held"] = float(hold)  # the next step's groups may still settle it at once
+            values["update_held"] = float(hold)  # the next step's groups may still finish it at once
             version, step = self.version_now, self.state.step
             self.updater.run(plans, values, version, step, first_ref_done=ref_done, hold_last=hold)
         self._record_consumed(groups)
@@ -252,7 +253,7 @@ class Learner:
         if self.updater.pending is None:
             values["sync_s"] += self._maybe_sync()
         elif checkpoint_due or export_due or self._eval_due():  # they need this step's weights
-            self._settle(values)
+            self._finish_held_update(values)
         values["train_s"] = time.perf_counter() - t0
         values["wait_s"] = wait_s
         values["step"], values["version"] = float(self.state.step), float(self.state.version)
@@ -302,26 +303,27 @@ class Learner:
         hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
         return hold and self.info.world_size == 1 and self.cfg.algo.max_staleness > 0
 
-    def _settle_alone(self) -> None:
-        """The held update, now and with nothing beside it: the next step's groups were not all here when
-        it ended (said in the log, and in the next step's metrics as `update_settled_alone`)."""
+    def _finish_held_update_alone(self) -> None:
+        """The held update and its weight sync, now and with nothing beside it: the next step's groups were
+        not all here when it ended (said in the log, and in the next step's metrics as
+        `update_settled_alone`)."""
         taken = self.inbox.taken if self.inbox is not None else 0
         want = self.cfg.algo.groups_per_step
         log.info("step %d: %d of %d groups here, its held AdamW runs now", self.state.step, taken, want)
         self._carried["update_settled_alone"] = 1.0
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
 
     def _eval_due(self) -> bool:
         """An evaluation round starts after this step (`_evaluate`)."""
         evaluator = self.inbox.evaluator if self.inbox is not None else None
         return evaluator is not None and evaluator.due(self.state.step)
 
-    def _settle(self, values: dict[str, float], beside: list | None = None) -> bool:
-        """The update the last step held back (Updater.settle, the KL pass of `beside` meanwhile), then the
-        weight sync it was due; True if that KL pass ran. Nothing held: nothing to do."""
+    def _finish_held_update(self, values: dict[str, float], beside: list | None = None) -> bool:
+        """The AdamW step the last step held back (`Updater.apply_held_update`, the KL pass of `beside`
+        meanwhile), then the weight sync it was due; True if that KL pass ran. Nothing held: nothing to do."""
         if self.updater.pending is None:
             return False
-        ref_done = self.updater.settle(values, beside or [])
+        ref_done = self.updater.apply_held_update(values, beside or [])
         values["sync_s"] += self._maybe_sync()
         return ref_done
 

@@ -2,7 +2,7 @@
 
     updater = Updater(cfg, info, model, ref, optimizer, scheduler, hf_config=..., ...)   # the Learner's
     plans = updater.plan_step(samples)
-    updater.settle(values, plans[:1])                     # an update held back from the last step, if any
+    updater.apply_held_update(values, plans[:1])          # an update held back from the last step, if any
     updater.run(plans, values, version=7, step=12)       # fills `values` with the step's loss metrics
 
 `run` on one step's samples (every rank, same samples):
@@ -17,8 +17,8 @@
      `batching.no_grad_tokens_per_microbatch` tokens (they keep no activations);
   3. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
      clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`). With
-     `hold_last` the last AdamW waits in `pending` for the next step's `settle`, which runs it beside that
-     step's first KL pass (the Learner decides: `optim.defer_update`).
+     `hold_last` the last AdamW waits in `pending` for the next step's `apply_held_update`, which runs it
+     beside that step's first KL pass (the Learner decides: `optim.defer_update`).
 The Learner (learner/trainer.py) owns everything around it: data, versions, sync, checkpoints.
 """
 
@@ -102,7 +102,7 @@ class Updater:
         """Called before AdamW writes the parameters (the trainer's `WeightSender.begin_write`)."""
         self.version = 0  # of the weights the current step starts from (`run`)
         self.pending: tuple[float, int] | None = None
-        """(gradient norm, step) of an update `run` held back (`hold_last`) for `settle`."""
+        """(gradient norm, step) of an update `run` held back (`hold_last`) for `apply_held_update`."""
 
     def plan_step(self, samples: list[TrainSample]) -> list[MiniBatch]:
         """The step's `algo.mini_batches` contiguous mini-batches of `samples`, each planned (`plan`)."""
@@ -115,8 +115,8 @@ class Updater:
         first_ref_done: bool = False, hold_last: bool = False,
     ) -> None:  # fmt: skip
         """Every mini-batch's update of `plans`; `version` is the weights' version (what `fresh` means).
-        `first_ref_done`: the first mini-batch's KL pass ran already (`settle`); `hold_last`: the last
-        mini-batch's AdamW waits in `pending` for `settle`."""
+        `first_ref_done`: the first mini-batch's KL pass ran already (`apply_held_update`); `hold_last`: the
+        last mini-batch's AdamW waits in `pending` for `apply_held_update`."""
         self.version, cfg = version, self.cfg
         t0 = time.perf_counter()  # each no-grad pass ends synchronised with its stream
         if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
@@ -126,7 +126,7 @@ class Updater:
         if self.ref is not None and not first_ref_done:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"] = t1 - t0
-        values["ref_pass_s"] += time.perf_counter() - t1  # after a KL pass `settle` ran beside AdamW
+        values["ref_pass_s"] += time.perf_counter() - t1  # after a KL pass run beside a held AdamW
         values["micro_batches"] = float(sum(mini.n_micro for mini in plans))  # training forwards a rank runs
         values["no_grad_packs"] = float(sum(mini.n_no_grad for mini in plans))  # forwards of a no-grad pass
         weights = defaultdict(float)
@@ -145,9 +145,9 @@ class Updater:
             self.apply_update(norm, later_ref, values, step)
         self.summarise(weights, values)
 
-    def settle(self, values: dict[str, float], beside: list[MiniBatch]) -> bool:
-        """The update `run` held back (if any), with the KL pass of `beside` (the next step's first
-        mini-batch) running meanwhile; True if that KL pass ran."""
+    def apply_held_update(self, values: dict[str, float], beside: list[MiniBatch]) -> bool:
+        """The AdamW step that `run` held back (`hold_last`), if any, with the KL pass of `beside` (the next
+        step's first mini-batch) running meanwhile; True if that KL pass ran."""
         if self.pending is None:
             return False
         (norm, step), self.pending = self.pending, None
