@@ -39,10 +39,10 @@ from broker.names import Names
 from broker.schemas import ScoredGroup
 from broker.transport import Delivery, Transport
 from learner.advantages import has_variance
-from learner.batching import nonfinite_problem, validate_group
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
+from learner.samples import nonfinite_problem, validate_group
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,16 @@
 """The Learner: scored groups in, GRPO updates, weights out to the generators, checkpoints.
 
-    learner = Learner(cfg)          # joins the torch.distributed group, shards the model, resumes
+    learner = Learner(cfg)          # builds its parts (process group, model, broker...), then assembles them
     learner.train()                 # until max_steps or the data runs out
     learner.close()                 # final checkpoint, acks, HF export, sockets
 
 One `train_step(groups)` (every rank, same groups):
-  1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples; samples older than
-     the staleness bound (counted from version_start) are dropped (counted); staleness observed
+  1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples (learner/samples.py); samples
+     older than the staleness bound (counted from version_start) are dropped (counted); staleness observed
      per sample, and samples whose policy changed mid-response (in-flight updates) counted;
-  2. the policy updates on those samples (learner/update.py): per PPO mini-batch, packed micro-batches
-     spread over the ranks, the no-grad passes for π_prox and π_ref, loss, backward, clipping, AdamW;
+  2. the samples are planned into PPO mini-batches of packed micro-batches spread over the ranks
+     (learner/batching.py), and the policy updates over that plan (learner/update.py): the no-grad passes
+     for π_prox and π_ref, loss, backward, clipping, AdamW;
   3. every `sync_every` steps the weights go to the generators and the new version is announced;
      every `checkpoint.every` steps a checkpoint, then the consumed groups are acked.
 With `optim.defer_update` a step's last AdamW may wait for the next step (`_may_hold`): when that step's
@@ -35,13 +36,7 @@ from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
 from learner.advantages import batch_advantages
-from learner.batching import (
-    filter_stale,
-    filter_truncated,
-    spans_versions,
-    staleness,
-    to_samples,
-)
+from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
 from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady
@@ -56,6 +51,7 @@ from learner.parallel import (
     resolve_master_weights,
 )
 from learner.reference import build_reference
+from learner.samples import filter_stale, filter_truncated, spans_versions, staleness, to_samples
 from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
@@ -71,8 +67,11 @@ class Learner:
     """See the module docstring."""
 
     def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
+        """Build the parts, then assemble them; `transport`, `sender` and `registry` stand in for the ones
+        the config would build (tests, benchmarks)."""
         self.cfg = cfg
         clock = [("start", time.perf_counter())]  # the start-up's phases, logged once ready
+        # this rank, the policy and its reference, the optimizer
         self.info = init_distributed(cfg.parallel.backend)
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
@@ -82,32 +81,42 @@ class Learner:
         )
         self.param_dtype = param_dtype(self.master_weights)
         self.hf = load_model(cfg.model, dtype=self.param_dtype, device=self.info.device).train()
-        self.image_token_id = self.hf.config.image_token_id
         self.n_lm_params = lm_param_count(self.hf)
         clock.append(("model", time.perf_counter()))
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
-        self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
+        self.ref = build_reference(cfg, self.info, self.param_dtype) if cfg.loss.kl_coef > 0 else None
         clock.append(("parallelism and reference", time.perf_counter()))
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
         clock.append(("optimizer", time.perf_counter()))
+        # the broker and what goes through it: images, metrics, checkpoints, the weight sender, the inbox
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
-        # AdamW in host memory is CPU work: the next mini-batch's KL reference pass runs on the GPU meanwhile
-        self.updater = Updater(
-            cfg, self.info, self.model, self.ref, self.optimizer, self.scheduler, hf_config=self.hf.config,
-            n_lm_params=self.n_lm_params, processor=self.processor, images=self.images, pixels=self.pixels,
-            overlap_ref=self.master_weights == "host" and self.info.device.type == "cuda",
-        )  # fmt: skip
         self.registry = registry if registry is not None else new_registry()
         self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
-        self.sender = sender if sender is not None else build_sender(self)
-        self.updater.before_write = self.sender.begin_write
-        self.state = TrainerState()
-        self.inbox = build_inbox(self) if self.info.is_main else None
+        if sender is None:
+            sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
+        self.sender = sender
+        self.inbox = None
+        if self.info.is_main:
+            self.inbox = build_inbox(
+                cfg, self.transport, self.names, model_config=self.hf.config, images=self.images,
+                pixels=self.pixels, metrics=self.metrics,
+            )  # fmt: skip
+        # assembled: the step's planner and updater
+        self.planner = MicroBatchPlanner(
+            cfg, self.info, self.processor, self.images, self.pixels, self.hf.config.image_token_id
+        )
+        # AdamW in host memory is CPU work: the next mini-batch's KL reference pass runs on the GPU meanwhile
+        self.updater = Updater(
+            cfg, self.info, self.model, self.ref, self.optimizer, self.scheduler, model_config=self.hf.config,
+            n_lm_params=self.n_lm_params, dummy=self.planner.dummy, before_write=self.sender.begin_write,
+            overlap_ref=self.master_weights == "host" and self.info.device.type == "cuda",
+        )  # fmt: skip
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
+        self.state = TrainerState()
         self._last_ckpt_step = 0
         self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
         self._carried: dict[str, float] = defaultdict(float)  # a held update's times, for the next step
@@ -235,7 +244,7 @@ class Learner:
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
-        plans = self.updater.plan_step(samples) if samples else []
+        plans = self.planner.plan_step(samples) if samples else []
         ref_done = self._finish_held_update(values, beside=plans[:1])  # the last step's held AdamW, its sync
         if plans:
             hold = self._may_hold()

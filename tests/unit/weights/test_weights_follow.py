@@ -161,14 +161,14 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
     from learner.parallel import DistInfo
     from learner.wiring import build_sender
 
-    def learner(transport, device="cpu", world=1):
-        cfg = SimpleNamespace(weight_sync=WeightSyncConfig(transport=transport, timeout_s=1.0))
+    def build(transport, device="cpu", world=1):
+        cfg = WeightSyncConfig(transport=transport, timeout_s=1.0)
         info = DistInfo(rank=0, world_size=world, local_rank=0, device=torch.device(device))
-        return SimpleNamespace(cfg=cfg, info=info, transport=None, names=None)
+        return build_sender(cfg, info, transport=None, names=None)
 
     with pytest.raises(ValueError, match="needs the learner on a CUDA GPU"):
-        build_sender(learner("cuda-ipc"))
+        build("cuda-ipc")
     with pytest.raises(ValueError, match="needs a one-rank learner"):
-        build_sender(learner("cuda-ipc", device="cuda", world=2))
+        build("cuda-ipc", device="cuda", world=2)
     with pytest.raises(ValueError, match="unknown weight-sync transport 'nccl'"):
-        build_sender(learner("nccl"))
+        build("nccl")
