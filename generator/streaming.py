@@ -3,6 +3,9 @@
     loop = ContinuousLoop(worker)     # worker.step() delegates here when config.continuous is set
     loop.step()                       # admit prompts, collect finished groups, publish them
 
+It drives the worker through the same parts as its batch loop (generator/worker.py): `admit_prompts`,
+`holding`, `wait_for_held`, `prepare`, `reject`, `make_group`, `publish_and_ack`, `sync_weights`.
+
 The batch loop (worker.py) prepares a batch, runs `LLM.generate` on it and publishes when the
 slowest sequence ends: the GPU idles while a batch is prepared and runs at low occupancy through the
 long tail of each batch. Here prompts go into vLLM's engine (`LLMEngine.add_request`) as soon as they are
@@ -106,9 +109,9 @@ class ContinuousLoop:
         finished = self.stream.poll()
         groups, done = [], []
         for (delivery, record, ids, images_s), result in finished:
-            groups.append(worker._group(delivery, record, ids, result, images_s))
+            groups.append(worker.make_group(delivery, record, ids, result, images_s))
             done.append(delivery)
-        return worker._publish_and_ack(groups, done)
+        return worker.publish_and_ack(groups, done)
 
     def _draining(self) -> bool:
         """True while prompts are in flight and the learner is ahead of the served version (drain mode)."""
@@ -119,7 +122,7 @@ class ContinuousLoop:
 
     def _admit(self) -> None:
         worker = self.worker
-        if not worker._held and self.stream.inflight and time.monotonic() < self._quiet_until:
+        if not worker.holding and self.stream.inflight and time.monotonic() < self._quiet_until:
             return  # the stream was empty a moment ago: no broker round trip per engine step
         room = worker.config.max_inflight_prompts - self.stream.inflight
         if self.stream.inflight and room < min(
@@ -127,19 +130,15 @@ class ContinuousLoop:
         ):
             return  # refill a whole admission at once: its prefills run as one batch, not one per step
         block_s = 0.0 if self.stream.inflight else worker.config.block_s
-        items = worker._held or worker.prompts.poll(
-            count=min(room, worker.config.batch_prompts), block_s=block_s
-        )
-        if not items:
-            self._quiet_until = time.monotonic() + worker.config.block_s
-            return
-        admitted, worker._held = worker.gate.split(items)
+        admitted = worker.admit_prompts(min(room, worker.config.batch_prompts), block_s)
         if not admitted:
-            if self.stream.inflight == 0:
-                worker.gate.wait(worker._held[0][1], while_waiting=worker.sync_weights, stop=worker._stop)
+            if not worker.holding:  # none came
+                self._quiet_until = time.monotonic() + worker.config.block_s
+            elif self.stream.inflight == 0:
+                worker.wait_for_held()
             return
-        prepared, images_s = worker._prepare(admitted)
+        prepared, images_s = worker.prepare(admitted)
         for delivery, record, request in prepared:
             refused = self.stream.submit(request, (delivery, record, request.prompt_token_ids, images_s))
             if refused is not None:
-                worker._reject(delivery, record, refused.rejected, refused.detail)
+                worker.reject(delivery, record, refused.rejected, refused.detail)

@@ -150,7 +150,7 @@ class GeneratorWorker:
         while not self._stop.is_set():
             if self.step():
                 last_work = time.monotonic()
-            elif self._held or (self.continuous is not None and self.continuous.inflight):
+            elif self.holding or (self.continuous is not None and self.continuous.inflight):
                 last_work = time.monotonic()
             if self.config.max_groups and self.published >= self.config.max_groups:
                 break
@@ -165,33 +165,17 @@ class GeneratorWorker:
         if self.continuous is not None:
             return self.continuous.step()
         self.sync_weights()
-        items = self._held or self.prompts.poll(count=self.config.batch_prompts, block_s=self.config.block_s)
-        if not items:
-            return 0
-        admitted, self._held = self.gate.split(items)
+        admitted = self.admit_prompts(self.config.batch_prompts, self.config.block_s)
         if not admitted:
-            self.gate.wait(self._held[0][1], while_waiting=self.sync_weights, stop=self._stop)
+            if self.holding:
+                self.wait_for_held()
             return 0
         return self._generate(admitted)
 
-    def _prepare(self, items: list[tuple[Delivery, PromptRecord]]) -> tuple[list, float]:
-        """([(delivery, record, request)] of the records that could be prepared, seconds spent); the others
-        are rejected here with their reason (prepare.py)."""
-        t0 = time.perf_counter()
-        prepared = prepare_batch(
-            [record for _, record in items], self.images, self.engine.tokenizer, self.pool
-        )
-        seconds = time.perf_counter() - t0
-        kept = []
-        for (delivery, record), p in zip(items, prepared):
-            if p.request is None:
-                self._reject(delivery, record, p.reason, p.detail)
-            else:
-                kept.append((delivery, record, p.request))
-        return kept, seconds
-
     def _generate(self, items: list[tuple[Delivery, PromptRecord]]) -> int:
-        prepared, images_s = self._prepare(items)
+        """The batch loop's generate call on the admitted `items`: prepare, generate, publish; returns the
+        groups published."""
+        prepared, images_s = self.prepare(items)
         if not prepared:
             return 0
         requests = [request for _, _, request in prepared]
@@ -209,13 +193,48 @@ class GeneratorWorker:
         groups, done = [], []
         for (delivery, record, ids), result in zip(kept, results):
             if not result.ok:
-                self._reject(delivery, record, result.rejected, result.detail)
+                self.reject(delivery, record, result.rejected, result.detail)
                 continue
-            groups.append(self._group(delivery, record, ids, result, images_s))
+            groups.append(self.make_group(delivery, record, ids, result, images_s))
             done.append(delivery)
-        return self._publish_and_ack(groups, done)
+        return self.publish_and_ack(groups, done)
 
-    def _publish_and_ack(self, groups: list[RolloutGroup], done: list[Delivery]) -> int:
+    # ------------------------------------------------------------------ parts of a step (streaming.py's too)
+    @property
+    def holding(self) -> bool:
+        """True while the staleness gate holds prompts back (unacked, in order, for `admit_prompts`)."""
+        return bool(self._held)
+
+    def admit_prompts(self, count: int, block_s: float) -> list[tuple[Delivery, PromptRecord]]:
+        """The prompts that may start now: of those the staleness gate holds back, else of up to `count` new
+        ones (polled for up to `block_s`); the gate holds the others ([] and not `holding`: none came)."""
+        items = self._held or self.prompts.poll(count=count, block_s=block_s)
+        if not items:
+            return []
+        admitted, self._held = self.gate.split(items)
+        return admitted
+
+    def wait_for_held(self) -> None:
+        """Wait until the first held prompt may start (applying new weights meanwhile), or until `stop()`."""
+        self.gate.wait(self._held[0][1], while_waiting=self.sync_weights, stop=self._stop)
+
+    def prepare(self, items: list[tuple[Delivery, PromptRecord]]) -> tuple[list, float]:
+        """([(delivery, record, request)] of the records that could be prepared, seconds spent); the others
+        are rejected here with their reason (prepare.py)."""
+        t0 = time.perf_counter()
+        prepared = prepare_batch(
+            [record for _, record in items], self.images, self.engine.tokenizer, self.pool
+        )
+        seconds = time.perf_counter() - t0
+        kept = []
+        for (delivery, record), p in zip(items, prepared):
+            if p.request is None:
+                self.reject(delivery, record, p.reason, p.detail)
+            else:
+                kept.append((delivery, record, p.request))
+        return kept, seconds
+
+    def publish_and_ack(self, groups: list[RolloutGroup], done: list[Delivery]) -> int:
         """Publish the groups, then ack their prompts; the number published (0 if stopped first: no ack)."""
         if groups and self._publish(groups):
             self.prompts.ack(done)
@@ -225,7 +244,7 @@ class GeneratorWorker:
             return len(groups)
         return 0
 
-    def _reject(self, delivery: Delivery, record: PromptRecord, reason: str, detail: str = "") -> None:
+    def reject(self, delivery: Delivery, record: PromptRecord, reason: str, detail: str = "") -> None:
         """Dead-letter the prompt with its reason and publish an EMPTY group for it, so that the learner's
         feeder sees the prompt come back (counted as consumed) instead of waiting for it forever."""
         log.warning("prompt %s rejected (%s): %s", record.prompt_id, reason, detail)
@@ -247,9 +266,11 @@ class GeneratorWorker:
         self.metrics.rejected.labels(reason).inc()
         return None
 
-    def _group(
+    def make_group(
         self, delivery: Delivery, record: PromptRecord, ids: list[int], result: Result, images_s: float
     ) -> RolloutGroup:
+        """The RolloutGroup of one generated prompt (its Result); raises EngineOutputError where the engine's
+        output is broken (`_check_finite`)."""
         self._check_finite(record.prompt_id, result)
         samples = [
             Rollout.of(

@@ -1,170 +1,127 @@
-"""From scored groups to packed micro-batches: samples, staleness filter, token-budget batching.
+"""Micro-batch planning: one step's trained samples into PPO mini-batches of packed micro-batches per rank.
 
-* `to_samples` flattens groups into `TrainSample`s, each carrying its group's advantage.
-* `validate_group` names what makes a group untrainable (counts that disagree, token ids outside
-  the vocabulary, image pads that do not match the images or that a response holds).
-* `nonfinite_problem` rejects a group with a NaN/inf reward or behaviour logprob (the inbox
-  dead-letters that group alone, before any step sees it).
-* `filter_stale` drops samples whose `version_start` is more than K versions behind the
-  learner (counted; normally the generators' admission gate already prevents them), and
-  samples of versions lost to a crash (`lost` ranges: weights that were discarded when the
-  learner restarted from an older checkpoint), which count as stale whatever their number.
-* `plan_microbatches` packs sample lengths (prompt incl. expanded image tokens + response)
-  into micro-batches under a token budget (first-fit decreasing; an over-long sample goes
-  alone), and `assign_to_ranks` spreads them over data-parallel ranks by token load. Every
-  rank computes the same plan from the same batch, so no plan is communicated. `join_microbatches`
-  joins a rank's consecutive micro-batches into the no-grad passes' bigger packs.
-* `PackedMicroBatch.build` turns one micro-batch into a `policy.packing.PackedBatch` plus the
-  per-token tensors the loss needs (behaviour logprobs, advantages, sequence index).
+    planner = MicroBatchPlanner(cfg, info, processor, images, pixels, image_token_id)   # the Learner's
+    plans = planner.plan_step(samples)      # [MiniBatch], the same plan on every rank
+    updater.run(plans, values, ...)         # learner/update.py runs the passes over it
+
+`plan_step` on one step's samples (learner/samples.py):
+  1. each sample's packed length (`sample_length`: prompt with its images expanded, plus the response);
+  2. the samples split into `algo.mini_batches` contiguous, nearly equal mini-batches (`split_evenly`);
+  3. per mini-batch (`plan_mini_batch`): with `batching.share_prompts` each sample counts what it adds to a
+     row where its group's prompt is once (`shared_lengths`); the lengths are packed into micro-batches of
+     at most `batching.max_tokens_per_microbatch` tokens (`plan_microbatches`: first-fit decreasing, a
+     group kept together when it fits, an over-long sample alone) and spread over the data-parallel ranks
+     by token load (`assign_to_ranks`); this rank's micro-batches are packed (`PackedMicroBatch.build`:
+     a `policy.packing.PackedBatch` plus the per-token tensors the loss needs), and consecutive ones are
+     joined into the no-grad passes' bigger packs (`join_microbatches`,
+     `batching.no_grad_tokens_per_microbatch`).
+Every rank computes the same plan from the same samples, so no plan is communicated; a rank with fewer
+micro-batches or packs than another runs zero-weighted dummies (`MicroBatchPlanner.dummy`) so that FSDP's
+collectives line up.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from broker.schemas import ImageRef, ScoredGroup
+from broker.schemas import ImageRef
+from learner.losses import loss_denominator
+from learner.samples import TrainSample
 from policy.packing import PackedBatch, PixelCache, make_sample, pack
-from tasks.prompt import ImageCountMismatch, check_image_pads
+from tasks.prompt import num_image_tokens
 
 
 @dataclass
-class TrainSample:
-    """One response to train on."""
+class MiniBatch:
+    """One PPO mini-batch as this rank runs it (`MicroBatchPlanner.plan_mini_batch`)."""
 
-    group_id: str
-    prompt_ids: list[int]
-    """Prompt ids with ONE image pad per image (as the generator sent them to vLLM)."""
-    response_ids: list[int]
-    behaviour_logprobs: list[float]
-    advantage: float
-    version_start: int
-    images: list[ImageRef] = field(default_factory=list)
-    version_end: int = -1
-    """The version serving when the response finished (> version_start after an in-flight update)."""
-    reward: float = 0.0
-    accuracy: float = 0.0
-    data_source: str = ""
-    proximal_logprobs: list[float] | None = None
-    """Filled by the proximal recompute pass when configured."""
-    truncated: bool = False
-    """The generator stopped it at its token limit (finish reason "length")."""
+    mine: list[PackedMicroBatch]
+    """This rank's training micro-batches."""
+    n_micro: int
+    """Micro-batches every rank runs (a rank with fewer runs zero-weighted dummies)."""
+    denom: float
+    """The loss denominator of the whole mini-batch (learner.losses.loss_denominator)."""
+    no_grad: list[tuple[PackedMicroBatch, list[PackedMicroBatch]]]
+    """This rank's no-grad packs, each with the training micro-batches whose samples it holds, in order
+    (`batching.no_grad_tokens_per_microbatch`; without it, each micro-batch is its own pack)."""
+    n_no_grad: int
+    """No-grad packs every rank runs."""
 
 
-def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
-    """Every sample of every group, with its advantage (same order as the groups)."""
-    out = []
-    for scored, advs in zip(groups, advantages, strict=True):
-        g = scored.group
-        for sample, score, adv in zip(g.samples, scored.scores, advs, strict=True):
-            out.append(
-                TrainSample(
-                    group_id=g.group_id,
-                    prompt_ids=list(g.prompt_token_ids),
-                    response_ids=sample.token_ids().tolist(),
-                    behaviour_logprobs=sample.logprobs().tolist(),
-                    advantage=float(adv),
-                    version_start=sample.version_start,
-                    version_end=sample.version_end,
-                    images=list(g.images),
-                    reward=score.reward,
-                    accuracy=score.accuracy,
-                    data_source=g.data_source,
-                    truncated=sample.finish_reason == "length",
-                )
-            )
-    return out
+class MicroBatchPlanner:
+    """Plans a step's samples for this rank (see the module docstring). `images` (broker.images.ImageStore)
+    and `pixels` (policy.packing.PixelCache) give the pixels of a sample's images; `info` (learner.parallel.
+    DistInfo) says which of the ranks' plans is this one's."""
 
+    def __init__(self, cfg, info, processor, images, pixels: PixelCache, image_token_id: int):
+        self.cfg, self.info = cfg, info
+        self.processor, self.images, self.pixels = processor, images, pixels
+        self.image_token_id = image_token_id
 
-def validate_group(
-    scored: ScoredGroup, vocab_size: int | None = None, image_token_id: int | None = None
-) -> str | None:
-    """Why this scored group cannot be trained on (None when it can); with `image_token_id`, a prompt
-    whose image pads and images disagree is named with both counts (`tasks.prompt.check_image_pads`)."""
-    g = scored.group
-    if not g.samples:
-        return "empty"
-    if image_token_id is not None:
-        try:
-            check_image_pads(g.prompt_id, g.prompt_token_ids, len(g.images), image_token_id)
-        except ImageCountMismatch as exc:
-            return str(exc)
-    if len(scored.scores) != len(g.samples):
-        return f"{len(scored.scores)} scores for {len(g.samples)} samples"
-    for i, s in enumerate(g.samples):
-        if not s.num_tokens:
-            return f"sample {i} has no response tokens"
-        if len(s.behaviour_logprobs_f32) != len(s.response_token_ids_i32):
-            return f"sample {i}: {len(s.behaviour_logprobs_f32) // 4} logprobs for {s.num_tokens} tokens"
-        if image_token_id is not None and (s.token_ids() == image_token_id).any():
-            return f"sample {i}: its response holds image pad tokens (no image stands behind them)"
-    if not g.prompt_token_ids:
-        return "no prompt tokens"
-    if vocab_size is not None:
-        ids = np.concatenate(
-            [np.asarray(g.prompt_token_ids, dtype=np.int64), *(s.token_ids() for s in g.samples)]
+    def plan_step(self, samples: list[TrainSample]) -> list[MiniBatch]:
+        """The step's `algo.mini_batches` contiguous mini-batches of `samples`, each planned."""
+        lengths = [sample_length(s, self.image_tokens) for s in samples]
+        chunks = split_evenly(len(samples), self.cfg.algo.mini_batches)
+        return [self.plan_mini_batch([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+
+    def plan_mini_batch(self, samples: list[TrainSample], lengths: list[int]) -> MiniBatch:
+        """One mini-batch's micro-batches (the same plan on every rank) and its no-grad packs."""
+        batching = self.cfg.batching
+        budget = batching.max_tokens_per_microbatch
+        if batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
+            lengths = shared_lengths(samples, lengths, budget)
+        bins = plan_microbatches(lengths, budget, [s.group_id for s in samples])
+        per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
+        mine = [self.build_micro_batch([samples[i] for i in b]) for b in per_rank[self.info.rank]]
+        n_resp = sum(len(s.response_ids) for s in samples)
+        denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
+        # bigger packs for the passes that keep no activations (a budget of 0 joins nothing)
+        joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
+        no_grad = []
+        for part in joined[self.info.rank]:
+            parts = [mine[j] for j in part]
+            pack = parts[0]
+            if len(parts) > 1:
+                pack = self.build_micro_batch([s for mb in parts for s in mb.samples])
+            no_grad.append((pack, parts))
+        n_micro, n_no_grad = max(len(r) for r in per_rank), max(len(r) for r in joined)
+        return MiniBatch(mine, n_micro, denom, no_grad, n_no_grad)
+
+    def build_micro_batch(self, samples: list[TrainSample]) -> PackedMicroBatch:
+        """`samples` as one packed micro-batch (prompts once per group with `batching.share_prompts`)."""
+        share = self.cfg.batching.share_prompts
+        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id, share)
+
+    def dummy(self) -> PackedMicroBatch:
+        """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
+        tok = int(self.processor.tokenizer.pad_token_id or 0)
+        sample = TrainSample(
+            group_id="",
+            prompt_ids=[tok],
+            response_ids=[tok],
+            behaviour_logprobs=[0.0],
+            advantage=0.0,
+            version_start=0,
         )
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            return f"token ids outside the vocabulary [0, {vocab_size})"
-    return None
+        return self.build_micro_batch([sample])
+
+    def image_tokens(self, ref: ImageRef) -> int:
+        """Tokens `ref`'s image expands to: from its size where the record gives it, else from its pixels."""
+        if ref.width and ref.height:
+            return num_image_tokens(self.processor.image_processor, ref.width, ref.height)
+        pixels, grid = self.pixels.get(ref.sha256, self.images.get(ref))
+        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size**2
 
 
-def nonfinite_problem(scored: ScoredGroup) -> str | None:
-    """Why this group's numbers cannot be trained on (a non-finite reward or behaviour logprob)."""
-    rewards = np.asarray([s.reward for s in scored.scores], dtype=np.float64)
-    if not np.isfinite(rewards).all():
-        return f"non-finite reward {rewards[~np.isfinite(rewards)][0]}"
-    for i, sample in enumerate(scored.group.samples):
-        logprobs = sample.logprobs()
-        if not np.isfinite(logprobs).all():
-            return f"sample {i}: non-finite behaviour logprob {logprobs[~np.isfinite(logprobs)][0]}"
-    return None
-
-
-def staleness(version: int, sample: TrainSample, lost: Sequence[Sequence[int]] = ()) -> int:
-    """How many updates behind the learner's `version` the sample's policy was when it started.
-    Versions lost to a crash between the two are not updates of the current weights' lineage, and
-    neither is the version after a lost range (the restored weights, renumbered: learner/trainer.py)."""
-    start = sample.version_start
-    skipped = sum(max(0, min(last + 1, version) - max(first, start + 1) + 1) for first, last in lost)
-    return version - start - skipped
-
-
-def in_lost(version: int, lost: Sequence[Sequence[int]]) -> bool:
-    """True when `version` lies in one of the inclusive `[first, last]` ranges of lost versions."""
-    return any(first <= version <= last for first, last in lost)
-
-
-def spans_versions(sample: TrainSample) -> bool:
-    """True when the policy changed while the response was generated (the generator's in-flight updates)."""
-    return sample.version_end > sample.version_start
-
-
-def filter_stale(
-    samples: Sequence[TrainSample],
-    version: int,
-    max_staleness: int,
-    lost: Sequence[Sequence[int]] = (),
-) -> tuple[list[TrainSample], int]:
-    """Samples no more than `max_staleness` versions old and not of a `lost` version (nor of a
-    version the learner never reached), and how many were dropped."""
-    kept = [
-        s
-        for s in samples
-        if 0 <= staleness(version, s, lost) <= max_staleness and not in_lost(s.version_start, lost)
-    ]
-    return kept, len(samples) - len(kept)
-
-
-def filter_truncated(samples: Sequence[TrainSample]) -> tuple[list[TrainSample], int]:
-    """DAPO's overlong filtering: samples cut at the token limit get no loss; returns (kept, masked).
-    Their group's advantages were computed with them, so the baseline still sees their reward."""
-    kept = [s for s in samples if not s.truncated]
-    return kept, len(samples) - len(kept)
+def split_evenly(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous, nearly equal chunks (empty chunks dropped)."""
+    size = math.ceil(n / max(parts, 1))
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)] if n else []
 
 
 def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) -> int:

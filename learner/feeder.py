@@ -29,7 +29,7 @@ feeder holds the exact set of group ids it waits for (`in_flight`). `returned(gr
 one out; a group that is not in the set (never published, or already back) frees no slot, so
 stray or duplicated entries never change the window. The set goes into each checkpoint, and
 the broker's cursor carries every id published and not yet durably back (in flight, plus those
-returned and not yet in a checkpoint, `settle()`), so that after a crash the union of the two,
+returned and not yet in a checkpoint, `awaiting_checkpoint`), so that after a crash the union of the two,
 minus the checkpoint's consumed ids, is again exactly what is still to come.
 """
 
@@ -100,8 +100,8 @@ class PromptFeeder:
         self.state = FeederState()
         self.in_flight: set[str] = set()
         """Group ids published and not yet come back."""
-        self.unsettled: set[str] = set()
-        """Group ids come back since the last checkpoint (`settle`)."""
+        self.awaiting_checkpoint: set[str] = set()
+        """Group ids come back since the last checkpoint (`mark_durable` drops them once one holds them)."""
         self.tracking = True
         """False after resuming from a cursor without in-flight ids (then every group is accepted)."""
         self.replay = 0
@@ -157,12 +157,13 @@ class PromptFeeder:
         if group_id not in self.in_flight:
             return not self.tracking
         self.in_flight.discard(group_id)
-        self.unsettled.add(group_id)
+        self.awaiting_checkpoint.add(group_id)
         return True
 
-    def settle(self, group_ids: set[str]) -> None:
-        """These returned groups are durable (a checkpoint holds them as consumed)."""
-        self.unsettled.difference_update(group_ids)
+    def mark_durable(self, group_ids: set[str]) -> None:
+        """These returned groups are durable (a checkpoint holds them as consumed): the broker's cursor stops
+        listing them."""
+        self.awaiting_checkpoint.difference_update(group_ids)
 
     def top_up(self, taken: int, version: int) -> int:
         """Publish until `ahead` prompts are in flight; returns how many were published.
@@ -197,7 +198,7 @@ class PromptFeeder:
 
     def _write_cursor(self, state: FeederState, publishing: int = 0) -> None:
         """The broker's copy of the cursor: every id published and not yet durably back."""
-        cursor = {**state.to_dict(), "in_flight": sorted(self.in_flight | self.unsettled)}
+        cursor = {**state.to_dict(), "in_flight": sorted(self.in_flight | self.awaiting_checkpoint)}
         if publishing:
             cursor["publishing"] = publishing
         self.transport.set_value(self.names.feeder_cursor, json.dumps(cursor).encode())

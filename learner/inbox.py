@@ -39,10 +39,10 @@ from broker.names import Names
 from broker.schemas import ScoredGroup
 from broker.transport import Delivery, Transport
 from learner.advantages import has_variance
-from learner.batching import nonfinite_problem, validate_group
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
+from learner.samples import nonfinite_problem, validate_group
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Inbox:
             self._held.difference_update(d.id for d in self.unacked)
             self.unacked = []
         if self.feeder is not None:
-            self.feeder.settle(self._committed)
+            self.feeder.mark_durable(self._committed)
         self._committed = set()
         return n
 

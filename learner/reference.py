@@ -1,6 +1,6 @@
 """The frozen reference model of the KL term: built beside the policy, on the GPU or in host memory.
 
-    ref = build_reference(learner)      # learner.trainer builds it when loss.kl_coef > 0
+    ref = build_reference(cfg, info, param_dtype)   # learner.trainer builds it when loss.kl_coef > 0
 
 `parallel.reference_location` says where its bf16 weights live:
   device  on the GPU, sharded and compiled like the policy (2 bytes a parameter over the ranks);
@@ -47,21 +47,22 @@ def reference_location(location: str, device: torch.device) -> str:
     return "host" if location == "host" else "device"
 
 
-def build_reference(learner):
-    """The frozen bf16 reference model (see the module docstring), as a `policy.forward.PackedPolicy`."""
+def build_reference(cfg, info, param_dtype: torch.dtype):
+    """The frozen bf16 reference model (see the module docstring) of the learner config `cfg`, on this rank
+    (`info`, learner.parallel.DistInfo), as a `policy.forward.PackedPolicy`; it has the policy's parameter
+    dtype `param_dtype` unless bf16 mixed precision runs on a GPU."""
     from learner.config import ParallelConfig
     from learner.parallel import apply_parallelism
     from policy.loading import load_model
 
-    cfg = learner.cfg
-    device = learner.info.device
+    device = info.device
     bf16 = device.type == "cuda" and cfg.parallel.mixed_precision
-    dtype = torch.bfloat16 if bf16 else learner.param_dtype
+    dtype = torch.bfloat16 if bf16 else param_dtype
     host = reference_location(cfg.parallel.reference_location, device) == "host"
     ref = load_model(cfg.model, dtype=dtype, device="cpu" if host else device)
     ref.eval().requires_grad_(False)
     if host:
-        n_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) // learner.info.world_size
+        n_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) // info.world_size
         check_host_memory(
             n_bytes,
             "the KL reference model in host memory (parallel.reference_location=host)",

@@ -1,20 +1,22 @@
 """The Learner: scored groups in, GRPO updates, weights out to the generators, checkpoints.
 
-    learner = Learner(cfg)          # joins the torch.distributed group, shards the model, resumes
+    learner = Learner(cfg)          # builds its parts (process group, model, broker...), then assembles them
     learner.train()                 # until max_steps or the data runs out
     learner.close()                 # final checkpoint, acks, HF export, sockets
 
 One `train_step(groups)` (every rank, same groups):
-  1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples; samples older than
-     the staleness bound (counted from version_start) are dropped (counted); staleness observed
+  1. advantages per group (GRPO / Dr.GRPO / RLOO), flattened into samples (learner/samples.py); samples
+     older than the staleness bound (counted from version_start) are dropped (counted); staleness observed
      per sample, and samples whose policy changed mid-response (in-flight updates) counted;
-  2. the policy updates on those samples (learner/update.py): per PPO mini-batch, packed micro-batches
-     spread over the ranks, the no-grad passes for π_prox and π_ref, loss, backward, clipping, AdamW;
+  2. the samples are planned into PPO mini-batches of packed micro-batches spread over the ranks
+     (learner/batching.py), and the policy updates over that plan (learner/update.py): the no-grad passes
+     for π_prox and π_ref, loss, backward, clipping, AdamW;
   3. every `sync_every` steps the weights go to the generators and the new version is announced;
      every `checkpoint.every` steps a checkpoint, then the consumed groups are acked.
 With `optim.defer_update` a step's last AdamW may wait for the next step (`_may_hold`): when that step's
 groups are already waiting, its first KL pass runs beside the AdamW and the weights go out before it trains
-(`_settle`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at once.
+(`_finish_held_update`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at
+once (`_finish_held_update_alone`, or `_finish_held_update` without a KL pass beside it).
 Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
 step's groups to the other ranks.
 """
@@ -34,13 +36,7 @@ from broker.images import ImageStore
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
 from learner.advantages import batch_advantages
-from learner.batching import (
-    filter_stale,
-    filter_truncated,
-    spans_versions,
-    staleness,
-    to_samples,
-)
+from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
 from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady
@@ -55,6 +51,7 @@ from learner.parallel import (
     resolve_master_weights,
 )
 from learner.reference import build_reference
+from learner.samples import filter_stale, filter_truncated, spans_versions, staleness, to_samples
 from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
@@ -70,8 +67,11 @@ class Learner:
     """See the module docstring."""
 
     def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
+        """Build the parts, then assemble them; `transport`, `sender` and `registry` stand in for the ones
+        the config would build (tests, benchmarks)."""
         self.cfg = cfg
         clock = [("start", time.perf_counter())]  # the start-up's phases, logged once ready
+        # this rank, the policy and its reference, the optimizer
         self.info = init_distributed(cfg.parallel.backend)
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
@@ -81,32 +81,42 @@ class Learner:
         )
         self.param_dtype = param_dtype(self.master_weights)
         self.hf = load_model(cfg.model, dtype=self.param_dtype, device=self.info.device).train()
-        self.image_token_id = self.hf.config.image_token_id
         self.n_lm_params = lm_param_count(self.hf)
         clock.append(("model", time.perf_counter()))
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
-        self.ref = build_reference(self) if cfg.loss.kl_coef > 0 else None
+        self.ref = build_reference(cfg, self.info, self.param_dtype) if cfg.loss.kl_coef > 0 else None
         clock.append(("parallelism and reference", time.perf_counter()))
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, self.master_weights)
         clock.append(("optimizer", time.perf_counter()))
+        # the broker and what goes through it: images, metrics, checkpoints, the weight sender, the inbox
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
-        # AdamW in host memory is CPU work: the next mini-batch's KL reference pass runs on the GPU meanwhile
-        self.updater = Updater(
-            cfg, self.info, self.model, self.ref, self.optimizer, self.scheduler, hf_config=self.hf.config,
-            n_lm_params=self.n_lm_params, processor=self.processor, images=self.images, pixels=self.pixels,
-            overlap_ref=self.master_weights == "host" and self.info.device.type == "cuda",
-        )  # fmt: skip
         self.registry = registry if registry is not None else new_registry()
         self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
-        self.sender = sender if sender is not None else build_sender(self)
-        self.updater.before_write = self.sender.begin_write
-        self.state = TrainerState()
-        self.inbox = build_inbox(self) if self.info.is_main else None
+        if sender is None:
+            sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
+        self.sender = sender
+        self.inbox = None
+        if self.info.is_main:
+            self.inbox = build_inbox(
+                cfg, self.transport, self.names, model_config=self.hf.config, images=self.images,
+                pixels=self.pixels, metrics=self.metrics,
+            )  # fmt: skip
+        # assembled: the step's planner and updater
+        self.planner = MicroBatchPlanner(
+            cfg, self.info, self.processor, self.images, self.pixels, self.hf.config.image_token_id
+        )
+        # AdamW in host memory is CPU work: the next mini-batch's KL reference pass runs on the GPU meanwhile
+        self.updater = Updater(
+            cfg, self.info, self.model, self.ref, self.optimizer, self.scheduler, model_config=self.hf.config,
+            n_lm_params=self.n_lm_params, dummy=self.planner.dummy, before_write=self.sender.begin_write,
+            overlap_ref=self.master_weights == "host" and self.info.device.type == "cuda",
+        )  # fmt: skip
         self.peak_flops = cfg.peak_tflops * 1e12 or guess_peak_flops(self.info.device)
+        self.state = TrainerState()
         self._last_ckpt_step = 0
         self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
         self._carried: dict[str, float] = defaultdict(float)  # a held update's times, for the next step
@@ -169,16 +179,16 @@ class Learner:
             groups = self._next_groups(wait=self.updater.pending is None)
             if groups is NOT_READY:  # the learner does not bound the pipeline now: the held update goes out
                 t1 = time.perf_counter()
-                self._settle_alone()
+                self._finish_held_update_alone()
                 t0 += time.perf_counter() - t1  # not waiting
                 groups = self._next_groups()
             if groups is None:
-                self._settle(self._carried)
+                self._finish_held_update(self._carried)
                 self._data_ended(trained=self.state.step - first)
                 return
             wait_s = time.perf_counter() - t0
             self.train_step(groups, wait_s=wait_s)
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
         log.info("stopping at step %d: max_steps reached", self.state.step)
 
     def _data_ended(self, trained: int) -> None:
@@ -201,7 +211,7 @@ class Learner:
     def close(self) -> None:
         """The held update, final checkpoint and acks, Hugging Face export, release sockets and the process
         group."""
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
@@ -234,11 +244,11 @@ class Learner:
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
-        plans = self.updater.plan_step(samples) if samples else []
-        ref_done = self._settle(values, beside=plans[:1])  # the last step's held update, then its sync
+        plans = self.planner.plan_step(samples) if samples else []
+        ref_done = self._finish_held_update(values, beside=plans[:1])  # the last step's held AdamW, its sync
         if plans:
             hold = self._may_hold()
-            values["update_held"] = float(hold)  # the next step's groups may still settle it at once
+            values["update_held"] = float(hold)  # the next step's groups may still finish it at once
             version, step = self.version_now, self.state.step
             self.updater.run(plans, values, version, step, first_ref_done=ref_done, hold_last=hold)
         self._record_consumed(groups)
@@ -252,7 +262,7 @@ class Learner:
         if self.updater.pending is None:
             values["sync_s"] += self._maybe_sync()
         elif checkpoint_due or export_due or self._eval_due():  # they need this step's weights
-            self._settle(values)
+            self._finish_held_update(values)
         values["train_s"] = time.perf_counter() - t0
         values["wait_s"] = wait_s
         values["step"], values["version"] = float(self.state.step), float(self.state.version)
@@ -302,26 +312,27 @@ class Learner:
         hold = self.cfg.optim.defer_update and self.updater.overlap_ref and self.ref is not None
         return hold and self.info.world_size == 1 and self.cfg.algo.max_staleness > 0
 
-    def _settle_alone(self) -> None:
-        """The held update, now and with nothing beside it: the next step's groups were not all here when
-        it ended (said in the log, and in the next step's metrics as `update_settled_alone`)."""
+    def _finish_held_update_alone(self) -> None:
+        """The held update and its weight sync, now and with nothing beside it: the next step's groups were
+        not all here when it ended (said in the log, and in the next step's metrics as
+        `update_settled_alone`)."""
         taken = self.inbox.taken if self.inbox is not None else 0
         want = self.cfg.algo.groups_per_step
         log.info("step %d: %d of %d groups here, its held AdamW runs now", self.state.step, taken, want)
         self._carried["update_settled_alone"] = 1.0
-        self._settle(self._carried)
+        self._finish_held_update(self._carried)
 
     def _eval_due(self) -> bool:
         """An evaluation round starts after this step (`_evaluate`)."""
         evaluator = self.inbox.evaluator if self.inbox is not None else None
         return evaluator is not None and evaluator.due(self.state.step)
 
-    def _settle(self, values: dict[str, float], beside: list | None = None) -> bool:
-        """The update the last step held back (Updater.settle, the KL pass of `beside` meanwhile), then the
-        weight sync it was due; True if that KL pass ran. Nothing held: nothing to do."""
+    def _finish_held_update(self, values: dict[str, float], beside: list | None = None) -> bool:
+        """The AdamW step the last step held back (`Updater.apply_held_update`, the KL pass of `beside`
+        meanwhile), then the weight sync it was due; True if that KL pass ran. Nothing held: nothing to do."""
         if self.updater.pending is None:
             return False
-        ref_done = self.updater.settle(values, beside or [])
+        ref_done = self.updater.apply_held_update(values, beside or [])
         values["sync_s"] += self._maybe_sync()
         return ref_done
 

@@ -1,24 +1,21 @@
-"""One step's policy updates: packed micro-batches per PPO mini-batch, the no-grad passes, loss, AdamW.
+"""One step's policy updates over a planned step: the no-grad passes, loss, backward, clipping, AdamW.
 
-    updater = Updater(cfg, info, model, ref, optimizer, scheduler, hf_config=..., ...)   # the Learner's
-    plans = updater.plan_step(samples)
-    updater.settle(values, plans[:1])                     # an update held back from the last step, if any
+    updater = Updater(cfg, info, model, ref, optimizer, scheduler, model_config=..., dummy=...)  # Learner's
+    updater.apply_held_update(values, plans[:1])          # an update held back from the last step, if any
     updater.run(plans, values, version=7, step=12)       # fills `values` with the step's loss metrics
 
-`run` on one step's samples (every rank, same samples):
-  1. the samples split into `algo.mini_batches` contiguous mini-batches; each is planned into
-     token-budget packed micro-batches spread over the ranks (the same plan on every rank; ranks with
-     fewer micro-batches run zero-weighted dummies so FSDP's collectives line up);
-  2. proximal = recompute: one no-grad pass gives π_prox over the mini-batches after the first (the
+`run` on one step's plan (learner/batching.py: `MicroBatchPlanner.plan_step`, the same plan on every rank;
+ranks with fewer micro-batches run zero-weighted dummies so FSDP's collectives line up):
+  1. proximal = recompute: one no-grad pass gives π_prox over the mini-batches after the first (the
      first trains at π_prox's weights and takes it from its own forward); with a KL term, a no-grad pass
      of the reference model gives π_ref, for a later mini-batch beside the previous update's host AdamW
      (`overlap_ref`: the GPU computes while the CPU updates, learner/optim.py `step_beside`); both
-     passes run over a mini-batch's consecutive micro-batches joined into packs of up to
-     `batching.no_grad_tokens_per_microbatch` tokens (they keep no activations);
-  3. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
+     passes run over a mini-batch's no-grad packs (its consecutive micro-batches joined into packs of up to
+     `batching.no_grad_tokens_per_microbatch` tokens: they keep no activations);
+  2. per mini-batch: loss per micro-batch with the step's global denominator, gradient accumulation,
      clipping, AdamW; a non-finite gradient norm skips the update (counted in `nonfinite_steps`). With
-     `hold_last` the last AdamW waits in `pending` for the next step's `settle`, which runs it beside that
-     step's first KL pass (the Learner decides: `optim.defer_update`).
+     `hold_last` the last AdamW waits in `pending` for the next step's `apply_held_update`, which runs it
+     beside that step's first KL pass (the Learner decides: `optim.defer_update`).
 The Learner (learner/trainer.py) owns everything around it: data, versions, sync, checkpoints.
 """
 
@@ -30,24 +27,14 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from learner.batching import (
-    PackedMicroBatch,
-    TrainSample,
-    assign_to_ranks,
-    join_microbatches,
-    plan_microbatches,
-    sample_length,
-    shared_lengths,
-)
-from learner.losses import TokenBatch, behaviour_kl, loss_denominator, policy_loss
+from learner.batching import MiniBatch, PackedMicroBatch
+from learner.losses import TokenBatch, behaviour_kl, policy_loss
 from learner.metrics import train_flops
 from learner.optim import step_beside
 from learner.parallel import all_reduce_sum, clip_grad_norm, distributed
-from tasks.prompt import num_image_tokens
 
 log = logging.getLogger(__name__)
 
@@ -66,57 +53,33 @@ SUMMED = (
 """Per-token loss metrics: token-weighted sums over micro-batches and ranks, divided by the tokens."""
 
 
-@dataclass
-class MiniBatch:
-    """One PPO mini-batch as this rank runs it (`Updater.plan`)."""
-
-    mine: list[PackedMicroBatch]
-    """This rank's training micro-batches."""
-    n_micro: int
-    """Micro-batches every rank runs (a rank with fewer runs zero-weighted dummies)."""
-    denom: float
-    """The loss denominator of the whole mini-batch (learner.losses.loss_denominator)."""
-    no_grad: list[tuple[PackedMicroBatch, list[PackedMicroBatch]]]
-    """This rank's no-grad packs, each with the training micro-batches whose samples it holds, in order
-    (`batching.no_grad_tokens_per_microbatch`; without it, each micro-batch is its own pack)."""
-    n_no_grad: int
-    """No-grad packs every rank runs."""
-
-
 class Updater:
-    """See the module docstring. `images` (broker.images.ImageStore) and `pixels` (policy.packing.PixelCache)
-    give the pixels of a sample's images; `overlap_ref` runs each later KL pass beside the host AdamW."""
+    """See the module docstring. `dummy` makes the zero-weighted micro-batch a rank runs where another has one
+    more (`MicroBatchPlanner.dummy`); `before_write` is called before AdamW writes the parameters (the weight
+    sender's `begin_write`); `overlap_ref` runs each later KL pass beside the host AdamW."""
 
     def __init__(
         self, cfg, info, model, ref, optimizer, scheduler, *,
-        hf_config, n_lm_params, processor, images, pixels, overlap_ref: bool = False,
+        model_config, n_lm_params: int, dummy: Callable[[], PackedMicroBatch],
+        before_write: Callable[[], float] = lambda: 0.0, overlap_ref: bool = False,
     ):  # fmt: skip
         self.cfg, self.info = cfg, info
         self.model, self.ref, self.optimizer, self.scheduler = model, ref, optimizer, scheduler
-        self.text_config, self.image_token_id = hf_config.text_config, hf_config.image_token_id
-        self.n_lm_params = n_lm_params
-        self.processor, self.images, self.pixels = processor, images, pixels
+        self.text_config, self.n_lm_params = model_config.text_config, n_lm_params
+        self.dummy, self.before_write = dummy, before_write
         self.overlap_ref = overlap_ref
         self.nonfinite_steps = 0
-        self.before_write: Callable[[], float] = lambda: 0.0
-        """Called before AdamW writes the parameters (the trainer's `WeightSender.begin_write`)."""
         self.version = 0  # of the weights the current step starts from (`run`)
         self.pending: tuple[float, int] | None = None
-        """(gradient norm, step) of an update `run` held back (`hold_last`) for `settle`."""
-
-    def plan_step(self, samples: list[TrainSample]) -> list[MiniBatch]:
-        """The step's `algo.mini_batches` contiguous mini-batches of `samples`, each planned (`plan`)."""
-        lengths = [sample_length(s, self.image_tokens) for s in samples]
-        chunks = _split(len(samples), self.cfg.algo.mini_batches)
-        return [self.plan([samples[i] for i in c], [lengths[i] for i in c]) for c in chunks]
+        """(gradient norm, step) of an update `run` held back (`hold_last`) for `apply_held_update`."""
 
     def run(
         self, plans: list[MiniBatch], values: dict[str, float], version: int, step: int, *,
         first_ref_done: bool = False, hold_last: bool = False,
     ) -> None:  # fmt: skip
         """Every mini-batch's update of `plans`; `version` is the weights' version (what `fresh` means).
-        `first_ref_done`: the first mini-batch's KL pass ran already (`settle`); `hold_last`: the last
-        mini-batch's AdamW waits in `pending` for `settle`."""
+        `first_ref_done`: the first mini-batch's KL pass ran already (`apply_held_update`); `hold_last`: the
+        last mini-batch's AdamW waits in `pending` for `apply_held_update`."""
         self.version, cfg = version, self.cfg
         t0 = time.perf_counter()  # each no-grad pass ends synchronised with its stream
         if cfg.algo.proximal == "recompute":  # the first update runs at π_prox's weights: its own forward
@@ -126,7 +89,7 @@ class Updater:
         if self.ref is not None and not first_ref_done:
             self.no_grad_pass(plans[:1] if beside else plans, self.ref, "ref_logprobs")
         values["proximal_pass_s"] = t1 - t0
-        values["ref_pass_s"] += time.perf_counter() - t1  # after a KL pass `settle` ran beside AdamW
+        values["ref_pass_s"] += time.perf_counter() - t1  # after a KL pass run beside a held AdamW
         values["micro_batches"] = float(sum(mini.n_micro for mini in plans))  # training forwards a rank runs
         values["no_grad_packs"] = float(sum(mini.n_no_grad for mini in plans))  # forwards of a no-grad pass
         weights = defaultdict(float)
@@ -145,9 +108,9 @@ class Updater:
             self.apply_update(norm, later_ref, values, step)
         self.summarise(weights, values)
 
-    def settle(self, values: dict[str, float], beside: list[MiniBatch]) -> bool:
-        """The update `run` held back (if any), with the KL pass of `beside` (the next step's first
-        mini-batch) running meanwhile; True if that KL pass ran."""
+    def apply_held_update(self, values: dict[str, float], beside: list[MiniBatch]) -> bool:
+        """The AdamW step that `run` held back (`hold_last`), if any, with the KL pass of `beside` (the next
+        step's first mini-batch) running meanwhile; True if that KL pass ran."""
         if self.pending is None:
             return False
         (norm, step), self.pending = self.pending, None
@@ -192,51 +155,6 @@ class Updater:
             values[key] = total / n
         values["lr"] = self.scheduler.get_last_lr()[0]
         values["nonfinite_steps"] = float(self.nonfinite_steps)
-
-    # ------------------------------------------------------------------ micro-batches
-    def plan(self, samples: list[TrainSample], lengths: list[int]) -> MiniBatch:
-        """One mini-batch's micro-batches (the same plan on every rank) and its no-grad packs."""
-        batching = self.cfg.batching
-        budget = batching.max_tokens_per_microbatch
-        if batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
-            lengths = shared_lengths(samples, lengths, budget)
-        bins = plan_microbatches(lengths, budget, [s.group_id for s in samples])
-        per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
-        mine = [self.build([samples[i] for i in b]) for b in per_rank[self.info.rank]]
-        n_resp = sum(len(s.response_ids) for s in samples)
-        denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
-        # bigger packs for the passes that keep no activations (a budget of 0 joins nothing)
-        joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
-        no_grad = []
-        for part in joined[self.info.rank]:
-            parts = [mine[j] for j in part]
-            pack = parts[0] if len(parts) == 1 else self.build([s for mb in parts for s in mb.samples])
-            no_grad.append((pack, parts))
-        n_micro, n_no_grad = max(len(r) for r in per_rank), max(len(r) for r in joined)
-        return MiniBatch(mine, n_micro, denom, no_grad, n_no_grad)
-
-    def build(self, samples: list[TrainSample]) -> PackedMicroBatch:
-        share = self.cfg.batching.share_prompts
-        return PackedMicroBatch.build(samples, self.images.get, self.pixels, self.image_token_id, share)
-
-    def dummy(self) -> PackedMicroBatch:
-        """A one-token micro-batch whose loss is multiplied by zero (keeps FSDP collectives aligned)."""
-        tok = int(self.processor.tokenizer.pad_token_id or 0)
-        sample = TrainSample(
-            group_id="",
-            prompt_ids=[tok],
-            response_ids=[tok],
-            behaviour_logprobs=[0.0],
-            advantage=0.0,
-            version_start=0,
-        )
-        return self.build([sample])
-
-    def image_tokens(self, ref) -> int:
-        if ref.width and ref.height:
-            return num_image_tokens(self.processor.image_processor, ref.width, ref.height)
-        pixels, grid = self.pixels.get(ref.sha256, self.images.get(ref))
-        return grid[0] * grid[1] * grid[2] // self.processor.image_processor.merge_size**2
 
     # ------------------------------------------------------------------ forward passes
     def forward(self, module, mb: PackedMicroBatch, with_entropy: bool = True):
@@ -333,9 +251,3 @@ def read_once(values: list) -> list[float]:
         return [float(v) for v in values]
     read = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist())
     return [next(read) if torch.is_tensor(v) else float(v) for v in values]
-
-
-def _split(n: int, parts: int) -> list[list[int]]:
-    """0..n-1 in `parts` contiguous, nearly equal chunks (empty chunks dropped)."""
-    size = math.ceil(n / max(parts, 1))
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)] if n else []

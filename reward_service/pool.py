@@ -199,7 +199,7 @@ class SafeGrader:
                 self.crashes += 1
             else:
                 self.timeouts += 1
-            self._settle(
+            self._record_outcome(
                 ticket, index, Outcome(timed_out=not crashed, crashed=crashed, seconds=now - started)
             )
             self._discard_active()
@@ -210,7 +210,7 @@ class SafeGrader:
             raise RuntimeError(f"grader answered request {result.id}, expected {rid}")
         self._sent.popleft()
         self._idle_since = now
-        self._settle(
+        self._record_outcome(
             ticket, index, Outcome(result.accuracy, result.format, error=result.error, seconds=now - started)
         )
 
@@ -224,11 +224,12 @@ class SafeGrader:
             if ticket.deadline is not None and now >= ticket.deadline:
                 for index in sorted(ticket.open):
                     self.timeouts += 1
-                    self._settle(ticket, index, Outcome(timed_out=True))
+                    self._record_outcome(ticket, index, Outcome(timed_out=True))
             else:
                 self._send(ticket, sorted(ticket.open))
 
-    def _settle(self, ticket: Ticket, index: int, outcome: Outcome) -> None:
+    def _record_outcome(self, ticket: Ticket, index: int, outcome: Outcome) -> None:
+        """Item `index` of `ticket` is done with `outcome` (remembered in the cache where it may be)."""
         ticket.open.discard(index)
         ticket.results[index] = self._remember(ticket.items[index], outcome)
 

@@ -130,13 +130,13 @@ class BroadcastSender(WeightSender):
         sums = []
         for b in range(len(manifest.bucket_nbytes)):
             if len(inflight) == 2:
-                self._settle(inflight.popleft()[1])
+                self._await_transfers(inflight.popleft()[1])
             buf, total = produce(b)
             sums.append(total)
-            inflight.append((buf, self._launch(members, buf)))  # buf stays referenced until settled
+            inflight.append((buf, self._launch(members, buf)))  # buf stays referenced until sent
         while inflight:
-            self._settle(inflight.popleft()[1])
-        self._settle(self._launch(members, trailer(manifest.version, sums, self._device)))
+            self._await_transfers(inflight.popleft()[1])
+        self._await_transfers(self._launch(members, trailer(manifest.version, sums, self._device)))
         return sums
 
     def _announce(self, member: Member, manifest: Manifest) -> None:
@@ -156,7 +156,8 @@ class BroadcastSender(WeightSender):
                     self._membership.drop(m, f"send failed: {e}")
         return works
 
-    def _settle(self, works: list) -> None:
+    def _await_transfers(self, works: list) -> None:
+        """Wait for each live member's broadcast of `works`; a member whose transfer fails is dropped."""
         for m, work in works:
             if m.alive:
                 try:

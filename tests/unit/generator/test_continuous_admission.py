@@ -10,12 +10,14 @@ from generator.streaming import ContinuousLoop
 
 
 class Prompts:
+    """The worker's prompt intake (`GeneratorWorker.admit_prompts`) over an empty stream."""
+
     def __init__(self):
         self.polls = []
 
-    def poll(self, count, block_s):
+    def admit_prompts(self, count, block_s):
         self.polls.append(count)
-        return []  # an empty stream: nothing to prepare
+        return []  # nothing came: nothing to prepare
 
 
 def loop_with(inflight: int, batch: int = 4, max_inflight: int = 8) -> tuple[ContinuousLoop, Prompts]:
@@ -23,7 +25,7 @@ def loop_with(inflight: int, batch: int = 4, max_inflight: int = 8) -> tuple[Con
     config = SimpleNamespace(
         max_inflight_prompts=max_inflight, batch_prompts=batch, block_s=0.0, weight_update="drain"
     )
-    worker = SimpleNamespace(config=config, prompts=prompts, _held=[], engine=None)
+    worker = SimpleNamespace(config=config, admit_prompts=prompts.admit_prompts, holding=False, engine=None)
     loop = ContinuousLoop(worker)
     loop.stream = SimpleNamespace(inflight=inflight)
     return loop, prompts

@@ -8,14 +8,16 @@ from broker.images import ImageStore
 from learner.advantages import batch_advantages
 from learner.batching import (
     PackedMicroBatch,
-    TrainSample,
     assign_to_ranks,
-    filter_stale,
-    filter_truncated,
     join_microbatches,
     plan_microbatches,
     sample_length,
     shared_lengths,
+)
+from learner.samples import (
+    TrainSample,
+    filter_stale,
+    filter_truncated,
     spans_versions,
     to_samples,
     validate_group,
@@ -205,7 +207,7 @@ def test_image_pads_that_disagree_with_the_images_are_named_with_both_counts(tin
 
 
 def test_samples_of_lost_versions_count_as_stale():
-    from learner.batching import TrainSample, filter_stale, staleness
+    from learner.samples import TrainSample, filter_stale, staleness
 
     def at(version):
         return TrainSample("g", [1], [2], [-0.1], 0.0, version_start=version)
@@ -219,7 +221,7 @@ def test_samples_of_lost_versions_count_as_stale():
 
 def test_nonfinite_rewards_and_logprobs_are_named():
     from broker.schemas import Rollout, RolloutGroup, Score, ScoredGroup
-    from learner.batching import nonfinite_problem
+    from learner.samples import nonfinite_problem
 
     def scored(reward, logprob):
         sample = Rollout.of(

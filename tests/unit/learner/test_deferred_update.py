@@ -73,7 +73,7 @@ def test_the_held_update_is_the_same_update_published_before_the_next_step_train
         # each step trains, then holds its AdamW; the next one first runs it, then publishes, then trains
         assert held.sender.calls == ["train"] + ["begin_write", "sync", "train"] * n
         assert held.updater.pending is not None and held.state.version == n
-    held._settle(held._carried)
+    held._finish_held_update(held._carried)
     assert held.updater.pending is None and held.state.version == 3
     assert held.sender.calls[-2:] == ["begin_write", "sync"]
     assert works == [

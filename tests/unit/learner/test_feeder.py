@@ -131,7 +131,7 @@ def test_resume_expects_what_the_checkpoint_did_not_consume(transport, names, da
     first = sorted(feeder.in_flight)[0]
     feeder.returned(first)
     checkpointed, consumed = feeder.cursor(), {first}
-    feeder.settle({first})  # the checkpoint holds `first`
+    feeder.mark_durable({first})  # the checkpoint holds `first`
     feeder.top_up(taken=0, version=1)
     restarted = _feeder(transport, names, data)
     restarted.load_state(checkpointed, consumed=consumed)

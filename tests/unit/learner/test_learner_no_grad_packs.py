@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from learner.advantages import batch_advantages
-from learner.batching import sample_length, to_samples
+from learner.batching import sample_length
+from learner.samples import to_samples
 from learner.trainer import Learner
 from learner.wiring import NullSender
 from tests.fixtures.models import assert_same_update
@@ -71,15 +72,15 @@ def test_every_rank_plans_the_same_number_of_no_grad_packs(
     learner = _learner(tiny_model_dir, redis_server, names, tmp_path / "r", 0)
     groups = learner._next_groups()
     samples = to_samples(groups, batch_advantages([[s.reward for s in g.scores] for g in groups]))
-    updater = learner.updater
-    lengths = [sample_length(s, updater.image_tokens) for s in samples]
+    planner = learner.planner
+    lengths = [sample_length(s, planner.image_tokens) for s in samples]
     uneven = 0
     for budget, world in itertools.product((64, 100, 120, 150, 1000), (2, 3)):
         learner.cfg.batching.no_grad_tokens_per_microbatch = budget
         plans = []
         for rank in range(world):
-            updater.info = dataclasses.replace(learner.info, rank=rank, world_size=world)
-            plans.append(updater.plan(samples, lengths))
+            planner.info = dataclasses.replace(learner.info, rank=rank, world_size=world)
+            plans.append(planner.plan_mini_batch(samples, lengths))
         assert len({p.n_no_grad for p in plans}) == 1 and len({p.n_micro for p in plans}) == 1
         assert all(len(p.no_grad) <= p.n_no_grad and len(p.mine) <= p.n_micro for p in plans)
         uneven += len({len(p.no_grad) for p in plans}) > 1  # some rank runs a dummy pack

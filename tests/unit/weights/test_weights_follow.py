@@ -189,14 +189,12 @@ def test_a_learner_refuses_cuda_ipc_where_it_cannot_work():
     from learner.parallel import DistInfo
     from learner.wiring import build_sender
 
-    def learner(transport, device="cpu", world=1):
-        cfg = SimpleNamespace(
-            weight_sync=WeightSenderConfig(transport=SENDER_TRANSPORTS[transport](), timeout_s=1.0)
-        )
+    def build(transport, device="cpu", world=1):
+        cfg = WeightSenderConfig(transport=SENDER_TRANSPORTS[transport](), timeout_s=1.0)
         info = DistInfo(rank=0, world_size=world, local_rank=0, device=torch.device(device))
-        return SimpleNamespace(cfg=cfg, info=info, transport=None, names=None)
+        return build_sender(cfg, info, transport=None, names=None)
 
     with pytest.raises(ValueError, match="needs the learner on a CUDA GPU"):
-        build_sender(learner("cuda-ipc"))
+        build("cuda-ipc")
     with pytest.raises(ValueError, match="needs a one-rank learner"):
-        build_sender(learner("cuda-ipc", device="cuda", world=2))
+        build("cuda-ipc", device="cuda", world=2)
