@@ -96,8 +96,10 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
+    from runtime.private import private_umask
     from runtime.redact import setup_logging
 
+    private_umask()
     cfg = load_config(RewardConfig, argv, description="Parallax reward service: score rollout groups.")
     setup_logging(cfg.log_level, "%(asctime)s reward %(levelname)s %(message)s")
     if cfg.workers == 1:
