@@ -2,7 +2,8 @@
 
 docs/metrics.md (section Broker) is the contract:
   * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered (the
-    codec's reasons), and entries the transport dead-lettered past the redelivery cap while the
+    codec's reasons; "auth": no valid tag of the run's message key; "oversize": above
+    max_entry_bytes), and entries the transport dead-lettered past the redelivery cap while the
     subscriber consumed (`redelivery_cap`);
   * `parallax_broker_stream_backlog{stream}`: `Transport.backlog(stream)` of each consumed stream;
   * `parallax_broker_backlog_errors_total`: backlog reads that failed at scrape time.
@@ -28,13 +29,15 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker import codec
+from broker.auth import AUTH
+from broker.stream_options import OVERSIZE
 from broker.transport import Transport
 
 log = logging.getLogger(__name__)
 
 REDELIVERY_CAP = "redelivery_cap"
 """Reason of entries dead-lettered because they were delivered `max_deliveries` times unacked."""
-REASONS = (*codec.REASONS, REDELIVERY_CAP)
+REASONS = (*codec.REASONS, AUTH, OVERSIZE, REDELIVERY_CAP)
 """Every `reason` label of `parallax_broker_rejected_total`."""
 BACKLOG = "parallax_broker_stream_backlog"
 BACKLOG_HELP = "Entries of a consumed stream not yet acked by every group (Transport.backlog)"

@@ -22,6 +22,8 @@
   raises `TransportError`. A retried publish whose MULTI/EXEC reached the server but whose
   reply was lost appears twice (once with keys); every stage downstream is idempotent by group id.
 Password and user come from the URL: redis://[user]:password@host:port/db.
+* Byte caps: an entry above `max_entry_bytes` or a blob above `max_blob_bytes` raises
+  `OversizeError` before anything is sent; a dead letter keeps a `dead_payload_bytes` prefix.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from redis.backoff import ExponentialBackoff
 
 from broker import redis_scripts
 from broker.names import Names
-from broker.stream_options import Backoff, DeadLetter, StreamOptions
+from broker.stream_options import Backoff, DeadLetter, StreamOptions, check_size
 from broker.transport import (
     PUBLISH_KEY_TTL_S,
     BackpressureTimeout,
@@ -146,6 +148,8 @@ class RedisTransport(Transport):
         keys: Sequence[str] | None = None,
     ) -> list[str]:
         check_keys(payloads, keys)
+        for payload in payloads:
+            check_size(f"{stream}: entry", len(payload), self.options.max_entry_bytes)
         with self._publish_lock:  # threads sharing this transport share its credits
             return self._publish_locked(stream, payloads, timeout, keys)
 
@@ -268,7 +272,15 @@ class RedisTransport(Transport):
             "consume",
             self._read_own,
             keys=[stream, Names.dead(stream)],
-            args=[group, consumer, after, count, opts.max_deliveries, opts.dead_max_len],
+            args=[
+                group,
+                consumer,
+                after,
+                count,
+                opts.max_deliveries,
+                opts.dead_max_len,
+                opts.dead_payload_bytes,
+            ],
         )
         self._own_cursor[key] = last.decode() if isinstance(last, bytes) else str(last)
         if int(read) < count:
@@ -298,6 +310,7 @@ class RedisTransport(Transport):
                 opts.max_deliveries,
                 opts.dead_max_len,
                 cursor,
+                opts.dead_payload_bytes,
             ],
         )
         self._reclaim_cursor[key] = cursor = cursor.decode()
@@ -320,10 +333,11 @@ class RedisTransport(Transport):
             args=[
                 group,
                 delivery.id,
-                delivery.payload,
+                bytes(delivery.payload[: self.options.dead_payload_bytes]),
                 delivery.attempts,
                 reason,
                 self.options.dead_max_len,
+                len(delivery.payload),
             ],
         )
 
@@ -337,6 +351,7 @@ class RedisTransport(Transport):
                 reason=f[b"reason"].decode(),
                 group=f[b"group"].decode(),
                 attempts=int(f[b"attempts"]),
+                nbytes=int(f.get(b"n", -1)),
             )
             for _id, f in entries
         ]
@@ -354,6 +369,7 @@ class RedisTransport(Transport):
 
     # ---- blobs and values ----------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        check_size(f"blob {key}", len(data), self.options.max_blob_bytes)
         ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
 
         def put():

@@ -73,6 +73,9 @@ class Transport(abc.ABC):
 
     options: StreamOptions
     """The stream options this transport was connected with (max_len, max_deliveries, ...)."""
+    auth_key: bytes | None = None
+    """The run's message key: `broker.channel` signs what it publishes and verifies what it consumes
+    with it (broker/auth.py); None: no message authentication. Set by `broker.connect`."""
 
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
         """Append `payload` to `stream` and return its entry id; block while the stream is full."""

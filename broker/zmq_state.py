@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from broker.transport import PUBLISH_KEY_TTL_S
 
+DEAD_PAYLOAD_BYTES = 1024
+"""A dead letter keeps this much of its payload (with its size), never the whole of it."""
 CREDIT_LEASE_S = 10.0
 """Unused credits return to the pool this long after their last grant."""
 
@@ -45,7 +47,7 @@ class Stream:
     credits: dict[bytes, list] = field(default_factory=dict)
     """client identity -> [count, expires_at]."""
     dead: deque = field(default_factory=lambda: deque(maxlen=100_000))
-    """(id, payload, reason, group, attempts), oldest first."""
+    """(id, payload prefix, reason, group, attempts, payload bytes), oldest first."""
 
 
 class BrokerState:
@@ -178,7 +180,8 @@ class BrokerState:
         for seq in seqs:
             attempts = g.pending.pop(seq)[2]
             reason = f"delivered {attempts} times without ack (max_deliveries {max_deliveries})"
-            s.dead.append((str(seq), s.entries[seq][0], reason, group, attempts))
+            payload = s.entries[seq][0]
+            s.dead.append((str(seq), _prefix(payload), reason, group, attempts, len(payload)))
             self._acked(s, seq)
 
     def _reclaim(self, s, g, group, consumer, count, idle_before, max_deliveries):
@@ -212,12 +215,17 @@ class BrokerState:
         if entry[1] >= len(s.groups):
             del s.entries[seq]
 
-    def dead_letter(self, name: str, group: str, id_: str, payload: bytes, attempts: int, reason: str) -> int:
+    def dead_letter(
+        self, name: str, group: str, id_: str, payload: bytes, attempts: int, reason: str, nbytes: int = -1
+    ) -> int:
+        """Move a pending entry to the dead-letter list (`payload`: the part to keep; `nbytes`: its size)."""
         s = self.stream(name)
         g = s.groups.get(group)
         if g is None or int(id_) not in g.pending:
             return 0
-        s.dead.append((id_, payload, reason, group, attempts))
+        s.dead.append(
+            (id_, _prefix(payload), reason, group, attempts, nbytes if nbytes >= 0 else len(payload))
+        )
         return self.ack(name, group, [id_])
 
     def pending(self, name: str, group: str) -> int:
@@ -260,3 +268,9 @@ class BrokerState:
             item = self.published_keys.get(key)
             if item is not None and item[1] <= now:
                 del self.published_keys[key]
+
+
+def _prefix(payload):
+    """The first DEAD_PAYLOAD_BYTES of a payload (a zmq.Frame or bytes), as bytes."""
+    data = payload.buffer if hasattr(payload, "buffer") else payload
+    return bytes(data[:DEAD_PAYLOAD_BYTES])

@@ -31,10 +31,11 @@ redis-server is started again, up to `--max-restarts` times each (counted in the
 events.jsonl), unless it failed with the same known error twice in a row
 (deploy.preflight.explain_failure); the run goes on. `python -m deploy --resume RUN_DIR` continues a
 stopped run (deploy/resume.py): the redis-server keeps an append-only file in RUN_DIR/redis/.
-The run directory (runs/<timestamp>/) holds config.launcher.json, run.json, configs/<role>.toml (what each
-role read) and each role's resolved config, logs/<process>.log, learner/metrics.jsonl,
-events.jsonl, pids.json, and once a step has trained, summary.json and curve.png (reward and held-out
-accuracy over time).
+The run directory (runs/<timestamp>/, mode 0700, every file in it 0600: the launcher and its children
+run under umask 077) holds secrets/ (the broker password and the message key: deploy/credentials.py),
+config.launcher.json, run.json, configs/<role>.toml (what each role read) and each role's resolved config,
+logs/<process>.log, learner/metrics.jsonl, events.jsonl, pids.json, and once a step has trained,
+summary.json and curve.png (reward and held-out accuracy over time).
 Ctrl-C (or SIGTERM) stops every process the launcher started: the roles newest first, then the
 broker; each process runs in its own session, so a terminal's Ctrl-C reaches only the launcher.
 """
@@ -51,6 +52,7 @@ import uuid
 from pathlib import Path
 
 from deploy import stages
+from deploy.credentials import RunCredentials
 from deploy.gpus.indices import LayoutError
 from deploy.gpus.layout import GpuPlan, gpu_env
 from deploy.gpus.mps import GeneratorShare, check_layout
@@ -61,6 +63,7 @@ from deploy.progress import JsonlTail, Progress
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
 from deploy.supervisor import Supervisor
 from runtime.config import write_resolved
+from runtime.private import private_dir, private_umask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,8 +76,9 @@ class Launcher:
         self.resume = resume
         self.run_id = uuid.uuid4().hex[:12]
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(cfg.run_dir or ROOT / "runs" / stamp).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_umask()  # the run directory and everything the run writes: this user's only
+        self.run_dir = private_dir(Path(cfg.run_dir or ROOT / "runs" / stamp).resolve())
+        self.credentials = RunCredentials.prepare(self.run_dir, cfg.broker_password_file)
         self.namespace = read_namespace(self.run_dir) if resume else f"run-{stamp}-{self.run_id[:4]}"
         write_identity(self.run_dir, self.run_id, self.namespace)
         self.sv = Supervisor(self.run_dir, child_env(cfg.threads, self.run_id), cfg.max_restarts)
@@ -120,12 +124,22 @@ class Launcher:
         if cfg.mps:
             sv.start_mps()
         task_dir, test_dir = stages.write_task(sv, cfg, model_dir)
-        broker_url = stages.start_broker(sv, cfg)
+        broker_url = stages.start_broker(sv, cfg, self.credentials)
         sv.stage("reward")
+        creds = self.credentials
 
         def configs_for(model: Path):
             configs = role_configs(
-                cfg, self.run_dir, model, task_dir, broker_url, self.namespace, test_dir=test_dir, gpus=gpus
+                cfg,
+                self.run_dir,
+                model,
+                task_dir,
+                broker_url,
+                self.namespace,
+                test_dir=test_dir,
+                gpus=gpus,
+                password_file=str(creds.password_file),
+                auth_key_file=str(creds.key_file),
             )
             return configs, write_role_configs(configs, self.run_dir)
 

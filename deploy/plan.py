@@ -162,6 +162,9 @@ class LaunchConfig:
     """Seed of the built model's random weights and tokenizer."""
     broker: Literal["redis", "zmq"] = "redis"
     """Start a local redis-server, or the ZeroMQ broker."""
+    broker_password_file: str = ""
+    """File whose first line is the broker's password ("" = $PARALLAX_BROKER_PASSWORD, else one drawn for
+    the run); it reaches the broker and the roles through files only (deploy/credentials.py)."""
     threads: int = 1
     """Torch/OpenMP threads per process (1: on 2 shared cores more threads spin and run slower)."""
     max_minutes: float = 20.0
@@ -261,13 +264,22 @@ def role_configs(
     *,
     test_dir: Path | None = None,
     gpus: GpuPlan | None = None,
+    password_file: str = "",
+    auth_key_file: str = "",
 ) -> dict[str, object]:
     """The learner, generator and reward configs of this run (`gpus`: the layout plan_gpus chose;
-    `test_dir`: the held-out split's task directory when it is not `task_dir`)."""
+    `test_dir`: the held-out split's task directory when it is not `task_dir`; `password_file`,
+    `auth_key_file`: the run's broker password and message key, deploy/credentials.py)."""
     gpus = gpus or GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
 
     def broker(role) -> BrokerConfig:
-        return dataclasses.replace(role.broker, url=broker_url, namespace=namespace)
+        return dataclasses.replace(
+            role.broker,
+            url=broker_url,
+            namespace=namespace,
+            password_file=password_file or role.broker.password_file,
+            auth_key_file=auth_key_file or role.broker.auth_key_file,
+        )
 
     learner = dataclasses.replace(
         cfg.learner,

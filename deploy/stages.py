@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from broker.redis_server import redis_server_argv
+from broker.redis_server import write_redis_config
+from deploy.credentials import RunCredentials
 from deploy.gpus.layout import GpuPlan
 from deploy.gpus.mps import GeneratorShare, time_slice_notice
 from deploy.plan import LaunchConfig
@@ -25,6 +26,7 @@ from deploy.preflight import PreflightError, inspect_model
 from deploy.processes import Child, ChildDied, free_port, port_open, tail
 from deploy.progress import JsonlTail, scrape
 from deploy.supervisor import Supervisor
+from runtime.private import private_dir
 
 
 def build_model(sv: Supervisor, cfg: LaunchConfig) -> Path:
@@ -74,17 +76,25 @@ def _geometry3k(sv: Supervisor, cfg: LaunchConfig, model_dir: Path) -> tuple[Pat
     return dirs["train"], dirs["test"]
 
 
-def start_broker(sv: Supervisor, cfg: LaunchConfig) -> str:
-    """Start the broker on a free port and wait until it listens; returns its URL."""
+def start_broker(sv: Supervisor, cfg: LaunchConfig, creds: RunCredentials) -> str:
+    """Start the broker on a free port, with the run's password, and wait until it listens; returns its
+    URL (without the password: the roles read `creds.password_file`)."""
     sv.stage("broker", cfg.broker)
     port = free_port()
     if cfg.broker == "redis":  # AOF in the run directory: restarts and --resume lose nothing
-        (sv.run_dir / "redis").mkdir(exist_ok=True)
-        argv = redis_server_argv(port, data_dir=str(sv.run_dir / "redis"))
+        data_dir = private_dir(sv.run_dir / "redis")  # its settings hold the password: a 0600 file
+        argv = write_redis_config(data_dir / "redis.conf", port, creds.password, data_dir=str(data_dir))
         sv.infra.start("redis", argv, restarts=cfg.max_restarts)
         url = f"redis://127.0.0.1:{port}/0"
     else:
-        sv.start(sv.infra, "zmq-broker", "broker", ["zmq-broker", "--bind", f"tcp://127.0.0.1:{port}"])
+        args = [
+            "zmq-broker",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--password-file",
+            str(creds.password_file),
+        ]
+        sv.start(sv.infra, "zmq-broker", "broker", args)
         url = f"zmq://127.0.0.1:{port}"
     sv.write_pids()
     deadline = time.monotonic() + 30

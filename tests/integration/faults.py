@@ -30,6 +30,8 @@ from pathlib import Path
 
 import broker
 from broker import codec
+from broker.auth import open_sealed
+from broker.config import BrokerConfig
 from broker.names import Names, group_id
 from broker.schemas import PromptRecord, ScoredGroup
 from broker.transport import TransportError
@@ -86,14 +88,15 @@ class FaultRun:
         raise AssertionError(f"no {what} within {timeout_s} s:\n{self.log_text()}")
 
     def broker_and_names(self, not_url: str = "") -> tuple[str, Names]:
-        """The broker url and names of this run's roles (once their configs are written)."""
+        """The broker url (with the run's password in it) and names of this run's roles, once their
+        configs are written (other than the configs whose url is `not_url`)."""
 
         def configs():
             cfg = _toml(self.run_dir / "configs" / "learner.toml")
-            return cfg if cfg and cfg["broker"]["url"] != not_url else None
+            return cfg if cfg and _connect_url(cfg) != not_url else None
 
         cfg = self.wait_for("role configs", configs, poll_s=0.05)
-        return cfg["broker"]["url"], Names(cfg["broker"]["namespace"])
+        return _connect_url(cfg), Names(cfg["broker"]["namespace"])
 
     def trained_lines(self) -> list[dict]:
         path = self.run_dir / "learner" / "trained.jsonl"
@@ -172,6 +175,12 @@ def _toml(path: Path) -> dict | None:
         return None
 
 
+def _connect_url(cfg: dict) -> str:
+    """A role config's broker url with the password of its password file in it."""
+    section = cfg["broker"]
+    return BrokerConfig(url=section["url"], password_file=section.get("password_file", "")).connect_url()
+
+
 def _first_after(lines: list[dict], when: float) -> dict | None:
     return next((x for x in lines if x["time"] > when), None)
 
@@ -183,7 +192,7 @@ class Audit(threading.Thread):
 
     def __init__(self, url: str, names: Names):
         super().__init__(daemon=True, name="audit")
-        self.transport = broker.connect(url, reconnect_s=60)
+        self.transport = broker.connect(url, reconnect_s=60)  # no message key: reads signed entries unchecked
         self.streams = [names.prompts, names.rollouts, names.scored]
         for stream in self.streams:
             self.transport.ensure_group(stream, self.GROUP)
@@ -210,7 +219,7 @@ class Audit(threading.Thread):
     def _read(self, stream: str) -> None:
         got = self.transport.consume(stream, self.GROUP, "auditor", count=200, block_s=0.05)
         for delivery in got:
-            msg = codec.decode(delivery.payload)
+            msg = codec.decode(open_sealed(None, stream, delivery.payload))
             if isinstance(msg, PromptRecord):
                 if msg.split == "train":
                     self.expected.append(group_id(msg.prompt_id, delivery.id))

@@ -22,7 +22,11 @@ from tests.support.compose import interpolate
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
-ENV = {"REDIS_PASSWORD": "s3cret-test-pw", "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
+ENV = {
+    "REDIS_PASSWORD": "s3cret-test-pw",
+    "PARALLAX_AUTH_KEY": "message-test-key",
+    "GRAFANA_ADMIN_PASSWORD": "admin-test-pw",
+}
 SERVICES = {"redis", "redis_exporter", "reward_service", "generator", "learner", "prometheus", "grafana"}
 ROLES = {"reward_service": ("reward", 9101), "generator": ("generator", 9201), "learner": ("learner", 9301)}
 
@@ -81,11 +85,10 @@ def test_all_services_present(compose):
     assert SERVICES <= set(compose["services"])
 
 
-def test_required_variables_are_required(raw):
-    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
-        interpolate(raw, {"GRAFANA_ADMIN_PASSWORD": "x"})
-    with pytest.raises(KeyError, match="GRAFANA_ADMIN_PASSWORD"):
-        interpolate(raw, {"REDIS_PASSWORD": "x"})
+@pytest.mark.parametrize("missing", sorted(ENV))
+def test_required_variables_are_required(raw, missing):
+    with pytest.raises(KeyError, match=missing):
+        interpolate(raw, {k: v for k, v in ENV.items() if k != missing})
 
 
 def test_entry_commands(compose):
@@ -157,25 +160,41 @@ def test_every_scrape_target_is_a_port_some_service_exposes(compose, prometheus)
 
 def test_redis_password_and_persistence(raw, compose):
     redis = compose["services"]["redis"]
-    cmd = redis["command"]
-    assert flag(cmd, "--requirepass") == ENV["REDIS_PASSWORD"]
-    assert "REDIS_PASSWORD" in flag(raw["services"]["redis"]["command"], "--requirepass"), (
-        "password must come from the env"
+    assert redis["entrypoint"] == ["/bin/sh", "-c"]
+    (script,) = redis["command"]
+    assert "redis_password" in redis["secrets"]
+    assert '"$(cat /run/secrets/redis_password)"' in script, "the password comes from the secret file"
+    assert "| exec docker-entrypoint.sh redis-server - " in script, "and reaches redis-server on its stdin"
+    assert ENV["REDIS_PASSWORD"] not in script and "REDIS_PASSWORD" not in script
+    assert "-@dangerous" in script and "+config|set" not in script, "no CONFIG SET, SHUTDOWN, FLUSHALL"
+    assert "--appendonly yes" in script
+    assert "--maxmemory-policy noeviction" in script, "evicting a stream would lose work"
+    assert "REDISCLI_AUTH" not in (redis.get("environment") or {})
+    assert "/run/secrets/redis_password" in " ".join(redis["healthcheck"]["test"]), (
+        "the healthcheck must authenticate"
     )
-    assert flag(cmd, "--appendonly") == "yes"
-    assert flag(cmd, "--maxmemory-policy") == "noeviction", "evicting a stream would lose work"
-    assert redis["environment"]["REDISCLI_AUTH"] == ENV["REDIS_PASSWORD"], "the healthcheck must authenticate"
     assert "redis_data:/data" in redis["volumes"]
     exporter = compose["services"]["redis_exporter"]["environment"]
     assert exporter["REDIS_PASSWORD"] == ENV["REDIS_PASSWORD"]
     assert "parallax:rollouts" in exporter["REDIS_EXPORTER_CHECK_STREAMS"]
+    assert compose["secrets"] == {
+        "redis_password": {"environment": "REDIS_PASSWORD"},
+        "message_key": {"environment": "PARALLAX_AUTH_KEY"},
+    }
     for name in ROLES:
-        command = compose["services"][name]["command"]
+        service = compose["services"][name]
+        command = service["command"]
         assert flag(command, "--broker.url") == "redis://redis:6379/0", name
-        assert ENV["REDIS_PASSWORD"] not in " ".join(command), (
-            f"{name}: a password on a command line shows in ps"
-        )
-        assert compose["services"][name]["environment"]["PARALLAX_BROKER_PASSWORD"] == ENV["REDIS_PASSWORD"]
+        assert flag(command, "--broker.password-file") == "/run/secrets/redis_password", name
+        assert flag(command, "--broker.auth-key-file") == "/run/secrets/message_key", name
+        assert set(service["secrets"]) == {"redis_password", "message_key"}, name
+        for secret in (ENV["REDIS_PASSWORD"], ENV["PARALLAX_AUTH_KEY"]):
+            assert secret not in " ".join(command), f"{name}: a secret on a command line shows in ps"
+            assert secret not in str(service.get("environment")), f"{name}: use the secret file"
+
+
+def test_prometheus_cannot_be_stopped_or_reloaded_over_http(compose):
+    assert not any("lifecycle" in a for a in compose["services"]["prometheus"]["command"])
 
 
 def test_no_secret_is_written_in_the_file(raw):
@@ -185,7 +204,9 @@ def test_no_secret_is_written_in_the_file(raw):
             if re.search(r"PASSWORD|AUTH|SECRET|TOKEN", key):
                 assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]*\}", str(value)), f"{name}.{key} is hard-coded"
                 secrets += 1
-    assert secrets >= 3  # redis healthcheck auth, redis_exporter, grafana admin
+    assert secrets >= 2  # redis_exporter, grafana admin
+    for name, secret in raw["secrets"].items():
+        assert set(secret) == {"environment"}, f"secret {name} must come from deploy/.env"
 
 
 def test_volumes_are_declared_and_bind_mounts_exist(compose):
@@ -239,7 +260,7 @@ def test_builds_and_provisioned_config_mounts(compose):
 def test_env_example_lists_every_required_variable(raw):
     required = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
     example = (DEPLOY / "env.example").read_text()
-    assert required == {"REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
+    assert required == {"REDIS_PASSWORD", "PARALLAX_AUTH_KEY", "GRAFANA_ADMIN_PASSWORD"}
     for var in required:
         assert re.search(rf"^{var}=", example, re.M), var
 

@@ -22,6 +22,8 @@ from tests.support.compose import load_compose
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
 PASSWORD = "s3cret-test-pw"
+KEY = "message-test-key"
+ENV = {"REDIS_PASSWORD": PASSWORD, "PARALLAX_AUTH_KEY": KEY, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
 # `python -m <module>` -> its config class
 CONFIG_CLASSES = {
     "learner": ("learner.config", "LearnerConfig"),
@@ -52,11 +54,14 @@ def role_of(path: Path) -> str:
     return m[1]
 
 
-def compose_command(service: str) -> tuple[list[str], dict]:
-    """The service's arguments after `python -m <module>` and its environment, with test values."""
-    env = {"REDIS_PASSWORD": PASSWORD, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
-    svc = load_compose(env)["services"][service]
-    command = svc["command"]
+def compose_command(service: str, secrets_dir: Path) -> tuple[list[str], dict]:
+    """The service's arguments after `python -m <module>` and its environment, with test values; its
+    secrets are written to `secrets_dir` as Compose mounts them at /run/secrets/ (the paths replaced)."""
+    compose = load_compose(ENV)
+    svc = compose["services"][service]
+    for name in svc.get("secrets", []):
+        (secrets_dir / name).write_text(ENV[compose["secrets"][name]["environment"]])
+    command = [a.replace("/run/secrets", str(secrets_dir)) for a in svc["command"]]
     return command[command.index("-m") + 2 :], dict(svc.get("environment") or {})
 
 
@@ -100,17 +105,19 @@ def test_the_reference_configs_choose_their_loss_and_transport_by_type():
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
-def test_compose_command_parses_into_its_role_config(service, monkeypatch):
+def test_compose_command_parses_into_its_role_config(service, monkeypatch, tmp_path):
     module, port = SERVICES[service]
-    args, env = compose_command(service)
+    args, env = compose_command(service, tmp_path)
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
     cfg = load_config(
         config_class(module), [a if not a.startswith("deploy/") else str(ROOT / a) for a in args]
     )
     assert cfg.broker.url == "redis://redis:6379/0", "no password on the command line"
-    assert cfg.broker.password() == PASSWORD, "the password reaches the process through the environment"
+    assert cfg.broker.password() == PASSWORD, "the password reaches the process as a secret file"
     assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@redis:6379/0"
+    assert cfg.broker.auth_key() == KEY, "every role signs and verifies with the run's message key"
+    assert PASSWORD not in " ".join(args) and KEY not in " ".join(args)
     assert cfg.broker.namespace == "parallax"
     assert (cfg.metrics.host, cfg.metrics.port) == ("0.0.0.0", port), (
         "Prometheus scrapes from its own container"

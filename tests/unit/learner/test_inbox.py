@@ -151,3 +151,36 @@ def test_a_redelivery_of_a_held_entry_is_ignored_and_acked_once(setup, redis_ser
     assert transport.pending(names.scored, names.LEARNER) == 2
     inbox.commit()
     assert inbox.ack_durable() == 2
+
+
+def test_a_forged_result_is_dead_lettered_and_the_genuine_one_is_trained(redis_server, names):
+    """Someone with broker access publishes a ScoredGroup with every reward 1.0 for a prompt in flight,
+    before the reward service does: it fails the run's message key, so the inbox never sees it, and the
+    genuine group that arrives after it is trained, not dead-lettered as already consumed."""
+    key = b"the run's message key"
+    run = broker.connect(redis_server.url, auth_key=key)
+    attacker = broker.connect(redis_server.url)
+    try:
+        cfg = LearnerConfig(broker=BrokerConfig(namespace=names.namespace))
+        cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = 2, 1, False
+        feeder = PromptFeeder(
+            run, names, _records(), lambda ref: b"", groups_per_step=2, max_staleness=1, shuffle=False
+        )
+        inbox = Inbox(run, names, cfg, feeder=feeder)
+        prompts = Subscriber(run, names.prompts, "generators", "gen-0", expect=PromptRecord)
+        inbox._feed(version=0)
+        got = prompts.poll(count=2, block_s=0.5)
+        prompts.ack([d for d, _ in got])
+        ids = [group_id(r.prompt_id, d.id) for d, r in got]
+        for (_, record), gid in zip(got, ids, strict=True):  # the forgeries come first
+            Publisher(attacker, names.scored).publish(_scored(gid, record.prompt_id, rewards=(1.0, 1.0)))
+        for (_, record), gid in zip(got, ids, strict=True):
+            Publisher(run, names.scored).publish(_scored(gid, record.prompt_id, rewards=(0.0, 1.0)))
+        step = inbox.collect(version=0)
+        assert [g.group.group_id for g in step] == ids
+        assert all([s.reward for s in g.scores] == [0.0, 1.0] for g in step), "the genuine groups"
+        assert inbox.sub.rejected_count("auth") == 2 and "duplicate" not in inbox.skipped
+        assert all("authentication tag" in d.reason for d in run.dead_letters(names.scored))
+    finally:
+        run.close()
+        attacker.close()
