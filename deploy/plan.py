@@ -121,7 +121,7 @@ def demo_learner() -> LearnerConfig:
         optim=OptimConfig(lr=2.5e-4, warmup_steps=0),
         parallel=ParallelConfig(activation_checkpointing=False),
         batching=BatchingConfig(max_tokens_per_microbatch=8192),
-        checkpoint=CheckpointConfig(every=100, keep=1),
+        checkpoint=CheckpointConfig(every=100, keep=2),
         feeder=FeederConfig(epochs=1000),
         eval=EvalConfig(every=10, at_start=True, max_prompts=0, timeout_s=300.0),
     )
