@@ -76,7 +76,8 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.namespace = read_namespace(self.run_dir) if resume else f"run-{stamp}-{self.run_id[:4]}"
         write_identity(self.run_dir, self.run_id, self.namespace)
-        self.sv = Supervisor(self.run_dir, child_env(cfg.threads, self.run_id), cfg.max_restarts)
+        env = child_env(cfg.threads, self.run_id)
+        self.sv = Supervisor(self.run_dir, env, cfg.max_restarts, cfg.restart_refill_s)
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"
 

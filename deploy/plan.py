@@ -194,7 +194,11 @@ class LaunchConfig:
     the generator capped at 50 (2026-12-07): not the default until more than one step a row backs it."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
-    a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
+    a crash (deploy/processes.py); 0 ends the run at the first crash. The budget refills after
+    `restart_refill_s` up."""
+    restart_refill_s: float = 600.0
+    """A process that stayed up this many seconds since its last restart gets all of `max_restarts` back
+    (0 = never: `max_restarts` per run)."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal), off
     (nothing but the reason a run failed, on stderr)."""
