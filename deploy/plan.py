@@ -199,6 +199,10 @@ class LaunchConfig:
     restart_refill_s: float = 600.0
     """A process that stayed up this many seconds since its last restart gets all of `max_restarts` back
     (0 = never: `max_restarts` per run)."""
+    watchdog_s: float = 600.0
+    """A role whose loop made no progress for this many seconds (its heartbeat file in RUN_DIR/heartbeats/
+    went silent: stopped, hung) is killed and restarted like a crash (deploy/processes.py; 0 = no
+    watchdog). Above the longest step, checkpoint or weight sync of the run."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal), off
     (nothing but the reason a run failed, on stderr)."""

@@ -14,6 +14,10 @@ by the launcher about once a second):
     `classify` (the launcher's: deploy.failures.classify) recognises as a known failure that a restart
     cannot mend (disk full, a damaged checkpoint: action "stop"), or as the same known failure as before
     its last restart (out of GPU memory twice: action "repeat", a third try would fail again);
+  * a running child whose heartbeat (runtime/heartbeat.py: a file in <run_dir>/heartbeats/ its loop
+    touches as it turns) stayed silent for `watchdog_s` is stuck (stopped, hung): it is logged, killed
+    (SIGKILL to its process group) and restarted like a crash, its exit classified "no progress".
+    A child that never beat (a build, a warm start, vLLM still loading) is not watched;
   * a critical child that exits, or a restartable one that ran out of restarts, raises
     `ChildDied` with the tail of its log.
 `child_env` is the environment every child gets (thread counts, PYTHONPATH, the run id in
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.failures import Failure
+from runtime.heartbeat import HEARTBEAT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID_ENV = "PARALLAX_RUN_ID"
@@ -43,6 +48,12 @@ RUN_ID_ENV = "PARALLAX_RUN_ID"
 RESTART_BACKOFF_CAP_S = 30.0
 """Longest wait before a restart (the n-th restart since the budget refilled waits min(2 ** (n - 2), cap)
 s; the first none)."""
+
+
+HUNG_FIX = (
+    "it made no progress for {watchdog_s:.0f} s (stopped or hung; its log shows where it was) and was "
+    "restarted; if it is only slow (a long step, a large checkpoint), raise --watchdog-s"
+)
 
 
 class ChildDied(RuntimeError):
@@ -65,6 +76,10 @@ class Child:
     """`restarts` when the budget last refilled (budget left: max_restarts - (restarts - refilled_at))."""
     started: float = field(default_factory=time.monotonic)
     """When its current run started (time.monotonic())."""
+    spawned: float = field(default_factory=time.time)
+    """When its current run started (time.time(): heartbeat files older than this are a previous run's)."""
+    hung: bool = False
+    """The watchdog killed its current run (no heartbeat for `ProcessGroup.watchdog_s`)."""
     restart_at: float | None = None
     """When the pending restart is due (time.monotonic()), None when none is pending."""
     log_start: int = 0
@@ -105,6 +120,8 @@ class ProcessGroup:
     """The known failure a log's text shows (None if none): see the module docstring."""
     refill_s: float = 600.0
     """A child up this long since its last restart gets its whole restart budget back (0: never)."""
+    watchdog_s: float = 0.0
+    """A child whose heartbeat stayed silent this long is killed and restarted (0: not watched)."""
 
     def start(
         self,
@@ -118,6 +135,7 @@ class ProcessGroup:
         """Start `argv` (a python -m ... command line or any program) as a supervised child;
         `restarts`: how many times to start it again after a non-zero exit."""
         full_env = {**os.environ, **self.env, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        full_env[HEARTBEAT_ENV] = str(self.heartbeat_prefix(name))
         log_path = self.run_dir / "logs" / f"{name}.log"
         start = _size(log_path)
         child = Child(
@@ -126,6 +144,10 @@ class ProcessGroup:
         child.log_start = start
         self.children.append(child)
         return child
+
+    def heartbeat_prefix(self, name: str) -> Path:
+        """Child `name`'s heartbeat file (a process with several workers adds "-<i>" for each)."""
+        return self.run_dir / "heartbeats" / name
 
     def python(self, name: str, module: str, args: list[str], **kw) -> Child:
         return self.start(name, [sys.executable, "-m", module, *args], **kw)
@@ -145,6 +167,7 @@ class ProcessGroup:
             code = child.popen.poll()
             if code is None:
                 self._refill(child)
+                self._watch(child)
                 continue
             if code != 0 and child.used < child.max_restarts and not self._final(child):
                 self._restart(child, code)
@@ -168,10 +191,30 @@ class ProcessGroup:
             with open(child.log_path, "ab") as log:
                 log.write(note.encode())
 
+    def _watch(self, child: Child) -> None:
+        """Kill a running child whose heartbeat went silent for `watchdog_s` (see the module docstring)."""
+        if self.watchdog_s <= 0 or child.hung:
+            return
+        prefix = self.heartbeat_prefix(child.name)
+        beats = [_mtime(p) for p in [prefix, *prefix.parent.glob(f"{prefix.name}-*")]]
+        beats = [t for t in beats if t is not None and t >= child.spawned]  # this run's
+        silent_s = time.time() - min(beats, default=time.time())
+        if silent_s <= self.watchdog_s:
+            return
+        child.hung = True
+        note = f"\n--- supervisor: no progress for {silent_s:.0f} s (heartbeat {prefix}): killing it\n"
+        with open(child.log_path, "ab") as log:
+            log.write(note.encode())
+        _signal_group(child.popen, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+
     def _final(self, child: Child) -> bool:
         """Whether this exit may not be restarted: a known failure that a restart cannot mend, or the same
         known failure as the previous exit where that ends a run (worked out once per exit: while a restart
         waits out its back-off the answer stands)."""
+        if child.hung:  # killed by the watchdog: a crash like any other, restarted
+            child.hung, child.repeated = False, False
+            child.failure = Failure("no progress", HUNG_FIX.format(watchdog_s=self.watchdog_s), "retry")
+            return False
         if self.classify is None or child.restart_at is not None:
             return child.final
         try:
@@ -194,7 +237,7 @@ class ProcessGroup:
             return
         child.restart_at = None
         child.restarts += 1
-        child.started = time.monotonic()
+        child.started, child.spawned = time.monotonic(), time.time()
         with open(child.log_path, "ab") as log:
             note = f"\n--- supervisor: exit code {code}, restart {child.used}/{child.max_restarts}\n"
             log.write(note.encode())
@@ -230,6 +273,13 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
         os.killpg(popen.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def _size(path: Path) -> int:

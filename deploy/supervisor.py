@@ -27,13 +27,26 @@ from deploy.progress import Progress, RunStatus
 class Supervisor:
     """A launch's process groups, live status, progress display and run records."""
 
-    def __init__(self, run_dir: Path, env: dict[str, str], max_restarts: int, refill_s: float = 600.0):
+    def __init__(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        max_restarts: int,
+        refill_s: float = 600.0,
+        watchdog_s: float = 0.0,
+    ):
         self.run_dir = run_dir
         self.max_restarts = max_restarts
         """Restarts a child started with `restart=True` gets (the launch's --max-restarts), again after it
-        stayed up `refill_s` (--restart-refill-s)."""
+        stayed up `refill_s` (--restart-refill-s); a role silent for `watchdog_s` (--watchdog-s) is
+        restarted."""
         self.status = RunStatus()
-        kw = {"on_restart": self._restarted, "classify": classify, "refill_s": refill_s}
+        kw = {
+            "on_restart": self._restarted,
+            "classify": classify,
+            "refill_s": refill_s,
+            "watchdog_s": watchdog_s,
+        }
         self.infra = ProcessGroup(run_dir, env, **kw)
         self.roles = ProcessGroup(run_dir, env, **kw)
         self.progress: Progress | None = None

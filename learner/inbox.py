@@ -48,6 +48,7 @@ from learner.batching import nonfinite_problem, validate_group
 from learner.config import LearnerConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
+from runtime.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class Inbox:
         """The detail of the first skip of each kind (`skipped`'s keys)."""
         self.on_skip = on_skip or (lambda reason: None)
         self.eval_metrics: list[dict[str, float]] = []
+        self.heartbeat = Heartbeat.from_env()
+        """Beaten while a step is collected (runtime/heartbeat.py): the launcher's watchdog restarts a stuck
+        learner."""
 
     def restore(self, consumed: list[str]) -> None:
         """Resume with the checkpoint's consumed ids."""
@@ -127,6 +131,7 @@ class Inbox:
         want = self.cfg.algo.groups_per_step
         idle_since = time.monotonic()
         while len(self._batch) < want:
+            self.heartbeat()
             self._feed(version, taken=len(self._batch))
             if self._finished():
                 return None

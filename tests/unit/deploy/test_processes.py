@@ -114,3 +114,47 @@ def test_the_restart_budget_refills_after_a_healthy_period(tmp_path):
     group.check()
     assert child.restarts == 2 and child.used == 1
     group.stop(grace_s=1)
+
+
+def test_a_stopped_role_is_noticed_by_the_watchdog_killed_and_restarted(tmp_path):
+    """A small fake role beats its heartbeat (runtime/heartbeat.py) every 50 ms; SIGSTOP silences it; past
+    `watchdog_s` the group kills it and restarts it through the normal restart path, and it beats again."""
+    import os
+    import signal
+
+    from deploy.processes import ROOT
+
+    role = (
+        "import time\nfrom runtime.heartbeat import Heartbeat\nbeat = Heartbeat.from_env('-0')\n"
+        "beat.every_s = 0.05\nprint('serving', flush=True)\nwhile True:\n    beat()\n    time.sleep(0.05)\n"
+    )
+    restarted = []
+    group = ProcessGroup(
+        tmp_path,
+        env={"PYTHONPATH": str(ROOT)},
+        watchdog_s=1.0,
+        on_restart=lambda c, code: restarted.append(code),
+    )
+    child = group.start("reward", [sys.executable, "-c", role], restarts=2)
+    beat = tmp_path / "heartbeats" / "reward-0"
+    _until(lambda: beat.is_file(), "the first heartbeat")
+    for _ in range(5):
+        group.check()  # beating: left alone
+        time.sleep(0.3)
+    assert child.restarts == 0
+    first = child.popen.pid
+    os.kill(first, signal.SIGSTOP)
+    _until(lambda: (group.check(), restarted)[1], "a restart by the watchdog", timeout_s=20.0)
+    assert restarted == [-signal.SIGKILL] and child.popen.pid != first
+    assert child.failure.kind == "no progress" and "--watchdog-s" in child.failure.fix
+    log = child.log_path.read_text()
+    assert "no progress for" in log and log.count("serving") >= 1
+    _until(lambda: beat.stat().st_mtime >= child.spawned, "a heartbeat of the restarted role")
+    group.stop(grace_s=1)
+
+
+def _until(ready, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.05)
