@@ -128,7 +128,8 @@ class Checkpointer:
         return "!" + (
             f"no usable checkpoint in {self.directory}: "
             + "; ".join(problems)
-            + ". Move the damaged checkpoint directories away to start from the initial weights"
+            + ". Move the damaged checkpoint directories away (with none left, the learner starts again from "
+            "its initial weights)"
         )
 
     def save(self, model, optimizer, scheduler, state: TrainerState) -> Path:
