@@ -26,6 +26,7 @@ With PARALLAX_FAULT_REPORT=path set, the measurements go to that JSON file (`pyt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -160,10 +161,20 @@ RECONNECT_S = 30.0
 """The roles' reconnect window (broker.stream_options.StreamOptions.reconnect_s)."""
 
 
-def _audited(run: FaultRun) -> Audit:
-    audit = Audit(*run.broker_and_names())  # before the learner publishes its first prompt
-    audit.start()
-    return audit
+@contextlib.contextmanager
+def _audited(run: FaultRun):
+    """An audit of `run` started before the learner publishes its first prompt; on an error inside the
+    block, the audit and the run are stopped (else `_finish_and_account` does it)."""
+    audit = None
+    try:
+        audit = Audit(*run.broker_and_names())
+        audit.start()
+        yield audit
+    except BaseException:
+        if audit is not None:
+            audit.stop()
+        run.stop()
+        raise
 
 
 def _finish_and_account(run: FaultRun, audit: Audit | None) -> tuple[int, dict]:
@@ -215,18 +226,11 @@ tests/unit/broker/test_broker_redis.py)."""
 @LONG
 def test_a_stopped_reward_service_is_restarted_by_the_watchdog(tmp_path):
     run = FaultRun(tmp_path / "run", "redis", extra=("--watchdog-s", str(WATCHDOG_S)))
-    audit = None
-    try:
-        audit = _audited(run)
+    with _audited(run) as audit:
         run.wait_for("3 learner steps", lambda: len(run.trained_lines()) >= 3)
         stopped_at = run.send("reward", signal.SIGSTOP)
         restart = run.wait_for("the watchdog's restart", lambda: _restarts_of(run, "reward", stopped_at))
         recover = run.recovery_s(stopped_at, restart[-1]["time"])
-    except BaseException:
-        if audit is not None:
-            audit.stop()
-        run.stop()
-        raise
     _, result = _finish_and_account(run, audit)
     assert restart[-1]["failure"] == "no progress", restart
     assert restart[-1]["time"] - stopped_at >= WATCHDOG_S - 1.5  # heartbeats are a second apart at most
@@ -239,9 +243,7 @@ def test_a_stopped_reward_service_is_restarted_by_the_watchdog(tmp_path):
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     run = FaultRun(tmp_path / "run", "redis")
-    audit = None
-    try:
-        audit = _audited(run)
+    with _audited(run) as audit:
         run.wait_for("2 checkpoints", lambda: len(run.checkpoints()) >= 2 and len(run.trained_lines()) >= 4)
         stopped_at = run.send("learner", signal.SIGSTOP)
         damaged = run.checkpoints()[0] / "model.safetensors"
@@ -249,11 +251,6 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
         run.kill("learner")
         restart = run.wait_for("a learner restart", lambda: _restarts_of(run, "learner", stopped_at))
         recover = run.recovery_s(stopped_at, restart[-1]["time"])
-    except BaseException:
-        if audit is not None:
-            audit.stop()
-        run.stop()
-        raise
     _, result = _finish_and_account(run, audit)
     log = (run.run_dir / "logs" / "learner.log").read_text()
     skipped = [line for line in log.splitlines() if f"skipping checkpoint {damaged.parent.name}" in line]
@@ -267,19 +264,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
 @LONG
 def test_a_broker_outage_longer_than_the_reconnect_window(tmp_path):
     run = FaultRun(tmp_path / "run", "redis")
-    audit = None
-    try:
-        audit = _audited(run)
+    with _audited(run) as audit:
         run.wait_for("3 learner steps", lambda: len(run.trained_lines()) >= 3)
         stopped_at = run.send("redis", signal.SIGSTOP)
         time.sleep(RECONNECT_S + 10.0)  # every role's broker call gives up after the window: they crash
         continued_at = run.send("redis", signal.SIGCONT)
         recover = run.recovery_s(stopped_at, continued_at)
-    except BaseException:
-        if audit is not None:
-            audit.stop()
-        run.stop()
-        raise
     _, result = _finish_and_account(run, audit)
     crashed = {e["process"] for e in run.events("restart") if stopped_at < e["time"] < continued_at + 5}
     assert crashed and crashed <= {"learner", "generator", "reward"}, crashed

@@ -2,12 +2,12 @@
 the fix it names; supervision stops at once on a disk full and restarts on a broker out of memory."""
 
 import sys
-import time
 
 import pytest
 
 from deploy.failures import classify
 from deploy.processes import ChildDied, ProcessGroup
+from tests.unit.deploy.test_processes import _wait_exit
 
 BROKER_OOM = """Traceback (most recent call last):
   File "/app/broker/redis_transport.py", line 104, in _call
@@ -67,13 +67,6 @@ def test_a_damaged_checkpoint_stops_the_run(source):
 def test_unknown_errors_are_not_classified():
     assert classify("ValueError: something else\nKeyError: 'x'") is None
     assert classify("") is None
-
-
-def _wait_exit(child, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while child.popen.poll() is None:
-        assert time.monotonic() < deadline, "child did not exit"
-        time.sleep(0.02)
 
 
 def test_supervision_stops_at_once_on_a_full_disk_and_restarts_a_broker_out_of_memory(tmp_path):
