@@ -19,8 +19,10 @@
   (instead of after `claim_idle_s`); the redelivery cap applies to them as well.
 * Connection errors (server restarting or still loading its AOF, network blip): every call
   reconnects and retries with redis-py's `ExponentialBackoff` for up to `reconnect_s`, then
-  raises `TransportError`. A retried publish whose MULTI/EXEC reached the server but whose
-  reply was lost appears twice (once with keys); every stage downstream is idempotent by group id.
+  raises `TransportError`. Each attempt waits at most the time left in that window (a server that
+  stopped answering costs the window, not a 60 s socket timeout per try: broker/redis_deadline.py).
+  A retried publish whose MULTI/EXEC reached the server but whose reply was lost appears twice
+  (once with keys); every stage downstream is idempotent by group id.
 Password and user come from the URL: redis://[user]:password@host:port/db.
 * Byte caps: an entry above `max_entry_bytes` or a blob above `max_blob_bytes` raises
   `OversizeError` before anything is sent; a dead letter keeps a `dead_payload_bytes` prefix.
@@ -39,6 +41,7 @@ from redis.backoff import ExponentialBackoff
 
 from broker import redis_scripts
 from broker.names import Names
+from broker.redis_deadline import NO_RETRY, attempt_until, connection_class
 from broker.stream_options import Backoff, DeadLetter, StreamOptions, check_size
 from broker.transport import (
     PUBLISH_KEY_TTL_S,
@@ -84,7 +87,13 @@ class RedisTransport(Transport):
         self._token = uuid.uuid4().hex  # this producer's name in the credit hashes
         self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, spend before)
         self._publish_lock = threading.Lock()
-        self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
+        self._redis = redis.Redis.from_url(
+            url,
+            socket_timeout=MAX_BLOCK_S + 10,
+            socket_connect_timeout=5,
+            retry=NO_RETRY,  # _call retries, each attempt bounded by the window
+            connection_class=connection_class(url),
+        )
         self._reserve_script = self._redis.register_script(redis_scripts.RESERVE)
         self._ack = self._redis.register_script(redis_scripts.ACK)
         self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
@@ -100,14 +109,21 @@ class RedisTransport(Transport):
         """Connection errors this transport recovered from (retried successfully)."""
         self._call("connect", self._redis.ping)
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)`, retried with back-off after connection errors for `reconnect_s`;
-        any other Redis error (or running out of time) is a TransportError."""
+    def _call(self, what: str, fn, *args, wait_s: float = 0.0, **kwargs):
+        """`fn(*args, **kwargs)`, retried with back-off after connection errors for `reconnect_s`, each
+        attempt bounded by the time left (plus `wait_s`, a blocking read's own wait); any other Redis
+        error (or running out of time) is a TransportError."""
         deadline = time.monotonic() + self.options.reconnect_s
         failures = 0
         while True:
             try:
-                result = fn(*args, **kwargs)
+                bound = (
+                    attempt_until(deadline + wait_s)
+                    if self.options.reconnect_s > 0
+                    else contextlib.nullcontext()
+                )
+                with bound:
+                    result = fn(*args, **kwargs)
             except redis.exceptions.AuthenticationError as exc:  # a ConnectionError, but retrying won't help
                 raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
@@ -253,6 +269,7 @@ class RedisTransport(Transport):
                 {stream: ">"},
                 count=count - len(out),
                 block=block_ms,
+                wait_s=(block_ms or 0) / 1000,
             )
         except TransportError as exc:
             if "NOGROUP" not in str(exc):

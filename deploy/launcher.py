@@ -29,7 +29,9 @@ Stages (deploy/stages.py), each shown in the live progress and logged with its s
 Supervision (deploy/supervisor.py, deploy/processes.py): a crashed generator, reward service, learner or
 redis-server is started again, up to `--max-restarts` times each (counted in the live progress and
 events.jsonl), unless it failed with the same known error twice in a row
-(deploy.preflight.explain_failure); the run goes on. `python -m deploy --resume RUN_DIR` continues a
+(deploy/failures.py), or failed in a way a restart cannot mend (disk full, a damaged checkpoint); a role
+whose heartbeat went silent for --watchdog-s (stopped, hung) is killed and restarted; the budget refills
+after --restart-refill-s up; the run goes on. `python -m deploy --resume RUN_DIR` continues a
 stopped run (deploy/resume.py): the redis-server keeps an append-only file in RUN_DIR/redis/.
 The run directory (runs/<timestamp>/, mode 0700, every file in it 0600: the launcher and its children
 run under umask 077) holds secrets/ (the broker password and the message key: deploy/credentials.py),
@@ -81,7 +83,8 @@ class Launcher:
         self.credentials = RunCredentials.prepare(self.run_dir, cfg.broker_password_file)
         self.namespace = read_namespace(self.run_dir) if resume else f"run-{stamp}-{self.run_id[:4]}"
         write_identity(self.run_dir, self.run_id, self.namespace)
-        self.sv = Supervisor(self.run_dir, child_env(cfg.threads, self.run_id), cfg.max_restarts)
+        env = child_env(cfg.threads, self.run_id)
+        self.sv = Supervisor(self.run_dir, env, cfg.max_restarts, cfg.restart_refill_s, cfg.watchdog_s)
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"
 

@@ -121,7 +121,7 @@ def demo_learner() -> LearnerConfig:
         optim=OptimConfig(lr=2.5e-4, warmup_steps=0),
         parallel=ParallelConfig(activation_checkpointing=False),
         batching=BatchingConfig(max_tokens_per_microbatch=8192),
-        checkpoint=CheckpointConfig(every=100, keep=1),
+        checkpoint=CheckpointConfig(every=100, keep=2),
         feeder=FeederConfig(epochs=1000),
         eval=EvalConfig(every=10, at_start=True, max_prompts=0, timeout_s=300.0),
     )
@@ -197,7 +197,15 @@ class LaunchConfig:
     the generator capped at 50 (2026-12-07): not the default until more than one step a row backs it."""
     max_restarts: int = 3
     """Restarts of each role (generator, reward service, learner) and of the redis-server after
-    a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
+    a crash (deploy/processes.py); 0 ends the run at the first crash. The budget refills after
+    `restart_refill_s` up."""
+    restart_refill_s: float = 600.0
+    """A process that stayed up this many seconds since its last restart gets all of `max_restarts` back
+    (0 = never: `max_restarts` per run)."""
+    watchdog_s: float = 600.0
+    """A role whose loop made no progress for this many seconds (its heartbeat file in RUN_DIR/heartbeats/
+    went silent: stopped, hung) is killed and restarted like a crash (deploy/processes.py; 0 = no
+    watchdog). Above the longest step, checkpoint or weight sync of the run."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal), off
     (nothing but the reason a run failed, on stderr)."""

@@ -50,6 +50,7 @@ from generator.gate import StalenessGate, VersionReader
 from generator.inputs import Result
 from generator.metrics import GeneratorMetrics
 from generator.prepare import make_pool, prepare_batch
+from runtime.heartbeat import Heartbeat
 from weights.vllm_apply import WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class GeneratorWorker:
         self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None
     ):
         self.config = config
+        self.heartbeat = Heartbeat.from_env()  # the launcher's watchdog restarts a stuck generator
         self.generator_id = config.generator_id or default_generator_id()
         self.names = Names(config.broker.namespace)
         self.metrics = metrics or GeneratorMetrics()
@@ -339,6 +341,7 @@ class GeneratorWorker:
     def sync_weights(self, running: bool = False) -> bool:
         """Apply the newest received version, if any; True when a new version is now served. `running`:
         requests are in flight in the engine and stay there (continuous loop, weight_update = inflight)."""
+        self.heartbeat()  # before every batch and while the gate holds one: the loop turns
         if self.receiver is None:
             return False
         received = self.receiver.poll()

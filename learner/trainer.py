@@ -39,7 +39,7 @@ from learner.advantages import batch_advantages
 from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
-from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady
+from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady, ack_generations
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
     apply_parallelism,
@@ -128,9 +128,10 @@ class Learner:
 
     # ------------------------------------------------------------------ lifecycle
     def _resume(self) -> None:
-        latest = self.checkpointer.latest() if self.cfg.checkpoint.resume else None
-        if latest is not None:
-            self.state = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
+        resume = self.cfg.checkpoint.resume
+        loaded = self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if resume else None
+        if loaded is not None:
+            self.state = loaded
             self._last_ckpt_step = self.state.step
         if self.inbox is not None:
             self.inbox.restore(self.state.consumed)
@@ -380,13 +381,15 @@ class Learner:
             self.transport.set_value(self.names.learner_version, codec.encode(msg))
 
     def _acks_due(self) -> bool:
-        """The groups held unacked for the next checkpoint fill half the scored stream's `max_len`.
+        """The groups held unacked since the last checkpoint fill half the scored stream's `max_len` (a
+        quarter when acks lag one checkpoint, learner/inbox.py: two checkpoints' groups are held then).
 
         The broker counts unacked entries against `max_len` (a publish blocks while a stream holds that
         many), so a learner holding its acks for `checkpoint.every` steps of more groups than that would
         block the reward service that feeds it and then wait for data forever: it checkpoints early.
         """
-        if self._held_groups < self.transport.options.max_len // 2:  # every rank counts the same groups
+        share = 2 * ack_generations(self.cfg)  # every rank counts the same groups
+        if self._held_groups < self.transport.options.max_len // share:
             return False
         log.info("checkpoint at step %d: %d groups await their ack", self.state.step, self._held_groups)
         return True

@@ -2,8 +2,8 @@
 an independent audit of the broker's streams, and the accounting of what was trained.
 
 * `FaultRun` starts `python -m deploy` on the tiny model with a small task (one epoch, so the run
-  finishes by itself once every prompt came back), kills what it is told to with SIGKILL, and
-  measures the time from the kill to the learner's next completed step.
+  finishes by itself once every prompt came back), kills what it is told to with SIGKILL (or stops and
+  continues it: `signal`), and measures the time from the fault to the learner's next completed step.
 * `Audit` is its own consumer group ("audit") on the prompts, rollouts and scored streams,
   created before the learner publishes anything: it sees every entry published, whoever consumes
   it, and across a broker restart (its group and pending entries live in the AOF like the others).
@@ -46,7 +46,14 @@ PROMPTS = 16
 class FaultRun:
     """`python -m deploy` on the tiny model, one epoch of `prompts` prompts; the test kills parts of it."""
 
-    def __init__(self, run_dir: Path, broker_kind: str, resume: bool = False, prompts: int = PROMPTS):
+    def __init__(
+        self,
+        run_dir: Path,
+        broker_kind: str,
+        resume: bool = False,
+        prompts: int = PROMPTS,
+        extra: tuple[str, ...] = (),
+    ):
         self.run_dir, self.broker_kind = run_dir, broker_kind
         base = free_ports(3)
         ports = [
@@ -61,7 +68,7 @@ class FaultRun:
             "--learner.eval.every", "0", "--learner.feeder.epochs", "1", "--learner.checkpoint.every", "2",
             "--learner.broker.claim-idle-s", "600", "--generator.broker.claim-idle-s", "600",
             "--reward.broker.claim-idle-s", "600",
-            "--generator.sampling.n", "2", "--generator.sampling.max-tokens", "4", *ports,
+            "--generator.sampling.n", "2", "--generator.sampling.max-tokens", "4", *ports, *extra,
         ]  # fmt: skip
         self.log_path = run_dir.parent / ("launcher-resumed.log" if resume else "launcher.log")
         self.log = open(self.log_path, "wb")  # noqa: SIM115
@@ -106,8 +113,20 @@ class FaultRun:
         path = self.run_dir / "learner" / "metrics.jsonl"
         return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
+    def checkpoints(self) -> list[Path]:
+        """The learner's complete checkpoint directories, newest first."""
+        root = self.run_dir / "learner" / "checkpoints"
+        done = [
+            p for p in root.glob("step-*") if not p.name.endswith(".tmp") and (p / "manifest.json").is_file()
+        ]
+        return sorted(done, reverse=True)
+
     def kill(self, process: str) -> float:
-        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time.
+        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time."""
+        return self.send(process, signal.SIGKILL)
+
+    def send(self, process: str, sig: int) -> float:
+        """Send `sig` to `process` (its whole process group, grandchildren included); returns the wall time.
         Waits for pids.json to name a live one (a role may be between a restart and its new pid); fails
         with the launcher's log if the run ended first."""
 
@@ -122,9 +141,9 @@ class FaultRun:
         pid = self.wait_for(f"a live {process} to kill", live_pid, timeout_s=60.0)
         when = time.time()
         if process == "redis":
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         else:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, sig)
         return when
 
     def recovery_s(self, killed_at: float, restarted_at: float) -> float | None:

@@ -104,3 +104,34 @@ def test_a_server_that_stays_down_is_a_transport_error_after_reconnect_s(tmp_pat
     with pytest.raises(TransportError, match="attempts"):
         t.get_value(names.learner_version)
     assert 1.0 <= time.monotonic() - started < 5.0
+
+
+def test_a_stopped_server_costs_the_reconnect_window_not_the_socket_timeout(tmp_path, names):
+    """SIGSTOP: the server's sockets stay open and silent. An attempt waits only for what is left of
+    `reconnect_s` (redis-py's own retries are off), not for its 60 s socket timeout, eleven times over; a
+    server that comes back within the window answers the call."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from broker.redis_server import LocalRedis
+
+    server = LocalRedis(data_dir=str(tmp_path)).start()
+    try:
+        t = broker.connect(server.url, reconnect_s=1.5)
+        t.set_value(names.learner_version, b"1")
+        os.kill(server.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="attempts over 1.5s"):
+            t.get_value(names.learner_version)
+        assert time.monotonic() - started < 5.0
+        resume = threading.Timer(0.5, os.kill, (server.process.pid, signal.SIGCONT))
+        os.kill(server.process.pid, signal.SIGSTOP)
+        resume.start()
+        assert t.get_value(names.learner_version) == b"1"  # within the window: answered
+        resume.join()
+        t.close()
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()

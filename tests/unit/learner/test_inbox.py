@@ -56,10 +56,12 @@ def setup(redis_server, names):
     transport = broker.connect(redis_server.url)
     cfg = LearnerConfig(broker=BrokerConfig(namespace=names.namespace))
     cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = 2, 1, False
+    cfg.checkpoint.keep = 1  # acks at the first checkpoint that holds a step (test_acks_lag_... lags them)
     feeder = PromptFeeder(
         transport, names, _records(), lambda ref: b"", groups_per_step=2, max_staleness=1, shuffle=False
     )
     inbox = Inbox(transport, names, cfg, feeder=feeder)
+    assert inbox.generations == 1
     prompts = Subscriber(transport, names.prompts, "generators", "gen-0", expect=PromptRecord)
     yield transport, names, inbox, feeder, prompts, Publisher(transport, names.scored)
     transport.close()
@@ -184,3 +186,32 @@ def test_a_forged_result_is_dead_lettered_and_the_genuine_one_is_trained(redis_s
     finally:
         run.close()
         attacker.close()
+
+
+def test_acks_lag_one_checkpoint_where_the_previous_one_is_kept(setup):
+    """keep >= 2: a step is acked once a second checkpoint holds it, so a learner that falls back to the
+    previous checkpoint gets its groups back; a redelivery of a held-by-checkpoint group is acked later."""
+    transport, names, inbox, feeder, prompts, scored = setup
+    inbox.generations = 2  # what checkpoint.keep = 2 gives (ack_generations)
+    inbox._feed(version=0)
+    first = _answer(prompts, scored, 2)
+    assert [g.group.group_id for g in inbox.collect(version=0)] == first
+    inbox.commit()
+    assert inbox.ack_durable() == 0  # one checkpoint holds step 1: still pending
+    assert transport.pending(names.scored, names.LEARNER) == 2
+    assert set(first) <= feeder.awaiting_checkpoint  # the broker's cursor still lists them
+    inbox._held.clear()  # as after a restart: the entries come back as the learner's own pending ones
+    restarted = broker.connect(transport.url)
+    again = restarted.consume(names.scored, names.LEARNER, "learner-0", count=2, block_s=0)
+    restarted.close()
+    assert [d.attempts for d in again] == [2, 2]
+    for delivery in again:
+        inbox._take(delivery, _scored(first[0], "p0"))
+    assert inbox.skipped["redelivered"] == 2 and transport.dead_letters(names.scored) == []
+    inbox._feed(version=1)
+    second = _answer(prompts, scored, 2)
+    assert [g.group.group_id for g in inbox.collect(version=1)] == second
+    inbox.commit()
+    assert inbox.ack_durable() == 2  # the second checkpoint: step 1's deliveries
+    assert not set(first) & feeder.awaiting_checkpoint
+    assert transport.pending(names.scored, names.LEARNER) == 2  # step 2's (the redeliveries were step 1's)
