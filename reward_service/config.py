@@ -35,8 +35,8 @@ class RewardConfig:
     memory_mb: int = 1024
     """Address-space cap of each grader process in MiB (0 = none)."""
     group_budget_s: float = 10.0
-    """Bound on grading one whole group; groups_per_read * group_budget_s must stay below broker.claim_idle_s,
-    or groups still waiting in a worker's hands would be reclaimed by another."""
+    """Seconds to grade one whole group; groups_per_read * group_budget_s must stay below broker.claim_idle_s
+    (else another worker reclaims groups still waiting in this one's hands)."""
     spare_grader: bool = True
     """Keep a warm spare grader per worker so that a timeout costs no process start."""
     cache_size: int = 4096
@@ -46,12 +46,11 @@ class RewardConfig:
     block_s: float = 1.0
     """Longest wait of one read on an empty stream."""
     publish_timeout_s: float = 5.0
-    """While the scored stream is full a worker holds its group and retries publishing at this period
-    (backpressure reaches the generators through the rollouts stream; nothing is dropped)."""
+    """While the scored stream is full, a worker holds its group and retries publishing every this many
+    seconds (nothing is dropped)."""
     claim_stale_s: float = 60.0
-    """A publish claim older than this, by a worker that never finished, is taken over. It must run out
-    before the group's delivery is dead-lettered (`dead_letter_s`), or a worker frozen between claim and
-    publish that then dies takes the group with it; its holder renews it while it waits on backpressure."""
+    """A publish claim older than this, by a worker that never finished, is taken over; it must run out
+    before the group's delivery is dead-lettered (checked at start-up)."""
     dedupe_ttl_s: float = 7 * 24 * 3600.0
     """How long group ids are remembered as scored (with transports that support expiry)."""
     publish_thread: bool = True

@@ -1,4 +1,4 @@
-"""Helpers of the fault-injection suite (tests/integration/test_faults.py): a short launcher run,
+"""The parts of the fault-injection suite (tests/integration/test_faults.py): a short launcher run,
 an independent audit of the broker's streams, and the accounting of what was trained.
 
 * `FaultRun` starts `python -m deploy` on the tiny model with a small task (one epoch, so the run

@@ -72,7 +72,7 @@ ROLE_CLASSES = {"learner": LearnerConfig, "generator": GeneratorConfig, "reward"
 def test_gpu_configs_set_every_value_the_cpu_demo_changes(name):
     """A launch config starts from the CPU demo's embedded default (LaunchConfig()), so a setting the demo
     changes from the role's own default and a GPU config leaves out runs the demo's CPU value on the GPU
-    (a 0.25 GiB KV cache did, session 9). Each such setting is written in the GPU config."""
+    (a 0.25 GiB KV cache did once). Each such setting is written in the GPU config."""
     with open(CONFIGS / name, "rb") as f:
         written = _flat(tomllib.load(f))
     demo = LaunchConfig()

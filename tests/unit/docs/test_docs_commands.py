@@ -92,7 +92,8 @@ def help_text(argv: tuple[str, ...]) -> str:
 
 def run_commands() -> set[str]:
     """The commands `run` dispatches: the labels of its `case` (`setup) ...`), less the fallback."""
-    return set(re.findall(r"^\s+([\w-]+)\)", (ROOT / "run").read_text(), flags=re.MULTILINE))
+    labels = re.findall(r"^\s+([\w| -]+)\)", (ROOT / "run").read_text(), flags=re.MULTILINE)
+    return {name.strip() for label in labels for name in label.split("|")} - {"*"}
 
 
 def check_module(args: list[str]) -> None:
