@@ -165,7 +165,7 @@ class BroadcastReceiver(WeightReceiver):
         with self._lock:
             self._report = (store.clone(), accept.session)
         log.info(
-            "weight receiver %s joined %s (session %d)", self.generator_id, target.address, accept.session
+            "weight receiver %s joined %s (join %d)", self.generator_id, target.address, accept.session
         )
         return store, group, accept
 
