@@ -143,8 +143,8 @@ class CheckpointConfig:
 
     every: int = 50
     """Save every this many optimizer steps (0 = only at the end; -1 = never, nor an export at the end, and
-    groups are acked after every step). Groups are acked only once saved, so a checkpoint is also made when
-    half the scored stream's max_len awaits an ack."""
+    groups are acked after every step). Groups are acked only once checkpoints hold them, so a checkpoint is
+    also made before unacked groups fill the scored stream's max_len."""
     keep: int = 2
     """Number of most recent checkpoints kept on disk."""
     export_hf_every: int = 0
@@ -211,8 +211,8 @@ class LearnerConfig:
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one device for MFU; 0 = guess from the GPU name (unknown on CPU)."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=600.0, max_deliveries=20))
-    """The broker. The learner acks scored groups only once a checkpoint holds them: keep claim_idle_s above
-    the time between checkpoints (a dead learner's groups are re-delivered after it)."""
+    """The broker. The learner acks scored groups only once checkpoints hold them: keep claim_idle_s above
+    twice the time between checkpoints (a dead learner's groups are re-delivered after it)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus metrics (served by rank 0 only)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
