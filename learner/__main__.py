@@ -16,6 +16,14 @@ import json
 import os
 import sys
 
+DESCRIPTION = """`python -m learner --model PATH [--gpus 0-5 | --nproc N] [--config FILE.toml] [--flags ...]`
+
+Trains the policy on scored groups from the broker and sends its weights to the generators; one
+process per GPU (or per --nproc CPU rank). Settings: the defaults, then --config FILE.toml, then
+flags; every one is described in docs/configuration.md.
+"""
+"""What `--help` says above the flags (the module docstring is for readers of this file)."""
+
 CONFIG_ENV = "PARALLAX_LEARNER_CONFIG"
 TOKEN_ENV = "PARALLAX_WEIGHT_SYNC_TOKEN"
 
@@ -50,7 +58,7 @@ def resolve(argv: list[str]):
         if cfg.weight_sync.token:  # *** in the file
             cfg.weight_sync.token = os.environ.get(TOKEN_ENV, "")
         return cfg
-    return load_config(LearnerConfig, argv, description=__doc__)
+    return load_config(LearnerConfig, argv, description=DESCRIPTION)
 
 
 def main(argv: list[str] | None = None) -> None:

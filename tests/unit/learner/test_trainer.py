@@ -130,7 +130,7 @@ def test_a_run_whose_every_group_is_rejected_fails_naming_why(
     tiny_model_dir, redis_server, names, publish, tmp_path, caplog
 ):
     # e.g. a generator that samples at another temperature: the learner trains nothing and must not end
-    # as if its data had simply run out (session 20's capped-generator run ended so, without a word)
+    # as if its data had simply run out, without a word
     cfg = _cfg(tiny_model_dir, redis_server, names, tmp_path, idle_exit_s=1.0)
     for seed in (1, 2, 3):
         publish([1.0, 0.0], seed=seed, temperature=0.7)
