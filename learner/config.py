@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, get_args
 
 from broker.config import BrokerConfig
-from runtime.metrics import MetricsConfig
 from runtime.variants import choices_shown, name_of
+from trackers.config import TrackedMetricsConfig
 from weights.config import WeightSenderConfig
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -413,7 +413,7 @@ class LearnerConfig:
     """The broker. claim_idle_s: scored groups pending (unacked) this long are re-delivered; the learner acks
     only after a checkpoint, so keep it above the time between checkpoints (after a crash, what the dead
     learner held comes back after this long)."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    metrics: TrackedMetricsConfig = field(default_factory=TrackedMetricsConfig)
     """Prometheus server (rank 0 only; port 0 = none)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages, batch composition, staleness."""
