@@ -1,5 +1,6 @@
 """What the experiment trackers wrote, read back the way their own tools read it (tests of trackers/).
 
+`jsonl_series(run_dir)`: {key: [(step, value)]} of metrics.jsonl, what the trackers must match.
 `tensorboard_scalars(logdir)`: {tag: [(step, value)]} through TensorBoard's own EventAccumulator (which
 applies purge steps, as the TensorBoard UI does). `wandb_records(run_dir)`: the protobuf records of every
 offline W&B run under `<run_dir>/wandb/`, in the order written; `wandb_history(records)` their
@@ -17,6 +18,17 @@ from pathlib import Path
 BLOCK = 32 * 1024
 FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, version 0
 RECORD_HEADER = struct.Struct("<IHB")  # checksum, length, type: 1 full, 2 first, 3 middle, 4 last
+
+
+def jsonl_series(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value)]} of metrics.jsonl, the reference every tracker must match."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key not in ("time", "step"):
+                series.setdefault(key, []).append((int(row["step"]), value))
+    return series
 
 
 def tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:

@@ -14,7 +14,14 @@ from prometheus_client import CollectorRegistry
 from learner.config import LearnerConfig
 from learner.metrics import LearnerMetrics
 from runtime.config import to_dict
-from tests.support.trackers import tensorboard_scalars, wandb_files, wandb_history, wandb_records, wandb_run
+from tests.support.trackers import (
+    jsonl_series,
+    tensorboard_scalars,
+    wandb_files,
+    wandb_history,
+    wandb_records,
+    wandb_run,
+)
 from trackers.config import TrackedMetricsConfig, WandbConfig
 from trackers.sinks import MissingPackage, Sinks
 
@@ -35,17 +42,6 @@ def step_values(step: int) -> dict[str, float]:
             {"eval/accuracy": 0.2 * step, "eval/accuracy/geometry3k": 0.2 * step, "eval/missing": 0}
         )
     return values
-
-
-def jsonl_series(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """{key: [(step, value)]} of metrics.jsonl, the reference every tracker must match."""
-    series: dict[str, list[tuple[int, float]]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        for key, value in row.items():
-            if key not in ("time", "step"):
-                series.setdefault(key, []).append((int(row["step"]), value))
-    return series
 
 
 def log_steps(run_dir, cfg, steps, config=None) -> LearnerMetrics:
