@@ -1,7 +1,7 @@
 """The "tensorboard" metrics sink: each step's values as TensorBoard scalars, written by tensorboardX.
 
 tensorboardX writes TensorBoard's event-file format with nothing but numpy and protobuf (an 88 kB wheel; the
-`tensorboard` package itself, 12 MB with a 7 MB data server, is only needed to view the files):
+`tensorboard` package, a 5.5 MB wheel plus a 6.6 MB data server, is needed only to view the files):
 
     tensorboard --logdir runs/<run>/learner/tensorboard
 

@@ -3,7 +3,8 @@
 Offline (the default) the run is written under `<run_dir>/wandb/offline-run-<time>-<id>/` and nothing leaves
 the machine; upload it later with `wandb sync <that directory>`. Online (`mode = "online"`, $WANDB_API_KEY
 set) it streams to the W&B server. The run id is kept in `<run_dir>/wandb/run_id`, so a learner restarted
-from a checkpoint goes on in the same W&B run (`resume="allow"`); W&B ignores points at steps it already has.
+from a checkpoint goes on in the same W&B run (`resume="allow"`; online, W&B drops points logged again at
+steps it already has, with a warning).
 
 The run's config is the learner's resolved config with URL passwords replaced by *** (runtime/redact.py), and
 the command line W&B records with the run is redacted the same way; the API key is never written (W&B reads
