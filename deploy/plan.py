@@ -40,6 +40,7 @@ from learner.config import (
 from reward_service.config import RewardConfig
 from runtime.metrics import MetricsConfig
 from tasks.synthetic import SyntheticTask, images_per_prompt
+from trackers.config import TrackedMetricsConfig
 from weights.config import SENDER_TRANSPORTS, CudaIpcTransport, WeightReceiverConfig
 
 
@@ -113,7 +114,7 @@ def demo_learner() -> LearnerConfig:
         max_steps=100_000,
         idle_exit_s=0.0,
         broker=BrokerConfig(claim_idle_s=1800.0, max_deliveries=20),
-        metrics=MetricsConfig(port=9301),
+        metrics=TrackedMetricsConfig(port=9301),
         algo=AlgoConfig(groups_per_step=8, max_staleness=1, temperature=1.0, dynamic_sampling=False),
         loss=LossConfig(kl_coef=0.1, entropy_coef=0.0),
         optim=OptimConfig(lr=2.5e-4, warmup_steps=0),

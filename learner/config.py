@@ -13,7 +13,7 @@ from typing import Literal
 
 from broker.config import BrokerConfig
 from learner.loss_config import LossConfig
-from runtime.metrics import MetricsConfig
+from trackers.config import TrackedMetricsConfig
 from weights.config import WeightSenderConfig
 
 Estimator = Literal["grpo", "drgrpo", "rloo"]
@@ -213,8 +213,8 @@ class LearnerConfig:
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=600.0, max_deliveries=20))
     """The broker. The learner acks scored groups only once checkpoints hold them: keep claim_idle_s above
     twice the time between checkpoints (a dead learner's groups are re-delivered after it)."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    """Prometheus metrics (served by rank 0 only)."""
+    metrics: TrackedMetricsConfig = field(default_factory=TrackedMetricsConfig)
+    """Prometheus metrics and the experiment trackers (TensorBoard, W&B), written by rank 0 only."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages, batch composition, staleness."""
     loss: LossConfig = field(default_factory=LossConfig)

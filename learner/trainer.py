@@ -56,7 +56,7 @@ from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
-from runtime.config import write_resolved
+from runtime.config import to_dict, write_resolved
 from runtime.metrics import new_registry, start_metrics_server
 from runtime.redact import setup_logging
 
@@ -94,7 +94,9 @@ class Learner:
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
-        self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
+        self.metrics = LearnerMetrics(
+            self.registry, self.run_dir, enabled=self.info.is_main, cfg=cfg.metrics, config=to_dict(cfg)
+        )
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
         if sender is None:
             sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
@@ -217,6 +219,7 @@ class Learner:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
             export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+        self.metrics.close()
         self.sender.close()
         self.transport.close()
         if distributed():
