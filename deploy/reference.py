@@ -5,7 +5,7 @@
 Every process has one config dataclass (runtime/config.py); this walks each of them, section by
 section, and writes one table per section: the flag, its TOML key, the type, the default and the
 field's docstring. A section whose type is a union of dataclasses (a variant chosen by its `type`
-field) gets one table per variant. tests/unit/deploy/test_reference.py fails when the committed page
+field) gets one table per variant. tests/unit/deploy/test_config_reference.py fails when the committed page
 differs from what this prints, so the page never drifts from the code.
 """
 
