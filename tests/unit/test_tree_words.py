@@ -15,13 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Written so that this file does not match its own patterns (a number after "session" only as \d).
 PATTERNS = [
-    r"\bsessions? \d",  # "session 40", "sessions 32-37"
+    r"\bsessions? \d",  # a numbered work session, or a range of them
     r"\bsession-\d|_session\d",  # file names
     r"\blent\b",
-    r"/tmp/site",
+    r"/tmp/si[t]e",
     r"\bdevice[_ ]queue",
-    r"bench/queues",
+    r"bench/queue[s]",
     r"wheel bundle",
     r"\bdevice calls?\b",
     r"\bhelpers? (session|agent)",
@@ -56,12 +57,12 @@ def test_no_history_or_workplace_words():
 
 def test_the_patterns_catch_what_they_are_for():
     for line in (
-        "measured in session 40",
-        "sessions 32-37",
-        "on the lent H200",
-        "PYTHONPATH=/tmp/site",
-        "see bench/queues/h100.txt",
-        "e2e_7b_h100_session40.json",
+        "measured in session " + "40",
+        "sessions " + "32-37",
+        "on the " + "lent" + " H200",
+        "PYTHONPATH=/tmp/" + "site",
+        "see bench/" + "queues/h100.txt",
+        "e2e_7b_h100_" + "session40.json",
     ):
         assert WORDS.search(line), line
     for line in ("a weight-sync session id", "equivalent", "silent", "the redis session"):
