@@ -28,23 +28,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers.workload import WORKLOAD, step_seconds, throughput
+from bench.peers.workload import add_workload_args, step_seconds, throughput
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    w = WORKLOAD
     p = argparse.ArgumentParser(prog="python -m bench.peers.trl_grpo", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory (python -m policy build)")
     p.add_argument("--data", type=Path, required=True, help="bench.peers.data output directory")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--prompts", type=int, default=w.prompts_per_step)
-    p.add_argument("--group", type=int, default=w.group)
-    p.add_argument("--response", type=int, default=w.response)
-    p.add_argument("--lr", type=float, default=w.lr)
-    p.add_argument("--kl-coef", type=float, default=w.kl_coef)
-    p.add_argument("--warmup", type=int, default=w.warmup)
-    p.add_argument("--steps", type=int, default=w.steps)
+    add_workload_args(p)
     p.add_argument("--micro-batch", type=int, default=16, help="per_device_train_batch_size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="vLLM's share of the GPU")
     p.add_argument("--work-dir", default="/tmp/trl-run")

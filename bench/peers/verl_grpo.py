@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers.workload import WORKLOAD, throughput
+from bench.peers.workload import add_workload_args, throughput
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -39,7 +39,6 @@ FLASH_ATTN_VERSION = "2.8.3"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    w = WORKLOAD
     p = argparse.ArgumentParser(prog="python -m bench.peers.verl_grpo", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--data", type=Path, required=True, help="bench.peers.data output directory")
@@ -48,13 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--site", default="", help="directory with verl and transformers < 5.11 (first on the path)"
     )
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/verl-run"))
-    p.add_argument("--prompts", type=int, default=w.prompts_per_step)
-    p.add_argument("--group", type=int, default=w.group)
-    p.add_argument("--response", type=int, default=w.response)
-    p.add_argument("--lr", type=float, default=w.lr)
-    p.add_argument("--kl-coef", type=float, default=w.kl_coef)
-    p.add_argument("--warmup", type=int, default=w.warmup)
-    p.add_argument("--steps", type=int, default=w.steps)
+    add_workload_args(p)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of the GPU")
     p.add_argument("--max-token-len", type=int, default=24576, help="dynamic batch size: tokens a GPU")
     p.add_argument("--timeout-s", type=float, default=0, help="stop the run after this long (0: never)")

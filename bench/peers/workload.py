@@ -13,6 +13,7 @@ the ends of consecutive steps, after the warm-up steps.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 
@@ -48,6 +49,18 @@ class Workload:
 
 
 WORKLOAD = Workload()
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's numbers as a launch script's flags, WORKLOAD's values their defaults."""
+    w = WORKLOAD
+    parser.add_argument("--prompts", type=int, default=w.prompts_per_step)
+    parser.add_argument("--group", type=int, default=w.group)
+    parser.add_argument("--response", type=int, default=w.response)
+    parser.add_argument("--lr", type=float, default=w.lr)
+    parser.add_argument("--kl-coef", type=float, default=w.kl_coef)
+    parser.add_argument("--warmup", type=int, default=w.warmup)
+    parser.add_argument("--steps", type=int, default=w.steps)
 
 
 def step_seconds(step_end_times: list[float], warmup: int) -> list[float]:
