@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from broker.config import BrokerConfig
-from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
+from tests.support.learner import learner_config
 from tests.support.trackers import (
     jsonl_series,
     tensorboard_scalars,
@@ -17,7 +16,6 @@ from tests.support.trackers import (
     wandb_records,
     wandb_run,
 )
-from weights.config import WeightSenderConfig
 
 
 def test_the_learner_logs_each_step_to_tensorboard_and_wandb(
@@ -30,17 +28,13 @@ def test_the_learner_logs_each_step_to_tensorboard_and_wandb(
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run-7" / "learner"  # as python -m deploy lays it out
-    cfg = LearnerConfig(
-        model=str(tiny_model_dir),
-        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
-        run_dir=str(run_dir),
-        max_steps=2,
-        weight_sync=WeightSenderConfig(enabled=False),
-        idle_exit_s=3.0,
+    cfg = learner_config(
+        tiny_model_dir,
+        redis_server,
+        names,
+        run_dir,
+        **{"algo.groups_per_step": 1, "checkpoint.every": -1, "metrics.sinks": ["tensorboard", "wandb"]},
     )
-    cfg.algo.groups_per_step = 1
-    cfg.checkpoint.every = -1
-    cfg.metrics.sinks = ["tensorboard", "wandb"]
     publish([1.0, 0.0, 0.5], seed=1)
     publish([0.0, 1.0], seed=2)
     learner = Learner(cfg, sender=NullSender())

@@ -11,37 +11,23 @@ import torch
 import broker
 from broker import codec
 from broker.channel import Publisher
-from broker.config import BrokerConfig
 from broker.images import ImageStore
 from broker.names import Names
-from learner.config import LearnerConfig
 from learner.trainer import Learner
 from learner.wiring import NullSender
+from tests.support.learner import learner_config
 from tests.unit.learner.groups import make_group, set_token
-from weights.config import WeightSenderConfig
 
 
 def _cfg(tiny_model_dir, redis_server, names, run_dir, **kw):
-    cfg = LearnerConfig(
-        model=str(tiny_model_dir),
-        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
-        run_dir=str(run_dir),
-        max_steps=2,
-        weight_sync=WeightSenderConfig(enabled=False),
-        idle_exit_s=3.0,
-    )
-    cfg.algo.groups_per_step = 2
-    cfg.optim.lr = 1e-3
-    cfg.checkpoint.every = 1
-    cfg.batching.max_tokens_per_microbatch = 160
-    cfg.parallel.activation_checkpointing = True
-    for key, value in kw.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
-    return cfg
+    defaults = {
+        "algo.groups_per_step": 2,
+        "optim.lr": 1e-3,
+        "checkpoint.every": 1,
+        "batching.max_tokens_per_microbatch": 160,
+        "parallel.activation_checkpointing": True,
+    }
+    return learner_config(tiny_model_dir, redis_server, names, run_dir, **(defaults | kw))
 
 
 class CallOrder(NullSender):
