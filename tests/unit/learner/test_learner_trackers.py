@@ -19,14 +19,10 @@ from tests.support.trackers import (
 
 
 def test_the_learner_logs_each_step_to_tensorboard_and_wandb(
-    tiny_model_dir, redis_server, names, publish, tmp_path, monkeypatch
+    tiny_model_dir, redis_server, names, publish, tmp_path, wandb_home
 ):
     pytest.importorskip("tensorboardX")
     pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
-    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run-7" / "learner"  # as python -m deploy lays it out
     cfg = learner_config(
         tiny_model_dir,

@@ -53,12 +53,8 @@ def log_steps(run_dir, cfg, steps, config=None) -> LearnerMetrics:
 
 
 @pytest.fixture
-def wandb_env(monkeypatch, tmp_path):
+def wandb_env(wandb_home, monkeypatch):
     """W&B's own files in the test's directory; a (fake) API key and a password on the command line."""
-    pytest.importorskip("wandb")
-    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_API_KEY", API_KEY)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setattr(sys, "argv", ["learner", "--broker.url", f"redis://:{PASSWORD}@redis:6379/0"])
