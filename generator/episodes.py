@@ -13,15 +13,17 @@ and samples every open episode's next turn in one engine call. A turn continues 
 the earlier ones (never re-tokenized): the prompt ids, then every model and tool token so far, with the
 prompt's and the tool turns' images in the order of their pads.
 
-An episode ends when its environment says done (the model answered), when a model turn does not end with
-`<|im_end|>` (cut at the token limit: finish "length"), after `max_turns` model turns ("length" if the
+An episode ends when its environment says done (the model answered), when a model turn was cut at the
+token limit (finish "length"), after `max_turns` model turns ("length" if the
 environment wanted more), when the next observation would not fit the response budget (`max_tokens`,
 image tokens counted expanded) or the engine's image limit ("length"), or when its environment fails
 (timeout, exception: finish "abort" with `env_error`; the learner gives such an episode no loss).
 
 The sample carries the whole response (model and tool tokens), a loss mask (model 1, tool 0), the
 behaviour logprobs of the model's tokens (0 for tool tokens), the policy version of every model turn, and
-the tool turns' images by reference. Only the batch loop runs episodes (not `continuous`).
+the tool turns' images by reference. A turn that stopped at another stop token than `<|im_end|>` (say a
+`stop_token_ids` entry) is closed by an `<|im_end|>` of the environment's. Only the batch loop runs
+episodes (not `continuous`).
 """
 
 from __future__ import annotations
@@ -170,9 +172,8 @@ class EpisodeRunner:
 
     def _step(self, episodes: list[Episode], last: bool) -> None:
         """Each episode's environment answers its model's last turn; observations become tool turns."""
-        ended = [e for e in episodes if not e.ids or e.ids[-1] != self.end_id]
-        for episode in ended:  # cut at the token limit (or stopped otherwise): no turn can follow
-            episode.done = True
+        for episode in episodes:  # a turn cut at the token limit: no turn can follow
+            episode.done = episode.finish != "stop"
         episodes = [e for e in episodes if not e.done]
         steps = self.runner.run([functools.partial(e.env.step, e.last_text) for e in episodes])
         for episode, step in zip(episodes, steps):
@@ -195,7 +196,8 @@ class EpisodeRunner:
     def _observe(self, episode: Episode, observation: Observation) -> None:
         """Append the observation as a tool turn, or end the episode where it does not fit."""
         images = [image.convert("RGB") for image in observation.images]
-        ids = tool_turn_ids(self.tokenizer, observation.text, len(images), self.image_token_id)
+        close = not episode.ids or episode.ids[-1] != self.end_id
+        ids = tool_turn_ids(self.tokenizer, observation.text, len(images), self.image_token_id, close)
         tokens = sum(num_image_tokens(self.image_processor, *image.size) for image in images)
         images_after = len(episode.request.images) + len(episode.crops) + len(images)
         if (
@@ -227,12 +229,13 @@ class EpisodeRunner:
         self.runner.close()
 
 
-def tool_turn_ids(tokenizer, text: str, n_images: int, image_token_id: int) -> list[int]:
-    """Token ids of one tool turn after a model turn's `<|im_end|>`: Qwen's rendering of a tool response
-    (the images' vision blocks first, then the text), then the header of the model's next turn. Special-token
-    text in `text` (which may echo the model's) is broken up, so it cannot become a pad or an end of turn."""
+def tool_turn_ids(tokenizer, text: str, n_images: int, image_token_id: int, close: bool = False) -> list[int]:
+    """Token ids of one tool turn after a model turn's `<|im_end|>` (`close`: the turn ended otherwise, so
+    the tool turn starts with one): Qwen's rendering of a tool response (the images' vision blocks first,
+    then the text), then the header of the model's next turn. Special-token text in `text` (which may echo
+    the model's) is broken up, so it cannot become a pad or an end of turn."""
     text = text.replace("<|", "< |")
-    rendered = (
+    rendered = ("<|im_end|>" if close else "") + (
         f"\n<|im_start|>user\n<tool_response>\n{VISION * n_images}{text}\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
