@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from broker.config import BrokerConfig
+from envs.config import EnvConfig
 from runtime.metrics import MetricsConfig
 from weights.config import RPC_BYTES_LIMIT, WeightReceiverConfig
 
@@ -152,6 +153,9 @@ class GeneratorConfig:
     weight_sync: WeightReceiverConfig = field(default_factory=WeightReceiverConfig)
     """Receiving the learner's weights (the transport follows the learner's announcement on the broker);
     `--weight-sync.no-enabled` serves the model as is."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: which prompts run with an environment (a tool) and their limits
+    (docs/environments.md); prompts without one are sampled in one turn."""
 
     def validate(self) -> None:
         """Rules across fields (runtime.config calls this before any engine is built)."""
@@ -162,6 +166,11 @@ class GeneratorConfig:
         if not 0 < self.engine.rpc_chunk_bytes <= RPC_BYTES_LIMIT:
             raise ValueError(
                 f"engine.rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {self.engine.rpc_chunk_bytes}"
+            )
+        self.env.validate()
+        if self.continuous and self.env.routes:
+            raise ValueError(
+                "multi-turn episodes (env.routes) run in the batch loop only: set continuous = false"
             )
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

@@ -46,6 +46,7 @@ from broker.names import Names, group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, WeightVersion
 from broker.transport import BackpressureTimeout, Delivery
 from generator.config import GeneratorConfig, default_generator_id
+from generator.episodes import EpisodeRunner, episode_fields
 from generator.gate import StalenessGate, VersionReader
 from generator.inputs import Result
 from generator.metrics import GeneratorMetrics
@@ -102,6 +103,7 @@ class GeneratorWorker:
             from generator.streaming import ContinuousLoop
 
             self.continuous = ContinuousLoop(self)
+        self.episodes: EpisodeRunner | None = None  # built at the first prompt with an environment
         self.published = 0
         # groups with a non-finite logprob in a sample; in a row with one in every sample (`_check_finite`)
         self.nonfinite_groups = self.nonfinite_run = 0
@@ -186,6 +188,7 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         try:
             results = self.engine.generate(requests)
+            self.run_episodes([record for _, record, _ in prepared], requests, results)
         finally:
             self.metrics.queue_depth.set(0)
         log.info(
@@ -200,6 +203,17 @@ class GeneratorWorker:
             groups.append(self.make_group(delivery, record, ids, result, images_s))
             done.append(delivery)
         return self.publish_and_ack(groups, done)
+
+    def run_episodes(self, records: list[PromptRecord], requests: list, results: list[Result]) -> None:
+        """Continue the first turns of the prompts that name an environment into whole episodes."""
+        if not any(self.config.env.environment_of(record) for record in records):
+            return
+        if self.episodes is None:
+            self.episodes = EpisodeRunner(
+                self.engine, self.config.env, self.config.sampling.max_tokens, self.images.put_image,
+                self.metrics.registry,
+            )  # fmt: skip
+        self.episodes.run(records, requests, results)
 
     # ------------------------------------------------------------------ parts of a step (streaming.py's too)
     @property
@@ -282,6 +296,7 @@ class GeneratorWorker:
                 version_start=result.version,
                 version_end=max(result.version, result.version_end),
                 finish_reason=c.finish_reason,
+                **episode_fields(c),
             )
             for c in result.completions
         ]
@@ -382,6 +397,8 @@ class GeneratorWorker:
             self.receiver.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.close()
         self.transport.close()
 

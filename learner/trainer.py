@@ -51,7 +51,15 @@ from learner.parallel import (
     resolve_master_weights,
 )
 from learner.reference import build_reference
-from learner.samples import filter_stale, filter_truncated, spans_versions, staleness, to_samples
+from learner.samples import (
+    episode_stats,
+    filter_env_failed,
+    filter_stale,
+    filter_truncated,
+    spans_versions,
+    staleness,
+    to_samples,
+)
 from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
@@ -245,6 +253,9 @@ class Learner:
         if cfg.algo.mask_truncated:
             samples, n_truncated = filter_truncated(samples)
             values["truncated_masked"] = float(n_truncated)
+        samples, n_env_failed = filter_env_failed(samples)
+        if n_env_failed:
+            values["env_failed_masked"] = float(n_env_failed)
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
@@ -415,6 +426,7 @@ class Learner:
             "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
             "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
             "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
+            **episode_stats(groups),
         }
         # Generator seconds behind this step: each generate call that produced some of its groups, once.
         calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}

@@ -23,7 +23,12 @@ from tests.unit.deploy.test_gpu_plan import h200s
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
-LAUNCH_CONFIGS = ["demo.toml", "qwen2_5_vl_7b_geometry3k.toml", "gpu_learn.toml"]
+LAUNCH_CONFIGS = [
+    "demo.toml",
+    "qwen2_5_vl_7b_geometry3k.toml",
+    "qwen2_5_vl_7b_geometry3k_crop.toml",
+    "gpu_learn.toml",
+]
 PER_RUN = {"broker.namespace", "broker.url", "run_dir", "feeder.train_data", "feeder.test_data"}
 """Role settings the launcher fills in for each run."""
 
