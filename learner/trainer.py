@@ -34,6 +34,7 @@ import torch
 
 from broker import codec
 from broker.images import ImageStore
+from broker.metrics import watch_pipeline
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
 from broker.transport import FencedError
@@ -114,6 +115,7 @@ class Learner:
         self.sender = sender
         self.inbox = None
         if self.info.is_main:
+            watch_pipeline(self.registry, self.transport, self.names)  # what autoscalers size the roles by
             self.inbox = build_inbox(
                 cfg, self.transport, self.names, model_config=self.hf.config, images=self.images,
                 pixels=self.pixels, metrics=self.metrics,
