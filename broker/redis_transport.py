@@ -13,14 +13,13 @@
   a keyed publish (`keys=`, idempotent) spends them in one script that appends only the entries
   whose key is new (`redis_scripts.PUBLISH_KEYED`).
 * Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
-* Leases and fenced writes (broker/redis_fence.py): with `fence` set, every publish, consume, ack, dead
-  letter and `set_value` runs as a script behind the lease's epoch check (a consume then polls the
-  stream instead of blocking on it: a script cannot block); a refused one raises `FencedError`.
-  `release` hands a consumer's pending entries back to its group (`redis_scripts.RELEASE`).
+* With `fence` set, every publish, consume, ack, dead letter and `set_value` runs as a script behind the
+  lease's epoch check (broker/redis_fence.py; a consume polls: a script cannot block).
 * Restarts: the first `consume` of a (stream, group, consumer) in a process re-reads that
   consumer's own pending entries (XREADGROUP from id 0, page by page) before anything new, so a
   restarted process with the same consumer name gets back at once what it held when it died
   (instead of after `claim_idle_s`); the redelivery cap applies to them as well.
+* A broker at its `maxmemory` refuses a write whole; the call backs off and retries as below meanwhile.
 * Connection errors (server restarting or still loading its AOF, network blip): every call
   reconnects and retries with redis-py's `ExponentialBackoff` for up to `reconnect_s`, then
   raises `TransportError`. Each attempt waits at most the time left in that window (a server that
@@ -35,6 +34,7 @@ Password and user come from the URL: redis://[user]:password@host:port/db.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -61,12 +61,16 @@ from broker.transport import (
 )
 from runtime.redact import redact
 
+log = logging.getLogger(__name__)
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
 MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
 RECONNECT_BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)
 """Sleep before the n-th retry after a connection error: 0.05 s doubling up to 2 s."""
+RETRIED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError)
+"""Errors a call retries for `reconnect_s`: the server unreachable, or at its maxmemory (it refuses a write
+whole; the consumers drain it meanwhile)."""
 RELEASED_IDLE_MS = 365 * 24 * 3600 * 1000
 """The idle time a handed-back entry gets: above any claim_idle_s, so the next reclaim takes it."""
 SCRIPTS = {
@@ -141,8 +145,10 @@ class RedisTransport(RedisLeases, Transport):
                     result = fn(*args, **kwargs)
             except redis.exceptions.AuthenticationError as exc:  # a ConnectionError, but retrying won't help
                 raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            except RETRIED as exc:
                 failures += 1
+                if failures == 1 and isinstance(exc, redis.exceptions.OutOfMemoryError):
+                    log.warning("redis %s: the broker is at its maxmemory, backing off: %s", what, exc)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportError(
