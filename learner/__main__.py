@@ -79,9 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         cmd = relaunch_command(nproc)
         os.execv(cmd[0], cmd)
     from learner.fencing import claim_run
+    from runtime.redact import setup_logging
+
+    setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")  # the claim's lines too
+    claim = claim_run(cfg) if os.environ.get("RANK", "0") == "0" else None  # before torch and the model
     from learner.trainer import run
 
-    claim = claim_run(cfg) if os.environ.get("RANK", "0") == "0" else None  # before the model loads
     run(cfg, claim)
 
 
