@@ -287,15 +287,17 @@ def test_a_broker_outage_longer_than_the_reconnect_window(tmp_path):
 
 # ---------------------------------------------------------------- a second learner; generators come and go
 def test_a_second_learner_is_refused_and_the_run_goes_on(tmp_path):
-    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS)  # steps left while the second one waits
+    run = FaultRun(tmp_path / "run", "redis")
     with _audited(run) as audit:
         run.wait_for("3 learner steps", lambda: len(run.trained_lines()) >= 3)
+        run.send("generator", signal.SIGSTOP)  # the run must outlast the lease's wait: hold its data back
         started = time.monotonic()
         same_dir = run.second_learner()  # refused by the run directory's lock file, at once
         elsewhere = run.second_learner("--run-dir", str(tmp_path / "elsewhere"))  # by the broker lease
         outputs = [p.communicate(timeout=120)[0] for p in (same_dir, elsewhere)]
         refused_s = time.monotonic() - started
-    _, result = _finish_and_account(run, audit, prompts=2 * PROMPTS)
+        run.send("generator", signal.SIGCONT)
+    _, result = _finish_and_account(run, audit)
     holder = json.loads((run.run_dir / "learner" / "learner.lock").read_text())
     for proc, out in zip((same_dir, elsewhere), outputs, strict=True):
         assert proc.returncode != 0 and HELD in out, out[-3000:]
