@@ -311,26 +311,33 @@ def test_a_second_learner_is_refused_and_the_run_goes_on(tmp_path):
 
 @LONG
 def test_generators_added_killed_and_removed_mid_run(tmp_path):
-    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS)
+    # two prompts a batch and all of them in flight: gen-0, frozen, holds two, and gen-1 has the rest
+    extra = ("--generator.batch-prompts", "2", "--learner.feeder.prompts-ahead", str(2 * PROMPTS))
+    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS, extra=extra)
+    log = lambda: run.role_log("generator-1")  # noqa: E731
     with _audited(run) as audit:
         run.wait_for("2 learner steps", lambda: len(run.trained_lines()) >= 2)
         added_at = run.scale(2)
-        run.wait_for("gen-1's first batch", lambda: "generated" in run.role_log("generator-1"))
+        run.send("generator", signal.SIGSTOP)  # gen-0 frozen with its prompts: the run cannot end without it
+        run.wait_for("gen-1's first batch", lambda: "generated " in log(), timeout_s=300)
         joined_s = time.time() - added_at
         killed_at = run.kill("generator-1")
-        restart = run.wait_for(
-            "a restart of generator-1", lambda: _restarts_of(run, "generator-1", killed_at)
-        )
-        recover = run.recovery_s(killed_at, restart[-1]["time"])
+        run.wait_for("a restart of generator-1", lambda: _restarts_of(run, "generator-1", killed_at))
+        run.wait_for("gen-1 serving again", lambda: log().count("serving version") >= 2, timeout_s=300)
+        recover_s = time.time() - killed_at
         removed_at = run.scale(1)
         stopped = run.wait_for("generator-1 stopped", lambda: run.events("scale-stopped"))
         drained_s = stopped[-1]["time"] - removed_at
+        run.send("generator", signal.SIGCONT)  # it takes what gen-1 handed back at its next read
     _, result = _finish_and_account(run, audit, prompts=2 * PROMPTS)
-    assert stopped[-1]["exit_code"] == 0, run.role_log("generator-1")[-3000:]  # SIGTERM: drained, exited
-    assert "joining at learner version" in run.role_log("generator-1") or joined_s > 0
-    what = "python -m deploy scale --generators 2: gen-1 joins, takes the current weights, serves; SIGKILLed "
-    what += (
-        "it is restarted and re-reads its prompts; --generators 1: SIGTERM, it finishes its batch and hands "
+    assert stopped[-1]["exit_code"] == 0, log()[-3000:]  # SIGTERM: it drained and exited by itself
+    assert "joining at learner version" in log(), log()[-3000:]
+    what = (
+        "python -m deploy scale --generators 2 (gen-0 frozen meanwhile): gen-1 joins, waits for the current "
     )
-    what += "back what it holds (claim_idle_s 600 s: a prompt left behind would stall the run)"
-    _record("generator added, killed, removed", what, result, run, [joined_s, recover, drained_s])
+    what += "weights, serves; SIGKILLed, it is restarted (recover: serving again) and re-reads its prompts; "
+    what += (
+        "--generators 1: SIGTERM, it finishes its batch and hands back what it holds (claim_idle_s is 600 s: "
+    )
+    what += "a prompt left behind would stall the run)"
+    _record("generator added, killed, removed", what, result, run, [joined_s, recover_s, drained_s])
