@@ -104,15 +104,11 @@ class Learner:
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
         self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
-        self.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints",
-            cfg.checkpoint.keep,
-            self.info.rank,
-            guard=self.transport.check_fence,
-        )
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
         if sender is None:
             sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
         self.sender = sender
+        self.checkpointer.guard = self.transport.check_fence  # a learner that lost the run writes none
         self.inbox = None
         if self.info.is_main:
             watch_pipeline(self.registry, self.transport, self.names)  # what autoscalers size the roles by
