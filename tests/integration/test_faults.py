@@ -317,8 +317,8 @@ def test_generators_added_killed_and_removed_mid_run(tmp_path):
     log = lambda: run.role_log("generator-1")  # noqa: E731
     with _audited(run) as audit:
         run.wait_for("2 learner steps", lambda: len(run.trained_lines()) >= 2)
-        added_at = run.scale(2)
         run.send("generator", signal.SIGSTOP)  # gen-0 frozen with its prompts: the run cannot end without it
+        added_at = run.scale(2)
         run.wait_for("gen-1's first batch", lambda: "generated " in log(), timeout_s=300)
         joined_s = time.time() - added_at
         killed_at = run.kill("generator-1")
