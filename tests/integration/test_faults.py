@@ -311,9 +311,8 @@ def test_a_second_learner_is_refused_and_the_run_goes_on(tmp_path):
 
 @LONG
 def test_generators_added_killed_and_removed_mid_run(tmp_path):
-    # two prompts a batch and all of them in flight: gen-0, frozen, holds two, and gen-1 has the rest
-    extra = ("--generator.batch-prompts", "2", "--learner.feeder.prompts-ahead", str(2 * PROMPTS))
-    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS, extra=extra)
+    # two prompts a batch: gen-0, frozen, holds two of the four in flight, and gen-1 gets the others
+    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS, extra=("--generator.batch-prompts", "2"))
     log = lambda: run.role_log("generator-1")  # noqa: E731
     with _audited(run) as audit:
         run.wait_for("2 learner steps", lambda: len(run.trained_lines()) >= 2)
