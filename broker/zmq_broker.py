@@ -18,6 +18,10 @@ Retries are exactly-once: a client resends a request that timed out with the sam
 (its socket identity is fixed, so it survives reconnects); the broker answers a repeat of the
 request it answered last with that same reply again, and ignores a repeat of one still parked.
 
+Fenced requests: [request_id, "fenced", lease key, epoch, op, *args] runs `op` only while the lease
+holds that epoch (`BrokerState.fence_holds`), checked in the same turn of the loop as the op itself (a
+parked consume is checked again when it is answered); else the reply is an error starting with FENCED.
+
 Clients authenticate: with a password (`--password-file`, else $PARALLAX_BROKER_PASSWORD), every
 connection's handshake must present it (ZeroMQ PLAIN, checked by pyzmq's ZAP authenticator on the
 broker's own context), so a client without it is never served; without one the broker serves anyone
@@ -105,7 +109,7 @@ class ZmqBroker:
             "ping": lambda c, r, f: ("ok", "pong", None),
             "credit": self._credit,
             "publish": self._publish,
-            "release": self._release,
+            "release_credits": self._release,
             "consume": self._consume,
             "read_own": self._read_own,
             "ack": self._ack,
@@ -124,6 +128,12 @@ class ZmqBroker:
                 None,
             ),
             "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
+            "release": self._release_pending,
+            "lease_acquire": lambda c, r, f, *args: ("ok", state.acquire_lease(*args), None),
+            "lease_renew": lambda c, r, f, *args: ("ok", state.renew_lease(*args), None),
+            "lease_release": lambda c, r, f, *args: ("ok", state.release_lease(*args), None),
+            "fenced": self._fenced,
+            "check_fence": lambda c, r, f: ("ok", True, None),
         }
 
     def bind(self) -> str:
@@ -237,19 +247,30 @@ class ZmqBroker:
         return "ok", ids, credits
 
     def _release(self, client, rid, frames, stream):
-        self.state.release(client, stream)
+        self.state.release_credits(client, stream)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", None, [stream, 0, 0.0]
 
+    def _fenced(self, client, rid, frames, key, epoch, op, *args):
+        if not self.state.fence_holds(key, epoch):
+            return "err", f"FENCED lease {key} moved on from epoch {epoch}", None
+        if op == "consume":
+            return self._consume(client, rid, frames, *args, fence=(key, epoch))
+        return self._ops[op](client, rid, frames, *args)
+
+    def _release_pending(self, client, rid, frames, stream, group, consumer):
+        return "ok", self.state.release(stream, group, consumer), None
+
     # ---- consuming -------------------------------------------------------------------------------
     def _consume(
-        self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries
-    ):
+        self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries,
+        fence=None,
+    ):  # fmt: skip
         out, capped = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
         self._serve_credit_waiters(stream, time.monotonic())  # reclaim may have dead-lettered some
         if out or block_s <= 0:
             return _deliveries_reply(out, capped)
-        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped)
+        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped, fence)
         self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
         return None
 
@@ -265,9 +286,14 @@ class ZmqBroker:
             return
         keep = []
         for client, rid, args, deadline in waiters:
-            stream_, group, consumer, count, _block, idle_s, max_deliveries, capped = args
+            stream_, group, consumer, count, _block, idle_s, max_deliveries, capped, fence = args
             if deadline > now and not self.state.has_new(stream_, group):
                 keep.append((client, rid, args, deadline))
+                continue
+            if fence is not None and not self.state.fence_holds(*fence):
+                self._reply(
+                    client, rid, "err", f"FENCED lease {fence[0]} moved on from epoch {fence[1]}", None
+                )
                 continue
             out, more = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
             self._reply(client, rid, *_deliveries_reply(out, capped + more))

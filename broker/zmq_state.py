@@ -9,6 +9,11 @@ a consumer its own pending entries again (what a restarted process asks for firs
 published with a key is appended once: a later publish under the same key returns its first id
 (kept `PUBLISH_KEY_TTL_S`). Everything lives in this process's memory: a broker restart loses it.
 
+Leases with epochs (broker/lease.py): `acquire_lease`, `renew_lease`, `release_lease` with the Redis
+scripts' semantics (broker/redis_fence.py), and `fence_holds(key, epoch)`, which the broker checks before
+it runs a fenced request. `release` hands a consumer's pending entries back to its group (the next
+reclaim of any consumer takes them; their attempt counts stay).
+
 Credit-based flow control: a producer may only publish with credits, and credits are granted
 only while backlog + outstanding credits < max_len. Grants are leased (`CREDIT_LEASE_S`), so a
 producer that dies holding credits gives them back by expiry.
@@ -62,6 +67,10 @@ class BrokerState:
         self.published_keys: dict[str, tuple[str, float]] = {}
         """Publish key -> (entry id, expires at)."""
         self._key_expiry: deque[tuple[float, str]] = deque()  # (expires at, key), oldest first
+        self.leases: dict[str, list] = {}
+        """Lease key -> [epoch, holder, expires at]."""
+        self.epochs: dict[str, int] = {}
+        """Lease key -> the last epoch handed out (outlives the lease's expiry)."""
 
     def stream(self, name: str) -> Stream:
         s = self.streams.get(name)
@@ -92,7 +101,7 @@ class BrokerState:
             return 0, 0.0
         return mine[0], mine[1] - self.clock()
 
-    def release(self, client: bytes, name: str) -> None:
+    def release_credits(self, client: bytes, name: str) -> None:
         if name in self.streams:
             self.streams[name].credits.pop(client, None)
 
@@ -196,6 +205,17 @@ class BrokerState:
             g.pending[seq] = [consumer, now, g.pending.pop(seq)[2] + 1]
         return [(str(seq), s.entries[seq][0], g.pending[seq][2]) for seq in claim], len(dead)
 
+    def release(self, name: str, group: str, consumer: str) -> int:
+        """Hand `consumer`'s pending entries back (module docstring); returns how many."""
+        s = self.streams.get(name)
+        g = s.groups.get(group) if s else None
+        if g is None:
+            return 0
+        mine = [seq for seq, record in g.pending.items() if record[0] == consumer]
+        released = {seq: [consumer, float("-inf"), max(g.pending.pop(seq)[2] - 1, 0)] for seq in mine}
+        g.pending = released | g.pending  # first in delivery order: the next reclaim takes them
+        return len(mine)
+
     def ack(self, name: str, group: str, ids: list[str]) -> int:
         s = self.streams.get(name)
         g = s.groups.get(group) if s else None
@@ -238,6 +258,41 @@ class BrokerState:
     def has_new(self, name: str, group: str) -> bool:
         s = self.streams.get(name)
         return s is not None and group in s.groups and s.groups[group].last + 1 < s.next_seq
+
+    # ---- leases ----------------------------------------------------------------------------------
+    def _lease(self, key: str) -> list | None:
+        lease = self.leases.get(key)
+        if lease is not None and lease[2] <= self.clock():
+            del self.leases[key]
+            return None
+        return lease
+
+    def acquire_lease(self, key: str, holder: bytes, ttl_s: float, replace: bytes | None) -> list:
+        """[taken, epoch, holder]: taken when free or held by exactly `replace`, with the next epoch."""
+        lease = self._lease(key)
+        if lease is not None and (not replace or lease[1] != replace):
+            return [False, lease[0], lease[1]]
+        epoch = self.epochs[key] = self.epochs.get(key, 0) + 1
+        self.leases[key] = [epoch, holder, self.clock() + ttl_s]
+        return [True, epoch, holder]
+
+    def renew_lease(self, key: str, epoch: int, holder: bytes, ttl_s: float) -> bool:
+        """Extend the lease of `epoch` (recreated if it expired and nobody took it); False when lost."""
+        if not self.fence_holds(key, epoch):
+            return False
+        lease = self._lease(key)
+        self.leases[key] = [epoch, lease[1] if lease else holder, self.clock() + ttl_s]
+        return True
+
+    def release_lease(self, key: str, epoch: int) -> None:
+        lease = self._lease(key)
+        if lease is not None and lease[0] == epoch:
+            del self.leases[key]
+
+    def fence_holds(self, key: str, epoch: int) -> bool:
+        """The lease (or, expired, its last epoch) is still `epoch`'s: its holder's writes may go ahead."""
+        lease = self._lease(key)
+        return (lease[0] if lease is not None else self.epochs.get(key, 0)) == epoch
 
     # ---- blobs and values -------------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, ttl_s: float | None) -> None:

@@ -16,6 +16,9 @@ that gets no answer within `request_timeout_s` is resent with the same request i
 answers a repeat once: see `broker.zmq_broker`) after an exponential back-off, for up to
 `reconnect_s`, then `TransportError`. A broker that restarted has lost its in-memory state.
 
+With `fence` set (broker/lease.py) publish, consume, ack, dead letters and `set_value` go as fenced
+requests (broker/zmq_broker.py): refused, they raise `FencedError`.
+
 Credentials: the password in the URL (zmq://:PASSWORD@host:port; `BrokerConfig.connect_url` puts it
 there) is presented on every connection (ZeroMQ PLAIN). A broker that refuses it closes the
 connection; the transport sees that on its socket monitor and raises `TransportError` at once
@@ -37,9 +40,12 @@ import zmq.utils.monitor
 
 from broker.stream_options import DeadLetter, StreamOptions, check_size
 from broker.transport import (
+    FENCED,
     BackpressureTimeout,
     Deliveries,
     Delivery,
+    FencedError,
+    LeaseState,
     Transport,
     TransportError,
     check_keys,
@@ -54,6 +60,8 @@ CREDIT_WAIT_S = 1.0
 """Longest single credit request parked at the broker (the client re-asks until its timeout)."""
 PUBLISH_CHUNK = 256
 """Most entries per publish request."""
+FENCED_OPS = frozenset({"publish", "consume", "read_own", "ack", "dead", "set_value", "check_fence"})
+"""Requests sent behind the lease's epoch check while the transport's `fence` is set."""
 
 
 def endpoint_of(url: str) -> str:
@@ -118,7 +126,13 @@ class ZmqTransport(Transport):
             if self._closed:
                 raise TransportError("transport is closed")
             rid = next(self._ids)
-            message = [msgspec.msgpack.encode([rid, op, *args]), *frames]
+            fence = self.fence
+            head = (
+                [rid, op, *args]
+                if fence is None or op not in FENCED_OPS
+                else [rid, "fenced", fence.key, fence.epoch, op, *args]
+            )
+            message = [msgspec.msgpack.encode(head), *frames]
             give_up = time.monotonic() + self.options.reconnect_s
             attempt = 0
             while True:
@@ -142,6 +156,8 @@ class ZmqTransport(Transport):
         status, result, payloads = reply
         if status in status_ok:
             return status, result, payloads
+        if isinstance(result, str) and result.startswith(FENCED):
+            raise FencedError(f"zmq broker refused {op!r}: {result}")
         raise TransportError(f"zmq broker refused {op!r}: {result}")
 
     def _check_refused(self) -> None:
@@ -324,6 +340,26 @@ class ZmqTransport(Transport):
     def get_value(self, key: str) -> bytes | None:
         return self._request("get_value", key)[1]
 
+    def release(self, stream: str, group: str, consumer: str) -> int:
+        return self._request("release", stream, group, consumer)[1]
+
+    # ---- leases -----------------------------------------------------------------------------------
+    def acquire_lease(
+        self, key: str, holder: bytes, ttl_s: float, *, replace: bytes | None = None
+    ) -> LeaseState:
+        taken, epoch, current = self._request("lease_acquire", key, holder, ttl_s, replace)[1]
+        return LeaseState(bool(taken), int(epoch), bytes(current))
+
+    def renew_lease(self, key: str, epoch: int, holder: bytes, ttl_s: float) -> bool:
+        return bool(self._request("lease_renew", key, epoch, holder, ttl_s)[1])
+
+    def release_lease(self, key: str, epoch: int) -> None:
+        self._request("lease_release", key, epoch)
+
+    def check_fence(self) -> None:
+        if self.fence is not None:
+            self._request("check_fence")
+
     def close(self) -> None:
         """Hand unused credits back and close the socket (after any request in flight)."""
         with self._lock:
@@ -331,7 +367,7 @@ class ZmqTransport(Transport):
                 return
             for stream in [s for s in self._credits if self._credits_left(s)]:
                 try:  # best effort: the lease would expire anyway
-                    self._socket.send(msgspec.msgpack.encode([0, "release", stream]), zmq.NOBLOCK)
+                    self._socket.send(msgspec.msgpack.encode([0, "release_credits", stream]), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
             self._closed = True

@@ -53,6 +53,15 @@ _KNOWN: list[tuple[str, Failure]] = [
         ),
     ),
     (
+        r"another learner holds this run|lost the run's lease to another learner",
+        Failure(
+            "run held by another learner",
+            "another learner process holds this run's broker namespace (the error above names its host, pid "
+            "and run directory): stop it, or give one of them its own --broker.namespace and --run-dir",
+            "stop",
+        ),
+    ),
+    (
         r"OOM command not allowed|MISCONF .*maxmemory",
         Failure(
             "broker out of memory",

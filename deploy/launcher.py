@@ -26,8 +26,9 @@ Stages (deploy/stages.py), each shown in the live progress and logged in events.
 A crashed role is started again up to `--max-restarts` times (the budget refills after
 `--restart-refill-s` up), a role whose heartbeat went silent for `--watchdog-s` is restarted too, and
 `--resume RUN_DIR` continues a stopped run (deploy/supervisor.py, deploy/resume.py;
-docs/fault-tolerance.md). The run directory, runs/<timestamp>/ (private to the user: mode 0700),
-holds each role's config and log, the metrics, events.jsonl, summary.json and curve.png
+docs/fault-tolerance.md). `python -m deploy scale RUN_DIR --generators N` adds or removes generators while
+it runs (deploy/scale.py, docs/scaling.md). The run directory, runs/<timestamp>/ (private to the user: mode
+0700), holds each role's config and log, the metrics, events.jsonl, summary.json and curve.png
 (docs/demo.md).
 Ctrl-C stops every process the launcher started, the roles newest first, then the broker.
 """
@@ -53,6 +54,7 @@ from deploy.preflight import ModelInfo, PreflightError, inspect_model, require_v
 from deploy.processes import ChildDied, child_env
 from deploy.progress import JsonlTail, Progress
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
+from deploy.scale import Scaler
 from deploy.supervisor import Supervisor
 from runtime.config import write_resolved
 from runtime.private import private_dir, private_umask
@@ -143,7 +145,11 @@ class Launcher:
             configs, paths = configs_for(model_dir)
         port = configs["generator"].metrics.port
         learner = stages.start_rl(sv, cfg, gpus, model_dir, paths, port)
-        self.outcome = stages.train(sv, cfg, learner, port, self.metrics)
+        scaler = Scaler(sv, paths["generator"], configs["generator"], on_gpus=gpus.kind != "cpu")
+        try:
+            self.outcome = stages.train(sv, cfg, learner, port, self.metrics, on_tick=scaler.poll)
+        finally:
+            scaler.close()
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
         """The GPU layout (deploy.plan.gpu_plan) on this machine's GPUs, with `model`'s memory (None: the

@@ -184,13 +184,17 @@ def wait_ready(sv: Supervisor, generator: Child, port: int, timeout_s: float) ->
         time.sleep(0.5)
 
 
-def train(sv: Supervisor, cfg: LaunchConfig, learner: Child, generator_port: int, metrics: JsonlTail) -> str:
+def train(
+    sv: Supervisor, cfg: LaunchConfig, learner: Child, generator_port: int, metrics: JsonlTail, on_tick=None
+) -> str:
     """Watch the run until it ends; returns its outcome: max_steps (the learner finished), time_limit
-    (--max-minutes) or target_reached (--stop-accuracy)."""
+    (--max-minutes) or target_reached (--stop-accuracy). `on_tick()` runs once a second (deploy/scale.py)."""
     deadline = sv.status.started + cfg.max_minutes * 60 if cfg.max_minutes > 0 else float("inf")
     url = f"http://127.0.0.1:{generator_port}/metrics" if generator_port else ""
     while True:
         sv.check()
+        if on_tick is not None:
+            on_tick()
         _observe(sv, metrics, url)
         code = learner.popen.poll()
         if code is not None and (code == 0 or learner.max_restarts == 0):  # else: restarted by check()

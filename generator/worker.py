@@ -22,6 +22,12 @@ With `continuous` (streaming.py) the same pieces run as continuous batching: pro
 running engine as they are prepared and each group is published the step it finishes; weights
 apply once the prompts in flight have drained, or between two engine steps with the prompts kept
 running (weight_update = "inflight").
+Joining and leaving a running run: `run` starts with `catch_up`, which waits (up to `weight_sync.timeout_s`)
+for the weights of the version the learner announced before taking any prompt, so a generator added to a
+run serves the current weights from its first group. Stopped (`stop()`, SIGTERM), it finishes the batch it
+is generating and `close` hands every prompt it still holds (held by the gate, in flight, unacked) back to
+the other generators (`Transport.release`): they take them at their next read, not after `claim_idle_s`.
+A crash hands nothing back (its restart re-reads them, and a prompt that kills it still meets the cap).
 The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so a prompt reclaimed
 and generated twice yields one group id and downstream idempotency drops the copy.
 
@@ -44,7 +50,7 @@ from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
 from broker.names import Names, group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, WeightVersion
-from broker.transport import BackpressureTimeout, Delivery
+from broker.transport import BackpressureTimeout, Delivery, TransportError
 from generator.config import GeneratorConfig, default_generator_id
 from generator.episodes import EpisodeRunner, episode_fields
 from generator.gate import StalenessGate, VersionReader
@@ -149,6 +155,7 @@ class GeneratorWorker:
 
     def run(self) -> int:
         """Loop until stopped, `max_groups` published or `idle_exit_s` idle; returns groups published."""
+        self.catch_up()
         self.announce()
         last_work = time.monotonic()
         while not self._stop.is_set():
@@ -214,6 +221,28 @@ class GeneratorWorker:
                 self.metrics.registry,
             )  # fmt: skip
         self.episodes.run(records, requests, results)
+
+    def catch_up(self) -> None:
+        """Before serving: wait until the weights of the learner's announced version are applied (a generator
+        joining a running run), for at most `weight_sync.timeout_s`; then the staleness gate alone decides."""
+        learner = self.gate.learner()
+        if self.receiver is None or learner is None or self.engine.version >= learner:
+            return
+        log.info(
+            "joining at learner version %d (serving %d): waiting for its weights",
+            learner,
+            self.engine.version,
+        )
+        deadline = time.monotonic() + self.config.weight_sync.timeout_s
+        while self.engine.version < learner and not self._stop.is_set() and time.monotonic() < deadline:
+            if not self.sync_weights():
+                self._stop.wait(0.05)
+        if self.engine.version < learner:
+            log.warning(
+                "learner version %d not received within %.0f s: serving version %d meanwhile (the staleness "
+                "gate holds the prompts that need newer weights)",
+                learner, self.config.weight_sync.timeout_s, self.engine.version,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ parts of a step (streaming.py's too)
     @property
@@ -389,9 +418,24 @@ class GeneratorWorker:
         )
         self.transport.set_value(self.names.generator_version(self.generator_id), codec.encode(msg))
 
+    def hand_back(self) -> int:
+        """Give the prompts this generator holds and has not acked back to the other generators; how many."""
+        self._held = []
+        try:
+            n = self.transport.release(self.names.prompts, Names.GENERATORS, self.generator_id)
+        except TransportError as exc:  # they still come back after claim_idle_s
+            log.warning("could not hand the prompts this generator holds back: %s", exc)
+            return 0
+        if n:
+            log.info("stopping: handed %d prompts back to the other generators", n)
+        return n
+
     def close(self) -> None:
-        """Stop the receiver and the preparation threads, release the engine and the broker connection
-        (unacked prompts get redelivered)."""
+        """Stop the receiver and the preparation threads, release the engine and the broker connection. After
+        a `stop()` the prompts still held go back to the other generators at once (`hand_back`); otherwise
+        (a crash) they stay with this consumer name, for its restart."""
+        if self._stop.is_set():
+            self.hand_back()
         self.stop()
         if self.receiver is not None:
             self.receiver.close()

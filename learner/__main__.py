@@ -6,7 +6,8 @@ per GPU (NCCL) or per CPU rank (gloo). The ranks get the resolved config through
 named by $PARALLAX_LEARNER_CONFIG (torchrun's own parser would swallow flags like --nproc); that
 file has the broker password and the weight-sync token redacted, so they travel to them in
 $PARALLAX_BROKER_PASSWORD and $PARALLAX_WEIGHT_SYNC_TOKEN.
-A model path that is not a checkpoint directory is refused before anything starts.
+A model path that is not a checkpoint directory is refused before anything starts, and so is a second
+learner of a run (learner/fencing.py: rank 0 takes the run's lock file and broker lease first).
 Each rank then runs `learner.trainer.run(cfg)`.
 """
 
@@ -85,9 +86,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ[CONFIG_ENV] = str(write_resolved(cfg, cfg.run_dir, "learner").resolve())
         cmd = relaunch_command(nproc)
         os.execv(cmd[0], cmd)
+    from learner.fencing import claim_run
+    from runtime.redact import setup_logging
+
+    setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")  # the claim's lines too
+    claim = claim_run(cfg) if os.environ.get("RANK", "0") == "0" else None  # before torch and the model
     from learner.trainer import run
 
-    run(cfg)
+    run(cfg, claim)
 
 
 if __name__ == "__main__":

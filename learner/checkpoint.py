@@ -71,10 +71,13 @@ class TrainerState:
 class Checkpointer:
     """Save, find and load checkpoints under `directory`; keep the newest `keep`."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0):
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0, guard=None):
         self.directory = Path(directory)
         self.keep = max(keep, 1)
         self.rank = rank
+        self.guard = guard or (lambda: None)
+        """Called by rank 0 before a written checkpoint is renamed into place; raising keeps it out (a
+        learner that lost the run: learner/fencing.py)."""
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory (unverified), or None."""
@@ -151,6 +154,7 @@ class Checkpointer:
             for f in tmp.iterdir():
                 _fsync(f)
             write_manifest(tmp)  # last: a manifest lists only files that are durable
+            self.guard()
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
             _fsync(self.directory)

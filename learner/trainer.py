@@ -18,7 +18,8 @@ groups are already waiting, its first KL pass runs beside the AdamW and the weig
 (`_finish_held_update`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at
 once (`_finish_held_update_alone`, or `_finish_held_update` without a KL pass beside it).
 Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
-step's groups to the other ranks.
+step's groups to the other ranks. It holds the run (learner/fencing.py): every write of its transport and
+every checkpoint is checked against its lease's epoch, and a learner whose lease another took stops.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ import torch
 
 from broker import codec
 from broker.images import ImageStore
+from broker.metrics import watch_pipeline
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
+from broker.transport import FencedError
 from learner.advantages import batch_advantages
 from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
+from learner.fencing import lost_message
 from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady, ack_generations
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
@@ -74,9 +78,10 @@ log = logging.getLogger(__name__)
 class Learner:
     """See the module docstring."""
 
-    def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
+    def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None, fence=None):
         """Build the parts, then assemble them; `transport`, `sender` and `registry` stand in for the ones
-        the config would build (tests, benchmarks)."""
+        the config would build (tests, benchmarks); `fence` (rank 0's lease, learner/fencing.py) guards
+        every write of the transport and every checkpoint."""
         self.cfg = cfg
         clock = [("start", time.perf_counter())]  # the start-up's phases, logged once ready
         # this rank, the policy and its reference, the optimizer
@@ -99,6 +104,10 @@ class Learner:
         # the broker and what goes through it: images, metrics, checkpoints, the weight sender, the inbox
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
+        if fence is not None:
+            self.transport.fence = fence
+        self.fenced = False
+        """Set when the broker refused a write (the lease moved on): `close` then writes nothing."""
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
@@ -109,8 +118,10 @@ class Learner:
         if sender is None:
             sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
         self.sender = sender
+        self.checkpointer.guard = self.transport.check_fence  # a learner that lost the run writes none
         self.inbox = None
         if self.info.is_main:
+            watch_pipeline(self.registry, self.transport, self.names)  # what autoscalers size the roles by
             self.inbox = build_inbox(
                 cfg, self.transport, self.names, model_config=self.hf.config, images=self.images,
                 pixels=self.pixels, metrics=self.metrics,
@@ -222,6 +233,10 @@ class Learner:
     def close(self) -> None:
         """The held update, final checkpoint and acks, Hugging Face export, release sockets and the process
         group."""
+        if self.fenced:  # another learner holds the run: nothing more is written
+            self.sender.close()
+            self.transport.close()
+            return
         self._finish_held_update(self._carried)
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
@@ -438,16 +453,31 @@ class Learner:
         return out
 
 
-def run(cfg: LearnerConfig) -> None:
-    """Entry point of every rank (`python -m learner`)."""
+def run(cfg: LearnerConfig, claim=None) -> None:
+    """Entry point of every rank (`python -m learner`); `claim`: rank 0's hold on the run
+    (learner.fencing.claim_run), released at the end. A learner whose lease another learner took exits
+    with SystemExit saying so, without writing anything more."""
     setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")
-    learner = Learner(cfg)
-    if learner.info.is_main:
-        write_resolved(cfg, cfg.run_dir, "learner")
-        start_metrics_server(cfg.metrics, learner.registry)
+    fence = claim.lease.fence if claim is not None else None
+    learner = None
     try:
+        learner = Learner(cfg, fence=fence)
+        if learner.info.is_main:
+            write_resolved(cfg, cfg.run_dir, "learner")
+            start_metrics_server(cfg.metrics, learner.registry)
         learner.train()
     except KeyboardInterrupt:
+        if learner is None:
+            raise
         log.info("interrupted at step %d: saving and exporting", learner.state.step)
+    except FencedError as exc:
+        if learner is not None:
+            learner.fenced = True
+        raise SystemExit(lost_message(fence.epoch if fence else 0, str(exc))) from None
     finally:
-        learner.close()
+        try:
+            if learner is not None:
+                learner.close()
+        finally:
+            if claim is not None:
+                claim.release()

@@ -146,6 +146,26 @@ class FaultRun:
             os.killpg(pid, sig)
         return when
 
+    def second_learner(self, *extra: str) -> subprocess.Popen:
+        """`python -m learner` with the run's learner config (and `extra` flags), as a user could start it."""
+        config = self.run_dir / "configs" / "learner.toml"
+        cmd = [sys.executable, "-m", "learner", "--config", str(config), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def scale(self, generators: int) -> float:
+        """`python -m deploy scale RUN_DIR --generators N`; returns the wall time it was asked."""
+        when = time.time()
+        cmd = [sys.executable, "-m", "deploy", "scale", str(self.run_dir), "--generators", str(generators)]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        return when
+
+    def role_log(self, process: str) -> str:
+        path = self.run_dir / "logs" / f"{process}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
     def recovery_s(self, killed_at: float, restarted_at: float) -> float | None:
         """Seconds from the kill to the first learner step completed after the restart.
 

@@ -21,12 +21,17 @@ weights were truncated, so that it resumes from the previous one; and, only unde
 (each over a minute on 2 cores), the reward service stopped (SIGSTOP) past the launcher's --watchdog-s,
 which kills and restarts it, and the redis-server stopped for longer than the roles' 30 s reconnect
 window, so that every role gives up, is restarted and reconnects once the server answers again.
+A second `python -m learner` with the run's config is refused (the run directory's lock file, then, from
+another run directory, the broker lease), naming the holder, and the run is untouched; and, only under
+`python -m bench.faults`, a generator added with `python -m deploy scale`, SIGKILLed (restarted) and
+removed again (SIGTERM: it drains and hands its prompts back), with the same accounting.
 With PARALLAX_FAULT_REPORT=path set, the measurements go to that JSON file (`python -m bench.faults`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -34,6 +39,7 @@ import time
 
 import pytest
 
+from learner.fencing import HELD, LEASE_TTL_S
 from tests.integration.faults import PROMPTS, REPORT_ENV, Audit, FaultRun, account, report, trained_lineage
 
 pytestmark = [
@@ -177,7 +183,7 @@ def _audited(run: FaultRun):
         raise
 
 
-def _finish_and_account(run: FaultRun, audit: Audit | None) -> tuple[int, dict]:
+def _finish_and_account(run: FaultRun, audit: Audit | None, prompts: int = PROMPTS) -> tuple[int, dict]:
     try:
         code = run.finish()
     finally:
@@ -187,7 +193,7 @@ def _finish_and_account(run: FaultRun, audit: Audit | None) -> tuple[int, dict]:
     assert code == 0, run.log_text()
     assert audit.error is None, repr(audit.error)
     result = account(audit.expected, trained_lineage(run.trained_lines()))
-    assert result["published"] == PROMPTS, result
+    assert result["published"] == prompts, result
     assert (result["lost"], result["trained_twice"], result["never_published"]) == (0, 0, 0), result
     return code, result
 
@@ -196,7 +202,7 @@ def _restarts_of(run: FaultRun, process: str, after: float) -> list[dict]:
     return [e for e in run.events("restart") if e["process"] == process and e["time"] > after]
 
 
-def _record(fault: str, what: str, result: dict, run: FaultRun, recover: list[float | None]) -> None:
+def _record(fault: str, what: str, result: dict, run: FaultRun, recover: list[float | None], **more) -> None:
     restarts: dict[str, int] = {}
     for e in run.events("restart"):
         restarts[e["process"]] = restarts.get(e["process"], 0) + 1
@@ -211,6 +217,7 @@ def _record(fault: str, what: str, result: dict, run: FaultRun, recover: list[fl
             "restarts": restarts,
             "recover_s": [None if r is None else round(r, 1) for r in recover],
             "run_s": round(time.monotonic() - run.started, 1),
+            **more,
         }
     )
 
@@ -276,3 +283,60 @@ def test_a_broker_outage_longer_than_the_reconnect_window(tmp_path):
     what = f"redis-server stopped (SIGSTOP) for {RECONNECT_S + 10:.0f} s: each role gives up after the "
     what += f"{RECONNECT_S:.0f} s window, is restarted and reconnects once it answers"
     _record("broker stopped > reconnect window", what, result, run, [recover])
+
+
+# ---------------------------------------------------------------- a second learner; generators come and go
+def test_a_second_learner_is_refused_and_the_run_goes_on(tmp_path):
+    run = FaultRun(tmp_path / "run", "redis")
+    with _audited(run) as audit:
+        run.wait_for("3 learner steps", lambda: len(run.trained_lines()) >= 3)
+        run.send("generator", signal.SIGSTOP)  # the run must outlast the lease's wait: hold its data back
+        started = time.monotonic()
+        same_dir = run.second_learner()  # refused by the run directory's lock file, at once
+        elsewhere = run.second_learner("--run-dir", str(tmp_path / "elsewhere"))  # by the broker lease
+        outputs = [p.communicate(timeout=120)[0] for p in (same_dir, elsewhere)]
+        refused_s = time.monotonic() - started
+        run.send("generator", signal.SIGCONT)
+    _, result = _finish_and_account(run, audit)
+    holder = json.loads((run.run_dir / "learner" / "learner.lock").read_text())
+    for proc, out in zip((same_dir, elsewhere), outputs, strict=True):
+        assert proc.returncode != 0 and HELD in out, out[-3000:]
+        assert f"pid {holder['pid']}" in out and f"epoch {holder['epoch']}" in out, out[-3000:]
+    assert not run.events("restart"), run.events("restart")
+    what = "refused before it loads the model, naming the holder (host, pid, since, epoch): at once by the "
+    what += f"run directory's lock, after the lease's {LEASE_TTL_S:.0f} s by the broker lease from another "
+    what += "run directory; the run is untouched"
+    _record("second learner started", what, result, run, [], refused_s=round(refused_s, 1))
+
+
+@LONG
+def test_generators_added_killed_and_removed_mid_run(tmp_path):
+    # two prompts a batch: gen-0, frozen, holds two of the four in flight, and gen-1 gets the others
+    run = FaultRun(tmp_path / "run", "redis", prompts=2 * PROMPTS, extra=("--generator.batch-prompts", "2"))
+    log = lambda: run.role_log("generator-1")  # noqa: E731
+    with _audited(run) as audit:
+        run.wait_for("2 learner steps", lambda: len(run.trained_lines()) >= 2)
+        run.send("generator", signal.SIGSTOP)  # gen-0 frozen with its prompts: the run cannot end without it
+        added_at = run.scale(2)
+        run.wait_for("gen-1's first batch", lambda: "generated " in log(), timeout_s=300)
+        joined_s = time.time() - added_at
+        killed_at = run.kill("generator-1")
+        run.wait_for("a restart of generator-1", lambda: _restarts_of(run, "generator-1", killed_at))
+        run.wait_for("gen-1 serving again", lambda: log().count("serving version") >= 2, timeout_s=300)
+        recover_s = time.time() - killed_at
+        removed_at = run.scale(1)
+        stopped = run.wait_for("generator-1 stopped", lambda: run.events("scale-stopped"))
+        drained_s = stopped[-1]["time"] - removed_at
+        run.send("generator", signal.SIGCONT)  # it takes what gen-1 handed back at its next read
+    _, result = _finish_and_account(run, audit, prompts=2 * PROMPTS)
+    assert stopped[-1]["exit_code"] == 0, log()[-3000:]  # SIGTERM: it drained and exited by itself
+    assert "joining at learner version" in log(), log()[-3000:]
+    what = (
+        "python -m deploy scale --generators 2 (gen-0 frozen meanwhile): gen-1 joins, waits for the current "
+    )
+    what += "weights, serves; SIGKILLed, it is restarted (recover: serving again) and re-reads its prompts; "
+    what += (
+        "--generators 1: SIGTERM, it finishes its batch and hands back what it holds (claim_idle_s is 600 s: "
+    )
+    what += "a prompt left behind would stall the run)"
+    _record("generator added, killed, removed", what, result, run, [joined_s, recover_s, drained_s])

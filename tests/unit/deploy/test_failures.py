@@ -64,6 +64,15 @@ def test_a_damaged_checkpoint_stops_the_run(source):
     assert "checkpoints" in failure.fix
 
 
+def test_a_second_learner_of_the_run_stops_it_naming_the_holder():
+    from learner.fencing import Holder, lost_message, refusal
+
+    for text in (refusal(Holder(run_dir="/runs/x/learner"), 3, "run-1"), lost_message(3, "FENCED lease")):
+        failure = classify(text)
+        assert failure is not None and failure.kind == "run held by another learner", text
+        assert failure.action == "stop" and "--broker.namespace" in failure.fix
+
+
 def test_unknown_errors_are_not_classified():
     assert classify("ValueError: something else\nKeyError: 'x'") is None
     assert classify("") is None
