@@ -77,6 +77,9 @@ class Rollout(msgspec.Struct, kw_only=True):
     """Policy version that was served when this sample finished."""
     finish_reason: str
     """"stop", "length" or "abort"."""
+    adapter: str = ""
+    """Content digest of the LoRA adapter vLLM sampled this response with ("" = none: full weights or the
+    base model); the learner checks it against the adapter it published for `version_start`."""
 
     def __post_init__(self) -> None:
         """Reject ids and logprobs that do not pair up (also when decoding: the codec says "malformed")."""

@@ -61,10 +61,14 @@ class TrainerState:
 class Checkpointer:
     """Save, find and load checkpoints under `directory`; keep the newest `keep`."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0):
+    def __init__(
+        self, directory: str | os.PathLike, keep: int = 2, rank: int = 0, trainable_only: bool = False
+    ):
+        """`trainable_only`: the model's frozen parameters are left out (LoRA: the adapter alone)."""
         self.directory = Path(directory)
         self.keep = max(keep, 1)
         self.rank = rank
+        self.trainable_only = trainable_only
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint directory, or None."""
@@ -79,7 +83,9 @@ class Checkpointer:
 
     def save(self, model, optimizer, scheduler, state: TrainerState) -> Path:
         """Collective: write a checkpoint of `state.step`; returns its directory once durable."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        opts = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.trainable_only
+        )
         model_sd = get_model_state_dict(model, options=opts)
         optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
         final = self.directory / f"{PREFIX}{state.step:08d}"
@@ -118,7 +124,9 @@ class Checkpointer:
         # one rank has nothing to broadcast (and a broadcast load would stage host-resident optimizer states,
         # ~100 GB for 7B with master_weights = host, on the GPU first)
         multi = distributed() and dist.get_world_size() > 1
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi)
+        opts = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=multi, strict=not self.trainable_only
+        )
         model_sd = load_file(str(path / "model.safetensors")) if self.rank == 0 or not multi else {}
         set_model_state_dict(model, model_sd, options=opts)
         if optimizer is not None:
