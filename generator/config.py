@@ -73,6 +73,13 @@ class EngineConfig:
     """Most tensor bytes per collective_rpc when a version travels to an engine core in its own process
     (safetensors bytes; vLLM's msgpack refuses one bytes object of 4 GiB or more). A version goes as
     several RPCs, still applied all or nothing; a single larger tensor goes alone. 1..2**32 - 2**24."""
+    max_lora_rank: int = 0
+    """Serve LoRA adapters of up to this rank (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64, 128, 256, 320 or
+    512): the base model stays as loaded and each version's adapter is loaded beside it (generator/lora.py).
+    0 = off: versions are full weights. `python -m deploy` sets it from `--learner.lora.rank`."""
+    lora_slots: int = 2
+    """With LoRA: adapter versions kept loaded, so that requests in flight finish under the adapter they
+    started with; at least K + 1 for the learner's staleness bound K (`python -m deploy` sets K + 1)."""
 
 
 @dataclass
@@ -175,6 +182,8 @@ class GeneratorConfig:
             raise ValueError(
                 f"engine.rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {self.engine.rpc_chunk_bytes}"
             )
+        if self.engine.max_lora_rank < 0 or self.engine.lora_slots < 1:
+            raise ValueError("engine.max_lora_rank must be >= 0 (0 = off) and engine.lora_slots >= 1")
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")
         if self.engine.max_num_seqs < 0:

@@ -280,6 +280,7 @@ class GeneratorWorker:
                 version_start=result.version,
                 version_end=max(result.version, result.version_end),
                 finish_reason=c.finish_reason,
+                adapter=result.adapter,
             )
             for c in result.completions
         ]
