@@ -1,14 +1,14 @@
 """LoRA serving: the base model loaded once, each policy version's adapter loaded beside it in vLLM.
 
-With `engine.max_lora_rank` > 0 the engine is built with vLLM's LoRA support (`enable_lora`,
-`max_loras` = `lora_slots`, `max_cpu_loras` above it) and a received version of kind "adapter"
-(weights/adapter.py) does not touch the base weights: `AdapterSlots.load` writes it as a PEFT directory
-under the run directory and adds it to vLLM (`LLMEngine.add_lora(LoRARequest("v<version>", version + 1,
-dir))`). Every request is then sampled with the newest adapter's `LoRARequest`, and stays with it to the end: a request in flight
-keeps the adapter it started under while newer versions load beside it (vLLM batches requests of
-different adapters), so with K + 1 slots (K: the staleness bound) every request of a version the learner
-still trains on finishes under its own version, and its samples carry that version and the adapter's
-content digest (`Result.adapter`, what the learner's guard checks).
+With `engine.max_lora_rank` > 0 the engine is built with vLLM's LoRA support (`enable_lora`, `max_loras` =
+`lora_slots`, `max_cpu_loras` above it) and a received version of kind "adapter" (weights/adapter.py) does
+not touch the base weights: `AdapterSlots.load` writes it as a PEFT directory under the run directory and
+adds it to vLLM (`LLMEngine.add_lora(LoRARequest("v<version>", version + 1, dir))`). Every request is then
+sampled with the newest adapter's `LoRARequest`, and stays with it to the end: a request in flight keeps the
+adapter it started under while newer versions load beside it (vLLM batches requests of different adapters),
+so with K + 1 slots (K: the staleness bound) every request of a version the learner still trains on finishes
+under its own version, and its samples carry that version and the adapter's content digest
+(`Result.adapter`, what the learner's guard checks).
 
 Older adapters are unloaded once more than `slots` are loaded, oldest first, and only when no request in
 flight uses them (`acquire` / `release` count them): nothing is removed from under a running request, so an
