@@ -80,6 +80,9 @@ class EngineConfig:
     lora_slots: int = 2
     """With LoRA: adapter versions kept loaded, so that requests in flight finish under the adapter they
     started with; at least K + 1 for the learner's staleness bound K (`python -m deploy` sets K + 1)."""
+    lora_vision: bool = False
+    """With LoRA: serve adapters of the vision tower too (vLLM's experimental `enable_tower_connector_lora`);
+    `python -m deploy` sets it from `--learner.lora.vision`."""
 
 
 @dataclass

@@ -151,6 +151,8 @@ class Engine:
         if self.config.max_lora_rank:  # the base stays as loaded; versions are adapters (generator/lora.py)
             slots = self.config.lora_slots
             kwargs.update(enable_lora=True, max_lora_rank=self.config.max_lora_rank, max_loras=slots)
+            if self.config.lora_vision:
+                kwargs["enable_tower_connector_lora"] = True
             kwargs["max_cpu_loras"] = 2 * slots + 1  # room for adapters pinned by requests in flight: vLLM's
             # own LRU eviction never picks one before AdapterSlots unloads it
         if self.config.attention_backend:
