@@ -120,3 +120,35 @@ def test_export_loads_in_peft_and_merges(tiny_model_dir, redis_server, names, tm
         base = load_model(tiny_model_dir)(input_ids=ids).logits
     assert not torch.allclose(base, want, atol=1e-3)
     learner.close()
+
+
+def test_fsdp2_sharded_lora_step_equals_one_process(tiny_model_dir, tmp_path):
+    """Two gloo ranks shard the adapted model with FSDP2 (fp32 adapter, frozen base) and take the same step
+    as one process; the exported adapters agree."""
+    import multiprocessing as mp
+    import socket
+
+    from safetensors.torch import load_file
+
+    from tests.unit.learner.lora_procs import lora_step
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    args = [(str(tiny_model_dir), str(tmp_path / "fsdp"), r, 2, port) for r in range(2)]
+    ranks = [ctx.Process(target=lora_step, args=a, daemon=True) for a in args]
+    for p in ranks:
+        p.start()
+    lora_step(str(tiny_model_dir), str(tmp_path / "one"))
+    for p in ranks:
+        p.join(timeout=180)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    sharded = load_file(str(tmp_path / "fsdp" / "adapter_model.safetensors"))
+    single = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
+    assert sharded.keys() == single.keys() and len(single) > 10
+    for name, tensor in single.items():
+        assert torch.allclose(sharded[name], tensor, atol=1e-6), name
+    b_name, b = next((n, t) for n, t in single.items() if ".lora_B." in n)
+    start = torch.linspace(-0.05, 0.05, b.numel()).reshape(b.shape)
+    assert (b - start).abs().max() > 1e-3, b_name  # the step moved the adapter
