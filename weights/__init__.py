@@ -7,7 +7,8 @@
                 (weights/broadcast_sender.py, weights/broadcast_receiver.py);
     cuda-ipc    one packed buffer on the learner's GPU, read in place by generators on this host
                 (weights/ipc_sender.py, weights/ipc_receiver.py).
-Shared by both: the wire (weights/protocol.py), packed layouts and views (weights/manifest.py), copies
+A LoRA-adapted model travels as its adapter alone (weights/adapter.py: same transports, a manifest of
+kind "adapter"). Shared by both: the wire (weights/protocol.py), packed layouts and views (weights/manifest.py), copies
 in place (weights/inplace.py), the token-checked rendezvous (weights/rendezvous.py,
 weights/membership.py), the broker announcement (weights/follow.py) and applying a version to vLLM
 (weights/vllm_apply.py, in vLLM's worker weights/vllm_worker.py). Nothing is imported
