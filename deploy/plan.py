@@ -243,7 +243,7 @@ def gpu_plan(
             tp=cfg.generator.tp,
             n_params=n_params,
             kl=kl,
-            # LoRA: a frozen bf16 base and a small fp32 adapter, within what "host" (4 bytes a parameter) counts
+            # LoRA: a frozen bf16 base and a small fp32 adapter, within "host"'s 4 bytes a parameter
             master_weights="host" if cfg.learner.lora.enabled else cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
             params_in_buffer=shared_transport_of(cfg.learner).params_in_buffer,
