@@ -99,6 +99,9 @@ class Rollout(msgspec.Struct, kw_only=True):
     """The environment's own reward term, summed over the episode; the reward service adds it."""
     env_error: str = ""
     """Why the environment failed this episode (a timeout, an exception), "" when it did not."""
+    adapter: str = ""
+    """Content digest of the LoRA adapter vLLM sampled this response with ("" = none: full weights or the
+    base model); the learner checks it against the adapter it published for `version_start`."""
 
     def __post_init__(self) -> None:
         """Reject ids and logprobs that do not pair up (also when decoding: the codec says "malformed")."""

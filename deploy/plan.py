@@ -37,6 +37,7 @@ from learner.config import (
     OptimConfig,
     ParallelConfig,
 )
+from learner.lora_config import serving_rank
 from reward_service.config import RewardConfig
 from runtime.metrics import MetricsConfig
 from tasks.synthetic import SyntheticTask, images_per_prompt
@@ -237,7 +238,8 @@ def gpu_plan(
             tp=cfg.generator.tp,
             n_params=n_params,
             kl=kl,
-            master_weights=cfg.learner.optim.master_weights,
+            # LoRA: a frozen bf16 base and a small fp32 adapter, within "host"'s 4 bytes a parameter
+            master_weights="host" if cfg.learner.lora.enabled else cfg.learner.optim.master_weights,
             gpu_memory_utilization=cfg.generator.engine.gpu_memory_utilization,
             params_in_buffer=shared_transport_of(cfg.learner).params_in_buffer,
             reference=reference,
@@ -309,6 +311,7 @@ def role_configs(
             cfg.generator.engine,
             max_images=max(cfg.generator.engine.max_images, images_per_prompt(cfg.task.task)),
             kv_cache_gb=kv_cache_gb(cfg.generator.engine, gpus),
+            **lora_serving(cfg.learner, cfg.generator.engine),
         ),
     )
     # A fixed consumer name, so that a restarted reward service re-reads its workers' pending entries.
@@ -319,6 +322,16 @@ def role_configs(
         run_dir=str(run_dir / "reward"),
     )
     return {"learner": learner, "generator": generator, "reward": reward}
+
+
+def lora_serving(learner: LearnerConfig, engine: EngineConfig) -> dict:
+    """The generator engine's LoRA settings for the learner's `lora` (none without LoRA): adapters up to
+    its rank, and K + 1 adapter versions loaded for the staleness bound K (docs/lora.md)."""
+    if not learner.lora.enabled:
+        return {}
+    slots = max(engine.lora_slots, learner.algo.max_staleness + 1)
+    rank = serving_rank(learner.lora.rank)
+    return {"max_lora_rank": rank, "lora_slots": slots, "lora_vision": learner.lora.vision}
 
 
 def host_adamw_threads(reward_workers: int, engines: int, cpus: int | None = None) -> int:

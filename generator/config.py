@@ -68,6 +68,16 @@ class EngineConfig:
     rpc_chunk_bytes: int = 2**30
     """With the engine core in its own process: most weight bytes per call into it, 1 to 2**32 - 2**24 (a
     version still applies all or nothing; a larger single tensor goes alone)."""
+    max_lora_rank: int = 0
+    """Serve LoRA adapters of up to this rank (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64, 128, 256, 320 or
+    512): the base model stays as loaded and each version's adapter is loaded beside it (generator/lora.py).
+    0 = off: versions are full weights. `python -m deploy` sets it from `--learner.lora.rank`."""
+    lora_slots: int = 2
+    """With LoRA: adapter versions kept loaded, so that requests in flight finish under the adapter they
+    started with; at least K + 1 for the learner's staleness bound K (`python -m deploy` sets K + 1)."""
+    lora_vision: bool = False
+    """With LoRA: serve adapters of the vision tower too (vLLM's experimental `enable_tower_connector_lora`);
+    `python -m deploy` sets it from `--learner.lora.vision`."""
 
 
 @dataclass
@@ -172,6 +182,8 @@ class GeneratorConfig:
             raise ValueError(
                 "multi-turn episodes (env.routes) run in the batch loop only: set continuous = false"
             )
+        if self.engine.max_lora_rank < 0 or self.engine.lora_slots < 1:
+            raise ValueError("engine.max_lora_rank must be >= 0 (0 = off) and engine.lora_slots >= 1")
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")
         if self.engine.max_num_seqs < 0:

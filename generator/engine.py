@@ -101,6 +101,12 @@ class Engine:
             keep_rollback_copy=engine.keep_rollback_copy,
             rpc_chunk_bytes=engine.rpc_chunk_bytes,
         )
+        self.adapters = None
+        if engine.max_lora_rank:
+            from generator.lora import AdapterSlots
+
+            directory = Path(run_dir) / "adapters"
+            self.adapters = AdapterSlots(self._llm, directory, engine.lora_slots, engine.max_lora_rank)
         self._train_params = self._params(
             sampling.n, sampling.temperature, sampling.top_p, sampling.min_tokens
         )
@@ -142,6 +148,13 @@ class Engine:
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,  # the weight loaders, called by name (no pickled callables)
         )
+        if self.config.max_lora_rank:  # the base stays as loaded; versions are adapters (generator/lora.py)
+            slots = self.config.lora_slots
+            kwargs.update(enable_lora=True, max_lora_rank=self.config.max_lora_rank, max_loras=slots)
+            if self.config.lora_vision:
+                kwargs["enable_tower_connector_lora"] = True
+            kwargs["max_cpu_loras"] = 2 * slots + 1  # room for adapters pinned by requests in flight: vLLM's
+            # own LRU eviction never picks one before AdapterSlots unloads it
         if self.config.attention_backend:
             kwargs["attention_backend"] = self.config.attention_backend
         if self.config.mm_encoder_attention_backend:
@@ -268,14 +281,22 @@ class Engine:
             return results
         with self._lock:
             version = self.version
+            adapter = self.adapters.acquire() if self.adapters is not None else None
             t0 = time.perf_counter()
-            with self._no_compile():
-                outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            try:
+                with self._no_compile():
+                    outputs = self._llm.generate(
+                        prompts, params, use_tqdm=False, lora_request=_request(adapter)
+                    )
+            finally:
+                if self.adapters is not None:
+                    self.adapters.release(adapter)
             seconds = time.perf_counter() - t0
         for i, output in zip(index, outputs):
             results[i].completions = [self.completion(c) for c in output.outputs]
             results[i].version = version
             results[i].seconds = seconds
+            results[i].adapter = adapter.digest if adapter is not None else ""
         return results
 
     def continue_turns(self, prompts: list[dict], params: list) -> tuple[list[Completion], int]:
@@ -287,10 +308,19 @@ class Engine:
                 outputs = self._llm.generate(prompts, params, use_tqdm=False)
         return [self.completion(output.outputs[0]) for output in outputs], version
 
-    def add_request(self, request_id: str, prompt: dict, params) -> None:
-        """Continuous batching (streaming.py): add one admitted prompt (`admit`) to the running engine."""
+    def add_request(self, request_id: str, prompt: dict, params):
+        """Continuous batching (streaming.py): add one admitted prompt (`admit`) to the running engine. With
+        LoRA, returns the adapter it samples with to the end (hand it to `finished` when it is done)."""
         with self._lock, self._no_compile():
-            self._llm.llm_engine.add_request(request_id, prompt, params)
+            adapter = self.adapters.acquire() if self.adapters is not None else None
+            self._llm.llm_engine.add_request(request_id, prompt, params, lora_request=_request(adapter))
+            return adapter
+
+    def finished(self, adapter) -> None:
+        """Continuous batching: a request added with `add_request` finished (LoRA: its adapter may go)."""
+        if self.adapters is not None:
+            with self._lock:
+                self.adapters.release(adapter)
 
     def step(self) -> list:
         """Continuous batching: one engine step; vLLM's RequestOutputs (only finished ones are final)."""
@@ -310,10 +340,13 @@ class Engine:
         running batch. `running` (continuous batching, between two `step`s): requests added with
         `add_request` stay in the engine; vLLM preempts them and recomputes their KV cache (prompt and
         tokens so far) under the new weights before they sample on."""
+        received = as_version(update, version)
+        if self.adapters is not None or adapter_kind(received):
+            return self._apply_adapter(received, version)
         with self._lock:
             t0 = time.perf_counter()
             try:
-                self._loader.apply(self._llm, as_version(update, version), in_worker_ipc=self.tp == 1)
+                self._loader.apply(self._llm, received, in_worker_ipc=self.tp == 1)
             except WeightsRolledBack:
                 self.weight_failures += 1
                 if not self._loader.keep_rollback_copy:  # restored from disk only
@@ -331,6 +364,34 @@ class Engine:
             self.weight_loads += 1
             seconds = time.perf_counter() - t0
         log.info("serving policy version %d (weights loaded in %.3f s)", version, seconds)
+        return seconds
+
+    def _apply_adapter(self, received, version: int) -> float:
+        """Load a LoRA version beside the ones loaded (generator/lora.py); requests in flight keep theirs."""
+        if self.adapters is None:
+            raise WeightLoadError(
+                f"version {version} is a LoRA adapter and this engine serves full weights: start the "
+                "generator with --engine.max-lora-rank (python -m deploy sets it from --learner.lora.rank)"
+            )
+        if not adapter_kind(received):
+            raise WeightLoadError(
+                f"version {version} holds full weights and this engine serves LoRA adapters"
+            )
+        from generator.lora import AdapterError
+
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                adapter = self.adapters.load(
+                    received.named_tensors(), received.manifest.adapter_config, version
+                )
+            except (AdapterError, ValueError) as exc:
+                self.weight_failures += 1
+                raise WeightLoadError(f"adapter of version {version} refused: {exc}") from exc
+            self.version = version
+            self.weight_loads += 1
+            seconds = time.perf_counter() - t0
+        log.info("serving policy version %d (adapter %s loaded in %.3f s)", version, adapter.digest, seconds)
         return seconds
 
     def run_in_worker(self, fn, *args) -> list:
@@ -368,6 +429,17 @@ class Engine:
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
                 shutdown.shutdown()
+
+
+def adapter_kind(received) -> bool:
+    """True for a received version that holds a LoRA adapter (weights/adapter.py)."""
+    manifest = getattr(received, "manifest", None)
+    return manifest is not None and manifest.kind == "adapter"
+
+
+def _request(adapter):
+    """vLLM's LoRARequest of an adapter (None: the base model)."""
+    return adapter.request if adapter is not None else None
 
 
 def resolve_in_process(setting: bool | None, tp: int, on_cpu: bool) -> bool:

@@ -81,6 +81,8 @@ class Result:
     """What was wrong, in words, when rejected (`PromptChecker.describe`)."""
     seconds: float = 0.0
     """Wall time of the generate call this request was part of."""
+    adapter: str = ""
+    """Content digest of the LoRA adapter it was sampled with ("" = none: full weights or the base model)."""
 
     @property
     def ok(self) -> bool:

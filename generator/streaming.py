@@ -45,7 +45,7 @@ class EngineStream:
     def __init__(self, engine):
         self.engine = engine
         self._ids = itertools.count()
-        self._pending: dict[str, tuple[object, Result, float]] = {}
+        self._pending: dict[str, tuple[object, Result, float, object]] = {}
 
     @property
     def inflight(self) -> int:
@@ -60,9 +60,12 @@ class EngineStream:
         if result.rejected is not None:
             return result
         request_id = f"px-{next(self._ids)}"
-        engine.add_request(request_id, prompt, params)
         result.version = engine.version
-        self._pending[request_id] = (tag, result, time.perf_counter())
+        adapter = engine.add_request(request_id, prompt, params)
+        result.adapter = adapter.digest if adapter is not None else ""
+        if adapter is not None:  # LoRA: the request keeps its adapter (and version) to the end
+            result.version = adapter.version
+        self._pending[request_id] = (tag, result, time.perf_counter(), adapter)
         return None
 
     def poll(self) -> list[tuple[object, Result]]:
@@ -75,8 +78,10 @@ class EngineStream:
         for output in outputs:
             if not output.finished or output.request_id not in self._pending:
                 continue
-            tag, result, t0 = self._pending.pop(output.request_id)
-            result.version_end = engine.version  # > result.version after an in-flight update
+            tag, result, t0, adapter = self._pending.pop(output.request_id)
+            engine.finished(adapter)
+            # > result.version after an in-flight update of full weights; an adapter stays the request's own
+            result.version_end = result.version if adapter is not None else engine.version
             result.completions = [engine.completion(c) for c in output.outputs]
             result.seconds = time.perf_counter() - t0
             done.append((tag, result))

@@ -326,6 +326,7 @@ class GeneratorWorker:
                 version_end=max(result.version, result.version_end),
                 finish_reason=c.finish_reason,
                 **episode_fields(c),
+                adapter=result.adapter,
             )
             for c in result.completions
         ]

@@ -71,10 +71,19 @@ class TrainerState:
 class Checkpointer:
     """Save, find and load checkpoints under `directory`; keep the newest `keep`."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0, guard=None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        keep: int = 2,
+        rank: int = 0,
+        guard=None,
+        trainable_only: bool = False,
+    ):
+        """`trainable_only`: the model's frozen parameters are left out (LoRA: the adapter alone)."""
         self.directory = Path(directory)
         self.keep = max(keep, 1)
         self.rank = rank
+        self.trainable_only = trainable_only
         self.guard = guard or (lambda: None)
         """Called by rank 0 before a written checkpoint is renamed into place; raising keeps it out (a
         learner that lost the run: learner/fencing.py)."""
@@ -94,9 +103,10 @@ class Checkpointer:
         ]
         return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
-    def resume(self, model, optimizer=None, scheduler=None) -> TrainerState | None:
+    def resume(self, model, optimizer=None, scheduler=None, check=None) -> TrainerState | None:
         """Collective: load the newest usable checkpoint (see the module docstring); None when there is
-        none at all; CorruptCheckpoint when there are some and none is usable."""
+        none at all; CorruptCheckpoint when there are some and none is usable. `check(path)` may refuse
+        the chosen checkpoint (raise) before anything is loaded (LoRA settings: learner/lora.py)."""
         chosen = self._choose() if self.rank == 0 else None
         raw = broadcast_bytes(None if chosen is None else chosen.encode())  # as it is without a group
         chosen = None if raw is None else raw.decode()
@@ -104,6 +114,8 @@ class Checkpointer:
             return None
         if chosen.startswith("!"):
             raise CorruptCheckpoint(chosen[1:])
+        if check is not None:
+            check(Path(chosen))
         return self.load(chosen, model, optimizer, scheduler)
 
     def _choose(self) -> str | None:
@@ -137,7 +149,9 @@ class Checkpointer:
 
     def save(self, model, optimizer, scheduler, state: TrainerState) -> Path:
         """Collective: write a checkpoint of `state.step`; returns its directory once durable."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        opts = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.trainable_only
+        )
         model_sd = get_model_state_dict(model, options=opts)
         optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
         final = self.directory / f"{PREFIX}{state.step:08d}"
@@ -178,7 +192,9 @@ class Checkpointer:
         # one rank has nothing to broadcast (and a broadcast load would stage host-resident optimizer states,
         # ~100 GB for 7B with master_weights = host, on the GPU first)
         multi = distributed() and dist.get_world_size() > 1
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=multi)
+        opts = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=multi, strict=not self.trainable_only
+        )
         model_sd = load_file(str(path / "model.safetensors")) if self.rank == 0 or not multi else {}
         set_model_state_dict(model, model_sd, options=opts)
         if optimizer is not None:

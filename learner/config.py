@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from broker.config import BrokerConfig
+from learner.lora_config import LoraConfig
 from learner.loss_config import LossConfig
 from trackers.config import TrackedMetricsConfig
 from weights.config import WeightSenderConfig
@@ -234,6 +235,8 @@ class LearnerConfig:
     weight_sync: WeightSenderConfig = field(default_factory=WeightSenderConfig)
     """Weight sync to the generators (`[weight_sync]`, `--weight-sync.transport.type cuda-ipc`;
     weights/config.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA (`[lora]`, `--lora.rank 16`; learner/lora_config.py): rank 0 trains every weight."""
 
     def validate(self) -> None:
         """Rules across sections (each section checks its own fields)."""

@@ -38,6 +38,9 @@ from broker.metrics import watch_pipeline
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
 from broker.transport import FencedError
+from learner import lora
+from learner.adapter_guard import STATE_KEY as GUARD_KEY
+from learner.adapter_guard import AdapterGuard
 from learner.advantages import batch_advantages
 from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
@@ -71,6 +74,7 @@ from policy.packing import PixelCache
 from runtime.config import to_dict, write_resolved
 from runtime.metrics import new_registry, start_metrics_server
 from runtime.redact import setup_logging
+from weights.adapter import AdapterTensors
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,13 @@ class Learner:
             cfg.optim.master_weights, self.info.world_size, self.info.device
         )
         self.param_dtype = param_dtype(self.master_weights)
+        if cfg.lora.enabled:  # a frozen base (bf16 on a GPU) and an fp32 adapter that AdamW updates in place
+            self.master_weights, self.param_dtype = "params", lora.base_dtype(self.info.device)
         self.hf = load_model(cfg.model, dtype=self.param_dtype, device=self.info.device).train()
+        if cfg.lora.enabled:
+            lora.add_adapter(self.hf, cfg.lora, base_path=cfg.model)
+        # LoRA: every trained sample must come from the adapter published for its version (adapter_guard.py)
+        self.guard = AdapterGuard(0) if cfg.lora.enabled and cfg.weight_sync.enabled else None
         self.n_lm_params = lm_param_count(self.hf)
         clock.append(("model", time.perf_counter()))
         self.model = apply_parallelism(self.hf, cfg.parallel, self.info.device)
@@ -114,7 +124,9 @@ class Learner:
         self.metrics = LearnerMetrics(
             self.registry, self.run_dir, enabled=self.info.is_main, cfg=cfg.metrics, config=to_dict(cfg)
         )
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank, trainable_only=cfg.lora.enabled
+        )
         if sender is None:
             sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
         self.sender = sender
@@ -150,7 +162,12 @@ class Learner:
     # ------------------------------------------------------------------ lifecycle
     def _resume(self) -> None:
         resume = self.cfg.checkpoint.resume
-        loaded = self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if resume else None
+        check = lambda path: lora.check_resume(path, self.cfg.lora)  # noqa: E731
+        loaded = (
+            self.checkpointer.resume(self.model, self.optimizer, self.scheduler, check=check)
+            if resume
+            else None
+        )
         if loaded is not None:
             self.state = loaded
             self._last_ckpt_step = self.state.step
@@ -159,8 +176,11 @@ class Learner:
             if self.inbox.feeder is not None:
                 self.inbox.feeder.load_state(self.state.cursor or None, consumed=self.inbox.consumed)
         self._skip_lost_versions()
+        if self.guard is not None:
+            self.guard = AdapterGuard(0, self.state.extra.get(GUARD_KEY))
         if self.state.version > 0:
             self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
+            self._record_adapter()
         self._announce()
 
     def _skip_lost_versions(self) -> None:
@@ -241,7 +261,7 @@ class Learner:
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
-            export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+            self._export()
         self.metrics.close()
         self.sender.close()
         self.transport.close()
@@ -254,10 +274,11 @@ class Learner:
         t0 = time.perf_counter()
         cfg = self.cfg
         track_gpu_peak(self.info.device)
+        trained, refused = self.guard.check(groups) if self.guard is not None else (groups, 0)
         advantages = batch_advantages(
-            [[s.reward for s in g.scores] for g in groups], cfg.algo.estimator, cfg.algo.adv_eps
+            [[s.reward for s in g.scores] for g in trained], cfg.algo.estimator, cfg.algo.adv_eps
         )
-        samples = all_samples = to_samples(groups, advantages)
+        samples = all_samples = to_samples(trained, advantages)
         lost = self.state.extra.get("lost_versions", [])
         ages = [staleness(self.version_now, s, lost) for s in samples]
         for age in ages:
@@ -265,6 +286,8 @@ class Learner:
         samples, n_stale = filter_stale(samples, self.version_now, cfg.algo.max_staleness, lost)
         values: dict[str, float] = defaultdict(float, self._carried)
         self._carried.clear()
+        if self.guard is not None:
+            values["adapter_mismatch"] = float(refused)
         if cfg.algo.mask_truncated:
             samples, n_truncated = filter_truncated(samples)
             values["truncated_masked"] = float(n_truncated)
@@ -307,7 +330,7 @@ class Learner:
         elif every < 0 and self.inbox is not None:
             self.inbox.ack_durable()  # nothing is ever saved: nothing to redeliver after a crash either
         if export_due:
-            export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+            self._export()
         self.metrics.tokens.inc(values["tokens"])
         self.metrics.log_step(dict(values))
         return dict(values)
@@ -393,6 +416,7 @@ class Learner:
         t0 = time.perf_counter()
         self.state.version = self.version_now
         self.sender.sync(self.model.model, version=self.state.version, step=self.state.step)
+        self._record_adapter()
         seconds = time.perf_counter() - t0
         self.metrics.sync_seconds.observe(seconds)
         self._announce(seconds)
@@ -423,8 +447,27 @@ class Learner:
         log.info("checkpoint at step %d: %d groups await their ack", self.state.step, self._held_groups)
         return True
 
+    def _record_adapter(self) -> None:
+        """LoRA: remember the digest of the adapter just published as `state.version` (the guard's)."""
+        if self.guard is not None:
+            digest = AdapterTensors(self.model.model, self.cfg.weight_sync.send_dtype).digest()
+            self.guard.publish(self.state.version, digest)
+
+    def _export(self) -> None:
+        """The Hugging Face export: the model, or with LoRA its adapter in PEFT format (and the merge)."""
+        out = self.run_dir / "hf"
+        if not self.cfg.lora.enabled:
+            export_hf(self.model, self.hf, self.processor, out, rank=self.info.rank)
+            return
+        merged = self.run_dir / "hf-merged" if self.cfg.lora.export_merged else ""
+        lora.export_adapter(self.model, self.hf, out, self.info.rank, merged, self.processor)
+
     def _checkpoint(self) -> float:
         t0 = time.perf_counter()
+        if self.cfg.lora.enabled:
+            self.state.extra[lora.CHECKPOINT_KEY] = lora.checkpoint_settings(self.cfg.lora)
+        if self.guard is not None:
+            self.state.extra[GUARD_KEY] = self.guard.state()
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state)
         self._last_ckpt_step = self.state.step
         self._held_groups = 0

@@ -7,10 +7,11 @@
                 (weights/broadcast_sender.py, weights/broadcast_receiver.py);
     cuda-ipc    one packed buffer on the learner's GPU, read in place by generators on this host
                 (weights/ipc_sender.py, weights/ipc_receiver.py).
-Shared by both: the wire (weights/protocol.py), packed layouts and views (weights/manifest.py), copies
-in place (weights/inplace.py), the token-checked rendezvous (weights/rendezvous.py,
-weights/membership.py), the broker announcement (weights/follow.py) and applying a version to vLLM
-(weights/vllm_apply.py, in vLLM's worker weights/vllm_worker.py). Nothing is imported
+A LoRA-adapted model travels as its adapter alone (weights/adapter.py: same transports, a manifest of kind
+"adapter"). Shared by both: the wire (weights/protocol.py), packed layouts and views
+(weights/manifest.py), copies in place (weights/inplace.py), the token-checked rendezvous
+(weights/rendezvous.py, weights/membership.py), the broker announcement (weights/follow.py) and applying a
+version to vLLM (weights/vllm_apply.py, in vLLM's worker weights/vllm_worker.py). Nothing is imported
 until a factory is called. The factories take a checked config: each process validates
 its config once, where it loads it (runtime.config.load_config / from_dict). How this compares with
 vLLM's own weight-transfer engines (`vllm.distributed.weight_transfer`), and why both transports are

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weights.adapter import wire_tensors
 from weights.config import BroadcastTransport, WeightSenderConfig
 from weights.interface import SyncReport, WeightSender
 from weights.manifest import WireTensors, checksum, pack_bucket, plan_layout, trailer
@@ -74,7 +75,7 @@ class BroadcastSender(WeightSender):
         applied it. Collective over the training ranks when the model is FSDP2-sharded."""
         t0 = time.perf_counter()
         if self._wire is None or self._wire.model is not model:
-            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout, self.transport)
+            self._wire = wire_tensors(model, self.config.send_dtype, self.config.layout, self.transport)
         tensors = self._wire.tensors()
         layout = plan_layout(self._wire.entries, self.options.bucket_bytes)
         if self._rank != 0:

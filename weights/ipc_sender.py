@@ -35,6 +35,7 @@ import time
 import torch
 
 from weights import ipc
+from weights.adapter import wire_tensors
 from weights.config import CudaIpcTransport, WeightSenderConfig
 from weights.inplace import copy_all
 from weights.interface import SyncReport, WeightSender
@@ -90,7 +91,7 @@ class IpcSender(WeightSender):
         t0 = time.perf_counter()
         new = self._wire is None or self._wire.model is not model
         if new:
-            self._wire = WireTensors(model, self.config.send_dtype, self.config.layout, self.transport)
+            self._wire = wire_tensors(model, self.config.send_dtype, self.config.layout, self.transport)
             self._allocate(self._wire)
         tensors = self._wire.tensors()
         with self._membership.lock:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-WIRE_VERSION = 2
-"""Bump when a message field changes meaning (2: token and transport in the join handshake)."""
+WIRE_VERSION = 3
+"""Bump when a message field changes meaning (2: token and transport in the join handshake; 3: a manifest's
+payload kind, full weights or a LoRA adapter)."""
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -69,6 +70,11 @@ class Manifest(msgspec.Struct, kw_only=True):
     """"checkpoint" (names and shapes as save_pretrained writes them) or "vllm" (vLLM's stacked params)."""
     parts: dict[str, list[tuple[str, int]]] = msgspec.field(default_factory=dict)
     """layout "vllm": wire name -> the (checkpoint name, rows) it stacks, in order (vllm_layout.py)."""
+    kind: str = "full"
+    """"full" (every weight of the model) or "adapter" (a LoRA adapter alone, under PEFT's names:
+    weights/adapter.py)."""
+    adapter_config: str = ""
+    """kind "adapter": the adapter's adapter_config.json."""
     wire_version: int = WIRE_VERSION
 
     @property

@@ -497,3 +497,20 @@ def test_the_kv_cache_is_cpu_sized_only_on_cpu():
     reference.generator.engine.kv_cache_gb = 4.0
     configs = role_configs(reference, _p("/r"), _p("/m"), _p("/d"), "redis://x:1", "ns", gpus=gpu)
     assert configs["generator"].engine.kv_cache_gb == 4.0
+
+
+def test_the_lora_config_fits_7b_beside_vllm_on_one_80gb_gpu():
+    """With LoRA the base is bf16 and frozen: the one-GPU LoRA config plans where the full fine-tune at that
+    share of the GPU would not fit its states."""
+    from deploy.plan import gpu_plan
+
+    h100 = [GpuInfo(0, 0, 79.6, "NVIDIA H100 80GB HBM3")]
+    lora = load_config(LaunchConfig, ["--config", "deploy/configs/qwen2_5_vl_7b_geometry3k_lora.toml"])
+    plan = gpu_plan(lora, h100, n_params=N_7B, shape=QWEN_7B)
+    assert plan.kind == "shared" and plan.weight_transport == "cuda-ipc"
+    full = dataclasses.replace(
+        lora, learner=dataclasses.replace(lora.learner, lora=type(lora.learner.lora)())
+    )
+    full.learner.optim.master_weights = "params"
+    with pytest.raises(LayoutError):
+        gpu_plan(full, h100, n_params=N_7B, shape=QWEN_7B)

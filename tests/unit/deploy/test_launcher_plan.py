@@ -74,6 +74,21 @@ def test_the_two_image_task_raises_the_generators_image_limit(tmp_path):
     assert role_configs(LaunchConfig(), *args)["generator"].engine.max_images == 1
 
 
+def test_lora_on_the_learner_sets_the_generators_lora_serving(tmp_path):
+    args = (tmp_path, Path("/m"), Path("/d"), "redis://127.0.0.1:7/0", "ns")
+    engine = role_configs(LaunchConfig(), *args)["generator"].engine
+    assert engine.max_lora_rank == 0  # full fine-tune: versions are full weights
+    cfg = load_config(LaunchConfig, ["--learner.lora.rank", "12", "--learner.algo.max-staleness", "3"])
+    engine = role_configs(cfg, *args)["generator"].engine
+    assert (engine.max_lora_rank, engine.lora_slots, engine.lora_vision) == (
+        16,
+        4,
+        False,
+    )  # vLLM's ranks; K + 1
+    cfg = load_config(LaunchConfig, ["--learner.lora.rank", "8", "--learner.lora.vision"])
+    assert role_configs(cfg, *args)["generator"].engine.lora_vision
+
+
 def test_write_toml_quotes_what_needs_quoting(tmp_path):
     data = {
         "a": 'say "hi"\\n',
