@@ -108,20 +108,18 @@ def test_compose_command_parses_into_its_role_config(service, monkeypatch):
     cfg = load_config(
         config_class(module), [a if not a.startswith("deploy/") else str(ROOT / a) for a in args]
     )
-    assert cfg.broker.url == "redis://redis:6379/0", "no password on the command line"
+    assert cfg.broker.url == "redis://127.0.0.1:6379/0", "no password on the command line"
     assert cfg.broker.password() == PASSWORD, "the password reaches the process through the environment"
-    assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@redis:6379/0"
+    assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@127.0.0.1:6379/0"
     assert cfg.broker.namespace == "parallax"
-    assert (cfg.metrics.host, cfg.metrics.port) == ("0.0.0.0", port), (
-        "Prometheus scrapes from its own container"
-    )
+    assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", port), "host networking: Prometheus is local"
     if module in ("learner", "generator"):
         assert cfg.gpus == {"learner": "0-5", "generator": "6-7"}[module]
         assert cfg.model.startswith("/models/")
     if module == "reward_service":
         assert cfg.workers == 4
     if module == "learner":
-        assert cfg.weight_sync.host == "learner", "generators in other containers must reach the rendezvous"
+        assert cfg.weight_sync.host == "127.0.0.1", "the generators reach the rendezvous on the host"
 
 
 def test_a_wrong_key_in_a_toml_is_refused(tmp_path):
