@@ -55,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
+    if {"-h", "--help"} & set(argv):  # its own options, then every flag of python -m deploy (tyro exits)
         parser().print_help()
-        return 0
+        load_config(LaunchConfig, ["--help"], description=__doc__, prog="python -m deploy.role_configs")
     own, rest = parser().parse_known_args(argv)
     cfg = load_config(LaunchConfig, rest, description=__doc__, prog="python -m deploy.role_configs")
     try:
