@@ -11,7 +11,9 @@ cache directory, so a second build downloads nothing that did not change.
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import ssl
 import subprocess
 import sys
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +44,7 @@ def build_images(engine: Podman, root: Path) -> dict[str, str]:
         )  # fmt: skip
     python = engine.build(
         "localhost/parallax-test-python:latest", FIXTURES / "python.Containerfile", FIXTURES,
-        args={"BASE_IMAGE": base},
+        args={"BASE_IMAGE": base}, volumes={host_ca_bundle(): "/host-ca.crt:ro"},
     )  # fmt: skip
     requirement = torch_requirement(root)
     wheel = torch_wheel(root, requirement, engine.cache / "torch-index")
@@ -56,6 +58,15 @@ def build_images(engine: Podman, root: Path) -> dict[str, str]:
         )
     env["PARALLAX_TAG"] = CPU_IMAGE.rpartition(":")[2]  # compose's image: parallax-cpu:${PARALLAX_TAG}
     return env
+
+
+def host_ca_bundle() -> Path:
+    """The CA bundle this machine's pip trusts ($PIP_CERT, $REQUESTS_CA_BUNDLE, $SSL_CERT_FILE, else
+    OpenSSL's default file), for a base image that must reach PyPI through the same proxy."""
+    for variable in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        if os.environ.get(variable) and Path(os.environ[variable]).is_file():
+            return Path(os.environ[variable])
+    return Path(ssl.get_default_verify_paths().openssl_cafile)
 
 
 def torch_requirement(root: Path) -> str:

