@@ -4,13 +4,14 @@
     env = build_images(Podman(cache_dir), ROOT)   # {"REDIS_IMAGE": ..., ...}: what docker compose is given
 
 The CPU image takes torch's CPU build from a one-package index served on 127.0.0.1 (the wheel found
-through the same sources as `./run setup`, deploy/torch_source.py) and keeps pip's cache under the
-cache directory, so a second build downloads nothing that did not change.
+through the same sources as `./run setup`, deploy/torch_source.py), and the rest of requirements.txt
+from a folder of wheels under the cache directory, downloaded once per version of requirements.txt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import platform
 import ssl
@@ -48,13 +49,14 @@ def build_images(engine: Podman, root: Path) -> dict[str, str]:
     )  # fmt: skip
     requirement = torch_requirement(root)
     wheel = torch_wheel(root, requirement, engine.cache / "torch-index")
+    wheels = wheelhouse(root, wheel, engine.cache / "wheels")
     with serve_index(wheel) as index_url:
         engine.build(
             CPU_IMAGE,
             root / "deploy" / "docker" / "Dockerfile.cpu",
             root,
-            args={"BASE_IMAGE": python, "TORCH_INDEX_URL": index_url, "PIP_CACHE": "/pip-cache"},
-            volumes={engine.cache / "pip": "/pip-cache"},
+            args={"BASE_IMAGE": python, "TORCH_INDEX_URL": index_url, "PIP_WHEELS": "/wheels"},
+            volumes={wheels: "/wheels:ro"},
         )
     env["PARALLAX_TAG"] = CPU_IMAGE.rpartition(":")[2]  # compose's image: parallax-cpu:${PARALLAX_TAG}
     return env
@@ -96,6 +98,22 @@ def torch_wheel(root: Path, requirement: str, index_dir: Path) -> Path:
         check=True, timeout=1800,
     )  # fmt: skip
     return sorted(index_dir.glob(f"torch-{version}-*.whl"))[0]
+
+
+def wheelhouse(root: Path, torch: Path, out: Path) -> Path:
+    """requirements.txt downloaded into `out` once per version of it (pip's own sources, and `torch`'s
+    folder for the CPU build), for the image build to install from: pip's HTTP cache keeps nothing
+    behind some proxies, a folder of wheels always works."""
+    stamp = out / f".requirements-{hashlib.sha256((root / 'requirements.txt').read_bytes()).hexdigest()[:16]}"
+    if not stamp.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--find-links", str(torch.parent),
+             "-r", str(root / "requirements.txt"), "-d", str(out)],
+            check=True, timeout=3600,
+        )  # fmt: skip
+        stamp.touch()
+    return out
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@
     with engine.api() as docker_host:     # podman's Docker API on a socket: DOCKER_HOST for docker compose
         with engine.healthchecks(name):   # runs their healthchecks (podman 4.3 needs systemd timers)
 
-Everything stays under `cache_dir` (the base tarball, a pip cache for builds) or in podman's own store;
+Everything stays under `cache_dir` (the base tarball, wheels for the builds) or in podman's own store;
 nothing outside it is changed. Used by tests/compose/ (`./run test-compose`); docs/compose.md tells how
 the same steps run by hand.
 """
@@ -96,7 +96,7 @@ class Podman:
         timeout: float = 3600,
     ) -> str:
         """podman build --network host (apt and pip reach their registries as on the host); `volumes`
-        are mounted into the RUN steps (a pip cache)."""
+        are mounted into the RUN steps (a folder of wheels)."""
         argv = ["build", "--network", "host", "-f", str(containerfile), "-t", tag]
         for key, value in (args or {}).items():
             argv += ["--build-arg", f"{key}={value}"]
