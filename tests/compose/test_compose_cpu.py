@@ -37,8 +37,9 @@ pytestmark = pytest.mark.compose
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("PARALLAX_CACHE") or Path.home() / ".cache" / "parallax") / "compose"
 PROMETHEUS = "http://127.0.0.1:9090"
-PORTS = {6379: "redis", 9090: "prometheus", 9101: "reward", 9121: "redis_exporter", 9201: "generator",
-         9301: "learner"}  # fmt: skip
+REDIS_PORT = 6399  # not 6379: a developer's own Redis may hold that one
+PORTS = {REDIS_PORT: "redis", 9090: "prometheus", 9111: "reward", 9121: "redis_exporter", 9211: "generator",
+         9311: "learner"}  # fmt: skip
 JOBS = {"prometheus", "learner", "generator", "reward", "redis"}
 TARGET = 0.8
 
@@ -60,6 +61,7 @@ def test_cpu_profile_learns_and_down_leaves_nothing():
         "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16),
         "PARALLAX_STOP_ACCURACY": str(TARGET),
         "PARALLAX_MAX_STEPS": "300",
+        "REDIS_PORT": str(REDIS_PORT),
     }
     timings = dict(engine.timings)
     with engine.api() as docker_host, engine.healthchecks("parallax"):
