@@ -24,6 +24,8 @@ from pathlib import Path
 DASHBOARD = Path(__file__).resolve().parent / "dashboards" / "parallax.json"
 RATE_INTERVAL = "30s"  # Grafana's $__rate_interval at a 5 s scrape interval and a few-pixel step
 GRID_COLUMNS = 24
+MARGIN = 0.02  # of the figure's width, left of the grid (the tick labels of the first column)
+MAX_LEGEND = 6  # a panel with more series leaves those that stayed at 0 out
 
 
 def query_range(url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
@@ -69,11 +71,11 @@ def series_of(url: str, panel: dict, start: float, end: float, step: float) -> l
 
 
 def draw_panel(fig, panel: dict, rows: int, series: list) -> None:
-    """One panel at its gridPos (24 columns; `rows` grid rows in all)."""
+    """One panel at its gridPos (24 columns; `rows` grid rows in all, the first one for the title)."""
     g = panel["gridPos"]
-    left, width = g["x"] / GRID_COLUMNS, g["w"] / GRID_COLUMNS
-    bottom, height = 1 - (g["y"] + g["h"]) / rows, g["h"] / rows
-    ax = fig.add_axes((left + 0.03 * width, bottom + 0.16 * height, 0.92 * width, 0.72 * height))
+    left, width = MARGIN + g["x"] / GRID_COLUMNS * (1 - MARGIN), g["w"] / GRID_COLUMNS * (1 - MARGIN)
+    bottom, height = 1 - (g["y"] + 1 + g["h"]) / rows, g["h"] / rows
+    ax = fig.add_axes((left + 0.02, bottom + 0.16 * height, width - 0.045, 0.72 * height))
     unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
     ax.set_title(panel["title"], fontsize=9, loc="left")
     ax.tick_params(labelsize=7)
@@ -86,13 +88,17 @@ def draw_panel(fig, panel: dict, rows: int, series: list) -> None:
         size = 18 if len(series) <= 1 else max(7, 12 - len(series))
         ax.text(0.5, 0.4, text or "no data", ha="center", va="center", fontsize=size, transform=ax.transAxes)
         return
+    flat = [name for name, _, values in series if not any(values)]
+    if len(series) > MAX_LEGEND and flat:  # many series at 0 (rejections by reason): one line says so
+        series = [s for s in series if s[0] not in flat]
+        ax.text(0.01, 0.02, f"{len(flat)} more series at 0", fontsize=6, transform=ax.transAxes)
     for name, times, values in series:
         ax.plot(times, values, label=name, linewidth=1.2)
     if unit == "percentunit":
         ax.yaxis.set_major_formatter(lambda v, _: f"{100 * v:.0f}%")
     if series:
-        ax.legend(fontsize=6, loc="best")
-    else:
+        ax.legend(fontsize=6, loc="upper left")
+    elif not flat:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", fontsize=9, transform=ax.transAxes)
     ax.set_xlabel("minutes", fontsize=7)
 
@@ -109,8 +115,11 @@ def render(url: str, out: Path, minutes: float, dashboard: Path = DASHBOARD) -> 
     end = time.time()
     start = end - minutes * 60
     step = max(5.0, minutes * 60 / 300)
-    fig = plt.figure(figsize=(16, rows * 0.32))
-    fig.suptitle(f"{board['title']} (rendered from Prometheus, last {minutes:g} minutes)", fontsize=12)
+    fig = plt.figure(figsize=(16, (rows + 1) * 0.32))
+    title = (
+        f"{board['title']}: dashboards/parallax.json over the last {minutes:g} minutes, drawn from Prometheus"
+    )
+    fig.text(0.5, 1 - 0.5 / (rows + 1), title, ha="center", va="center", fontsize=12)
     for panel in panels:
         draw_panel(fig, panel, rows + 1, series_of(url, panel, start, end, step))
     out.parent.mkdir(parents=True, exist_ok=True)
