@@ -7,7 +7,7 @@ is scaled to 0, and its dashboard is rendered from Prometheus instead, deploy/gr
 Asserted: a published group is scored, Prometheus reports every job up, held-out accuracy reaches 0.8
 (the learner's eval.stop_accuracy, then it exits 0), and `down -v` leaves no container or volume.
 
-    ./run test-compose           # installs podman etc. with apt first; about 15 minutes on 2 cores, cold
+    ./run test-compose           # installs podman etc. with apt first; about 30 minutes on 2 cores, cold
 
 Marked `compose` (not in `./run test`). Everything it builds is cached under $PARALLAX_CACHE/compose
 (default ~/.cache/parallax/compose) and in podman's store; the run's logs, metrics.jsonl, timings and
