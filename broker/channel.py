@@ -7,8 +7,13 @@
         ...process...
     sub.ack([d for d, _ in batch])                       # ack only after processing
 
-A payload that does not decode (garbage, unknown kind, unknown schema version) or is not one of
-the `expect`ed types is dead-lettered with its reason, counted in
+With a message key on the transport (`Transport.auth_key`, the run's secret), the publisher seals
+every entry with an HMAC tag over the stream name and the encoded message (broker/auth.py), and the
+subscriber checks, in this order and before decoding anything: the entry's size
+(`StreamOptions.max_entry_bytes`, reason "oversize"), then its tag (reason "auth": a forged entry,
+or one from another run, never reaches the role). A payload that does not decode (garbage, unknown
+kind, unknown schema version) or is not one of the `expect`ed types is dead-lettered with its reason,
+counted in
 `parallax_broker_rejected_total{stream,reason}`, logged, and never returned; the good entries
 around it are returned as usual. Entries the transport itself moved to the dead-letter stream
 while consuming, because they had been delivered `max_deliveries` times without an ack, are
@@ -27,8 +32,10 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry
 
 from broker import codec
+from broker.auth import AuthError, key_of, open_sealed, seal
 from broker.metrics import REASONS, REDELIVERY_CAP, rejected_counter, watch
 from broker.schemas import Message
+from broker.stream_options import OVERSIZE, StreamOptions
 from broker.transport import Delivery, Transport
 
 log = logging.getLogger(__name__)
@@ -50,15 +57,19 @@ class Publisher:
 
     def publish(self, msg: Message, *, timeout: float | None = 30.0) -> str:
         """Publish one message; blocks while the stream is full (BackpressureTimeout after `timeout`)."""
-        return self.transport.publish(self.stream, codec.encode(msg), timeout=timeout)
+        return self.transport.publish(self.stream, self._payload(msg), timeout=timeout)
 
     def publish_many(
         self, msgs: Iterable[Message], *, timeout: float | None = 30.0, keys: Sequence[str] | None = None
     ) -> list[str]:
         """Publish several messages in order, in as few round trips as the transport allows;
         `keys` makes it idempotent per message (`Transport.publish_many`)."""
-        payloads = [codec.encode(m) for m in msgs]
+        payloads = [self._payload(m) for m in msgs]
         return self.transport.publish_many(self.stream, payloads, timeout=timeout, keys=keys)
+
+    def _payload(self, msg: Message) -> bytes:
+        """The encoded message, sealed with the run's key (if the transport has one)."""
+        return seal(key_of(self.transport), self.stream, codec.encode(msg))
 
 
 class Subscriber:
@@ -102,15 +113,24 @@ class Subscriber:
             self.rejected.labels(stream=self.stream, reason=REDELIVERY_CAP).inc(capped)
         for delivery in deliveries:
             try:
-                msg = codec.decode(delivery.payload)
-                if not isinstance(msg, self.expect):
-                    wanted = " or ".join(t.__name__ for t in self.expect)
-                    raise codec.MessageError("wrong_type", f"got {type(msg).__name__}, expected {wanted}")
-            except codec.MessageError as exc:
+                msg = self._message(delivery.payload)
+            except (codec.MessageError, AuthError) as exc:
                 self.reject(delivery, exc.reason, str(exc))
                 continue
             good.append((delivery, msg))
         return good
+
+    def _message(self, payload: bytes) -> Message:
+        """The message in a payload: size checked, then its tag, then decoded and type-checked."""
+        options = getattr(self.transport, "options", None)
+        cap = options.max_entry_bytes if options is not None else StreamOptions.max_entry_bytes
+        if len(payload) > cap:
+            raise codec.MessageError(OVERSIZE, f"{len(payload):,} bytes, above max_entry_bytes {cap:,}")
+        msg = codec.decode(open_sealed(key_of(self.transport), self.stream, payload))
+        if not isinstance(msg, self.expect):
+            wanted = " or ".join(t.__name__ for t in self.expect)
+            raise codec.MessageError("wrong_type", f"got {type(msg).__name__}, expected {wanted}")
+        return msg
 
     def reject(self, delivery: Delivery, reason: str, detail: str = "") -> None:
         """Dead-letter one delivery with `reason` (a short label) and count it."""

@@ -1,9 +1,10 @@
 """Typed encode/decode of Parallax wire messages (msgspec msgpack over `schemas.Message`).
 
 `encode(msg) -> bytes` and `decode(data) -> Message`. Anything that is not a well-formed
-message of a known kind at the current `SCHEMA_VERSION` raises `MessageError`, whose `reason`
-is a short label ("malformed", "unknown_kind", "unknown_version", "wrong_type") fit for a
-metric, and whose text says what was wrong. No pickle anywhere.
+message of a known kind at a readable schema version (`READABLE_VERSIONS`: the current
+`SCHEMA_VERSION` and older ones whose messages still decode, their new fields at their defaults)
+raises `MessageError`, whose `reason` is a short label ("malformed", "unknown_kind",
+"unknown_version", "wrong_type") fit for a metric, and whose text says what was wrong. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 
 import msgspec
 
-from broker.schemas import SCHEMA_VERSION, Message, ScoredGroup
+from broker.schemas import READABLE_VERSIONS, SCHEMA_VERSION, Message, ScoredGroup
 
 REASONS = ("malformed", "unknown_kind", "unknown_version", "wrong_type")
 """Every `MessageError.reason` (the `reason` label of the rejected-messages counter)."""
@@ -73,10 +74,9 @@ def _check_version(msg: Message) -> None:
     if isinstance(msg, ScoredGroup):
         versions.append(msg.group.schema_version)
     for version in versions:
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise MessageError(
-                "unknown_version",
-                f"{type(msg).__name__} has schema_version {version}, this build speaks {SCHEMA_VERSION}",
+                "unknown_version", f"{type(msg).__name__} has schema_version {version}, {_speaks()}"
             )
 
 
@@ -88,12 +88,16 @@ def _diagnose(data: bytes | bytearray | memoryview, exc: Exception) -> MessageEr
         return MessageError("malformed", f"not a msgpack message map ({exc})")
     if header.type not in _known_kinds():
         return MessageError("unknown_kind", f"message kind {header.type!r} is not one of {_kind_list()}")
-    if header.schema_version not in (-1, SCHEMA_VERSION):
+    if header.schema_version not in (-1, *READABLE_VERSIONS):
         return MessageError(
-            "unknown_version",
-            f"{header.type!r} has schema_version {header.schema_version}, this build speaks {SCHEMA_VERSION}",
+            "unknown_version", f"{header.type!r} has schema_version {header.schema_version}, {_speaks()}"
         )
     return MessageError("malformed", f"invalid {header.type!r} message: {exc}")
+
+
+def _speaks() -> str:
+    older = ", ".join(str(v) for v in READABLE_VERSIONS if v != SCHEMA_VERSION)
+    return f"this build speaks {SCHEMA_VERSION}" + (f" (and reads {older})" if older else "")
 
 
 def _kind_list() -> str:

@@ -10,6 +10,12 @@ The same bytes are stored once (the key is their sha256); every `put` refreshes 
 `ImageMissing` when the blob expired or was never stored and `ImageCorrupt` when the bytes do
 not hash to the reference. `open_many` returns such errors per entry instead of raising, so one bad
 image never fails the others.
+
+Caps of our own, checked before any pixel is decoded: a blob above `max_bytes` (the transport's
+`max_blob_bytes`) and an image whose header declares more than `max_pixels` pixels (default
+`MAX_PIXELS`: four times the largest image a Qwen-VL processor keeps, which resizes anything larger
+down to its `max_pixels`) raise `ImageTooLarge`, naming the size. A 200 KB PNG can declare
+13000 x 13000 pixels (500 MB decoded): PIL's own bomb check only stops twice its 89 M-pixel default.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from broker.schemas import ImageRef
 from broker.transport import Transport
 
 DEFAULT_TTL_S = 24 * 3600.0
+PROCESSOR_MAX_PIXELS = 16_777_216
+"""The largest `max_pixels` of the Qwen-VL image processors' defaults (Qwen3-VL: 4096 x 4096; Qwen2.5-VL:
+12,845,056): no larger image reaches the model unresized."""
+MAX_PIXELS = 4 * PROCESSOR_MAX_PIXELS
+"""Default pixel cap per image (a margin of 4 over the processor's)."""
 FETCH_CHUNK = 64
 """Blobs fetched per round trip by open_many (bounds one reply: 64 x ~100 KB images)."""
 _RECENT_MAX = 10_000
@@ -43,13 +54,30 @@ class ImageCorrupt(ImageError):
     """The stored bytes do not match the reference's sha256."""
 
 
+class ImageTooLarge(ImageError):
+    """The blob's bytes, or the pixels its header declares, exceed the store's caps."""
+
+
 class ImageStore:
     """Puts and gets encoded images by sha256 through a transport's blob store."""
 
-    def __init__(self, transport: Transport, names: Names | None = None, ttl_s: float | None = DEFAULT_TTL_S):
+    def __init__(
+        self,
+        transport: Transport,
+        names: Names | None = None,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        *,
+        max_pixels: int = MAX_PIXELS,
+        max_bytes: int | None = None,
+    ):
         self.transport = transport
         self.names = names or Names()
         self.ttl_s = ttl_s
+        self.max_pixels = max_pixels
+        """Images whose header declares more pixels are refused before decoding (ImageTooLarge)."""
+        options = getattr(transport, "options", None)
+        self.max_bytes = max_bytes or (options.max_blob_bytes if options is not None else 16 * 1024 * 1024)
+        """Blobs above this size are refused before hashing or decoding (ImageTooLarge)."""
         self._refreshed: OrderedDict[str, float] = OrderedDict()
 
     def put(self, data: bytes) -> ImageRef:
@@ -69,11 +97,13 @@ class ImageStore:
 
     def get(self, ref: ImageRef) -> bytes:
         """The verified bytes of `ref`."""
-        return _verified(ref.sha256, self._fetch(ref))
+        data = self._fetch(ref)
+        self._check_bytes(ref.sha256, data)
+        return _verified(ref.sha256, data)
 
     def open(self, ref: ImageRef, mode: str | None = "RGB"):
         """The decoded PIL image of `ref` (converted to `mode` unless None)."""
-        return _decode(self.get(ref), mode)
+        return _decode(self.get(ref), mode, self.max_pixels, ref.sha256)
 
     def open_many(
         self, refs: Sequence[ImageRef], pool: Executor | None = None, mode: str | None = "RGB"
@@ -112,9 +142,19 @@ class ImageStore:
     ) -> Future:
         if data is None:
             return _done(_missing(ref))
+        try:
+            self._check_bytes(ref.sha256, data)
+        except ImageTooLarge as exc:
+            return _done(exc)
         if pool is None:
-            return _done(_decode_or_error(ref.sha256, data, mode))
-        return pool.submit(_decode_or_error, ref.sha256, data, mode)
+            return _done(_decode_or_error(ref.sha256, data, mode, self.max_pixels))
+        return pool.submit(_decode_or_error, ref.sha256, data, mode, self.max_pixels)
+
+    def _check_bytes(self, sha: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            raise ImageTooLarge(
+                f"image {sha[:16]}... refused: {len(data):,} bytes, above the cap of {self.max_bytes:,}"
+            )
 
     def _fetch(self, ref: ImageRef) -> bytes:
         """The stored bytes of `ref`, unverified; ImageMissing if there are none."""
@@ -158,20 +198,28 @@ def _verified(sha: str, data: bytes) -> bytes:
     return data
 
 
-def _decode(data: bytes, mode: str | None):
+def _decode(data: bytes, mode: str | None, max_pixels: int = MAX_PIXELS, sha: str = ""):
+    """The decoded image; ImageTooLarge, from the header alone, when it declares more than `max_pixels`."""
     from PIL import Image
 
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data))  # reads the header only
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise ImageTooLarge(
+            f"image {sha[:16]}... refused: {width} x {height} = {width * height:,} pixels, above the cap "
+            f"of {max_pixels:,}"
+        )
     image.load()
     return image.convert(mode) if mode and image.mode != mode else image
 
 
-def _decode_or_error(sha: str, data: bytes, mode: str | None):
+def _decode_or_error(sha: str, data: bytes, mode: str | None, max_pixels: int = MAX_PIXELS):
     """The decoded image of verified bytes, or the error `open` would raise for them."""
     from PIL import Image
 
     try:
-        return _decode(_verified(sha, data), mode)
+        return _decode(_verified(sha, data), mode, max_pixels, sha)
     except Image.DecompressionBombError as exc:  # a hostile or absurd size: this image only, not the batch
         return ImageError(f"image {sha[:16]}... refused: {exc}")
     except (ImageError, OSError, ValueError) as exc:

@@ -2,9 +2,13 @@
 
 docs/metrics.md (section Broker) is the contract:
   * `parallax_broker_rejected_total{stream,reason}`: payloads a subscriber dead-lettered (the
-    codec's reasons), and entries the transport dead-lettered past the redelivery cap while the
+    codec's reasons; "auth": no valid tag of the run's message key; "oversize": above
+    max_entry_bytes), and entries the transport dead-lettered past the redelivery cap while the
     subscriber consumed (`redelivery_cap`);
   * `parallax_broker_stream_backlog{stream}`: `Transport.backlog(stream)` of each consumed stream;
+  * `parallax_broker_stream_waiting{stream}`: entries of a stream that no consumer of its group has taken yet
+    (backlog minus the group's pending entries): the learner exports it for the prompts (generators) and
+    the rollouts (reward service), what an autoscaler sizes those roles by (`watch_pipeline`);
   * `parallax_broker_backlog_errors_total`: backlog reads that failed at scrape time.
 
 `watch(registry, transport, stream)` is all a process needs (`broker.channel.Subscriber` calls it
@@ -28,22 +32,30 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker import codec
+from broker.auth import AUTH
+from broker.stream_options import OVERSIZE
 from broker.transport import Transport
 
 log = logging.getLogger(__name__)
 
 REDELIVERY_CAP = "redelivery_cap"
 """Reason of entries dead-lettered because they were delivered `max_deliveries` times unacked."""
-REASONS = (*codec.REASONS, REDELIVERY_CAP)
+REASONS = (*codec.REASONS, AUTH, OVERSIZE, REDELIVERY_CAP)
 """Every `reason` label of `parallax_broker_rejected_total`."""
 BACKLOG = "parallax_broker_stream_backlog"
 BACKLOG_HELP = "Entries of a consumed stream not yet acked by every group (Transport.backlog)"
+WAITING = "parallax_broker_stream_waiting"
+WAITING_HELP = (
+    "Entries of a stream that no consumer of its group took yet (backlog minus the group's pending)"
+)
 CACHE_S = 2.0
 """Longest a scrape reuses backlogs read by an earlier scrape."""
 
 
 class BacklogCollector(Collector):
-    """Exports `parallax_broker_stream_backlog{stream}` for the watched streams, read at scrape time."""
+    """Exports `parallax_broker_stream_backlog{stream}` for the watched streams, and
+    `parallax_broker_stream_waiting{stream}` for those watched with their consumer group, read at scrape
+    time."""
 
     def __init__(
         self, errors: Counter, *, cache_s: float = CACHE_S, clock: Callable[[], float] = time.monotonic
@@ -51,20 +63,25 @@ class BacklogCollector(Collector):
         self.errors = errors
         self.cache_s = cache_s
         self.clock = clock
-        self._transports: dict[str, Transport] = {}
+        self._transports: dict[str, tuple[Transport, str | None]] = {}
         self._values: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}
         self._read_at = float("-inf")
         self._lock = threading.Lock()
 
-    def watch(self, stream: str, transport: Transport) -> None:
-        """Export the backlog of `stream` as read through `transport` (the latest call wins)."""
+    def watch(self, stream: str, transport: Transport, group: str | None = None) -> None:
+        """Export the backlog of `stream` as read through `transport` (the latest call wins); with `group`,
+        also the entries waiting for that group's consumers."""
         with self._lock:
-            self._transports[stream] = transport
+            if group is None and stream in self._transports:
+                group = self._transports[stream][1]
+            self._transports[stream] = (transport, group)
             self._read_at = float("-inf")  # the next scrape reads the new stream
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         """The family without samples (so that registering never reads the broker)."""
         yield GaugeMetricFamily(BACKLOG, BACKLOG_HELP, labels=["stream"])
+        yield GaugeMetricFamily(WAITING, WAITING_HELP, labels=["stream"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
@@ -73,12 +90,20 @@ class BacklogCollector(Collector):
             family = GaugeMetricFamily(BACKLOG, BACKLOG_HELP, labels=["stream"])
             for stream, value in sorted(self._values.items()):
                 family.add_metric([stream], value)
+            waiting = GaugeMetricFamily(WAITING, WAITING_HELP, labels=["stream"])
+            for stream, value in sorted(self._waiting.items()):
+                waiting.add_metric([stream], value)
         yield family
+        yield waiting
 
     def _refresh(self) -> None:
-        for stream, transport in self._transports.items():
+        for stream, (transport, group) in self._transports.items():
             try:
                 self._values[stream] = int(transport.backlog(stream))
+                if group is not None:
+                    self._waiting[stream] = max(
+                        0, self._values[stream] - int(transport.pending(stream, group))
+                    )
             except Exception as exc:  # a scrape must never fail because the broker did
                 self.errors.inc()
                 log.debug("backlog of %s not read: %s", stream, exc)
@@ -124,6 +149,14 @@ def broker_metrics(registry: CollectorRegistry) -> BrokerMetrics:
 def rejected_counter(registry: CollectorRegistry) -> Counter:
     """`parallax_broker_rejected_total{stream,reason}` on `registry` (created once per registry)."""
     return broker_metrics(registry).rejected
+
+
+def watch_pipeline(registry: CollectorRegistry, transport: Transport, names) -> None:
+    """Export the backlog and the waiting entries of the prompts (for the generators) and the rollouts (for
+    the reward service) on `registry`: what the learner exports for autoscalers (docs/scaling.md)."""
+    collector = broker_metrics(registry).backlog
+    collector.watch(names.prompts, transport, names.GENERATORS)
+    collector.watch(names.rollouts, transport, names.REWARD)
 
 
 def watch(registry: CollectorRegistry, transport: Transport, stream: str) -> BrokerMetrics:

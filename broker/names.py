@@ -75,6 +75,11 @@ class Names:
         return f"{self.namespace}:reward:scored:{group_id}"
 
     @property
+    def learner_lease(self) -> str:
+        """The run's learner lease (broker/lease.py): one learner per run; `<it>:epoch` counts its takers."""
+        return f"{self.namespace}:learner:lease"
+
+    @property
     def weight_sync_address(self) -> str:
         """Where the learner's weight-sync rendezvous listens ("host:port")."""
         return f"{self.namespace}:weights:address"

@@ -13,12 +13,18 @@
   needs (its oldest pending entry, or the one after its last-delivered id). Unconsumed entries
   are never trimmed; entries acked out of order behind an older pending one stay until it goes.
 * DEAD_LETTER: append an entry with its reason to `<stream>:dead`, ack it, trim.
+  A dead letter keeps the entry's id, group, attempts, reason, size (`n`) and the first
+  `dead_payload_bytes` of its payload (`d`), never the whole of a payload that may be huge.
 * RECLAIM: XAUTOCLAIM entries idle longer than `claim_idle_ms`, read their delivery counters,
   move the ones delivered more than `max_deliveries` times to the dead-letter stream (and ack
   them), and return the rest with their counters and how many it moved.
 * READ_OWN: re-read this consumer's own pending entries after a cursor (XREADGROUP from an id
   instead of '>'), with the same redelivery cap as RECLAIM (a restarted consumer gets back what
   it held, at once, and a poison entry that kills it every time still ends in the dead-letter stream).
+* RELEASE: hand a consumer's pending entries back to its group: XCLAIM each to the same consumer with an
+  idle time far above any `claim_idle_s` (the next XAUTOCLAIM of any consumer takes it) and its
+  delivery counter one below what it was (that XAUTOCLAIM counts it again): a hand-back is no failed
+  delivery.
 """
 
 from __future__ import annotations
@@ -115,8 +121,9 @@ RECLAIM = (
     _TRIM
     + """
 -- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, consumer, claim_idle_ms, count,
--- max_deliveries, dead_maxlen, cursor. Returns {next cursor, {{id, payload, deliveries}, ...},
--- dead-lettered} with the reclaimed entries that are still live and how many went to KEYS[2].
+-- max_deliveries, dead_maxlen, cursor, dead_payload_bytes. Returns {next cursor,
+-- {{id, payload, deliveries}, ...}, dead-lettered} with the reclaimed entries that are still live
+-- and how many went to KEYS[2].
 local group, consumer = ARGV[1], ARGV[2]
 local reply = redis.call('XAUTOCLAIM', KEYS[1], group, consumer, ARGV[3], ARGV[7], 'COUNT', ARGV[4])
 local claimed = reply[2]
@@ -127,8 +134,8 @@ for _, entry in ipairs(claimed) do
   for j = 1, #fields, 2 do if fields[j] == 'd' then payload = fields[j + 1] end end
   local deliveries = redis.call('XPENDING', KEYS[1], group, id, id, 1)[1][4]
   if deliveries > tonumber(ARGV[5]) then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'd', payload, 'id', id, 'group', group,
-      'attempts', deliveries - 1,
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'd', string.sub(payload, 1, tonumber(ARGV[8])),
+      'n', #payload, 'id', id, 'group', group, 'attempts', deliveries - 1,
       'reason', 'delivered ' .. (deliveries - 1) .. ' times without ack (max_deliveries ' .. ARGV[5] .. ')')
     redis.call('XACK', KEYS[1], group, id)
   else
@@ -143,9 +150,10 @@ return {reply[1], out, #claimed - #out}
 DEAD_LETTER = (
     _TRIM
     + """
--- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, id, payload, attempts, reason, dead_maxlen.
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[3], 'id', ARGV[2], 'group', ARGV[1],
-  'attempts', ARGV[4], 'reason', ARGV[5])
+-- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, id, payload prefix, attempts, reason,
+-- dead_maxlen, payload bytes.
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'd', ARGV[3], 'n', ARGV[7], 'id', ARGV[2],
+  'group', ARGV[1], 'attempts', ARGV[4], 'reason', ARGV[5])
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 trim_acked(KEYS[1])
 return acked
@@ -153,10 +161,10 @@ return acked
 )
 
 _CAP = """
-local function cap(stream, dead, group, id, payload, deliveries, max_deliveries, dead_maxlen)
+local function cap(stream, dead, group, id, payload, deliveries, max_deliveries, dead_maxlen, keep)
   if deliveries <= tonumber(max_deliveries) then return false end
-  redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', 'd', payload, 'id', id, 'group', group,
-    'attempts', deliveries - 1,
+  redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', 'd', string.sub(payload, 1, tonumber(keep)),
+    'n', #payload, 'id', id, 'group', group, 'attempts', deliveries - 1,
     'reason', 'delivered ' .. (deliveries - 1) .. ' times without ack (max_deliveries '
       .. max_deliveries .. ')')
   redis.call('XACK', stream, group, id)
@@ -169,8 +177,8 @@ READ_OWN = (
     + _CAP
     + """
 -- KEYS[1] stream; KEYS[2] dead-letter stream; ARGV: group, consumer, after, count, max_deliveries,
--- dead_maxlen. Returns {last id read (or ARGV[3]), {{id, payload, deliveries}, ...}, dead-lettered,
--- entries read}.
+-- dead_maxlen, dead_payload_bytes. Returns {last id read (or ARGV[3]), {{id, payload, deliveries}, ...},
+-- dead-lettered, entries read}.
 local group, consumer = ARGV[1], ARGV[2]
 local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', ARGV[4], 'STREAMS', KEYS[1],
   ARGV[3])
@@ -186,7 +194,7 @@ for _, entry in ipairs(entries) do
     local payload = ''
     for j = 1, #fields, 2 do if fields[j] == 'd' then payload = fields[j + 1] end end
     local deliveries = redis.call('XPENDING', KEYS[1], group, id, id, 1)[1][4]
-    if cap(KEYS[1], KEYS[2], group, id, payload, deliveries, ARGV[5], ARGV[6]) then
+    if cap(KEYS[1], KEYS[2], group, id, payload, deliveries, ARGV[5], ARGV[6], ARGV[7]) then
       capped = capped + 1
     else
       out[#out + 1] = {id, payload, deliveries}
@@ -197,3 +205,18 @@ if capped > 0 then trim_acked(KEYS[1]) end
 return {last, out, capped, #entries}
 """
 )
+
+RELEASE = """
+-- KEYS[1] stream; ARGV: group, consumer, idle ms. Returns how many entries were handed back.
+local n, start = 0, '-'
+while true do
+  local rows = redis.call('XPENDING', KEYS[1], ARGV[1], start, '+', 100, ARGV[2])
+  for _, row in ipairs(rows) do
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'IDLE', ARGV[3],
+      'RETRYCOUNT', math.max(row[4] - 1, 0), 'JUSTID')
+    start = '(' .. row[1]
+  end
+  n = n + #rows
+  if #rows < 100 then return n end
+end
+"""

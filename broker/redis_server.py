@@ -1,10 +1,17 @@
 """Start and stop a local `redis-server` (for the launcher, the benchmark and the tests).
 
-`LocalRedis(password=None).start()` runs `redis-server --port <free> --save '' --appendonly no`
-(in-memory only), waits until it answers PING, and `stop()` terminates exactly that process.
-With `data_dir`, the server keeps an append-only file there (`redis_server_argv`: AOF with
+`LocalRedis().start()` runs redis-server on a free loopback port, in memory only, with a password
+drawn for it (`LocalRedis.url` carries it), waits until it answers PING, and `stop()` terminates
+exactly that process. With `data_dir`, the server keeps an append-only file there (AOF with
 appendfsync everysec, no RDB snapshots), so `kill()` then `start()` on the same port comes back
 with every stream, group, pending entry and value it had acknowledged.
+
+The settings (`redis_config`) never go on a command line, where `ps` would show the password to
+every user of the host: `LocalRedis` hands them to `redis-server -` on its stdin, and the launcher
+writes them to a 0600 file in its 0700 run directory (`write_redis_config`) so that a supervised
+restart reads them again. The password belongs to Redis's `default` user, whose ACL allows every
+command but the `@dangerous` ones (CONFIG, SHUTDOWN, FLUSHALL, FLUSHDB, DEBUG, KEYS, MONITOR, ...):
+a role, or anyone holding the password, can use the streams but not reconfigure or wipe the server.
 
 Why everysec and not always: Redis write(2)s the AOF buffer before it sends the replies of an
 event-loop iteration, so a killed redis-server (kill -9, OOM) loses nothing it acknowledged
@@ -15,10 +22,13 @@ fsync on every write, on the path of every publish and ack.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -40,38 +50,70 @@ def stop_process(process: subprocess.Popen | None, grace_s: float = 5.0) -> None
         process.wait()
 
 
-def redis_server_argv(port: int, *, data_dir: str | None = None, password: str | None = None) -> list[str]:
-    """The redis-server command line: loopback only; with `data_dir`, AOF (everysec) there."""
+ROLE_ACL = "~* &* +@all -@dangerous"
+"""What the password's user may do: every key and channel, every command but the @dangerous ones."""
+MAX_BULK_BYTES = 64 * 1024 * 1024
+"""Largest single argument the server accepts (Redis's own default is 512 MB): above every entry and
+blob cap of `broker.stream_options.StreamOptions`, so only a hostile client ever meets it."""
+
+
+def redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server, or ./run setup)")
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    return binary
+
+
+def redis_config(port: int, password: str, *, data_dir: str | None = None) -> str:
+    """redis.conf text: loopback only, the password's user without @dangerous commands; with `data_dir`,
+    AOF (everysec) there, else in memory only."""
+    if not password or any(c.isspace() or c in "\"'" for c in password):
+        raise ValueError("the redis password must be non-empty, without spaces or quotes")
+    lines = [
+        f"port {port}",
+        "bind 127.0.0.1",
+        "protected-mode yes",
+        'save ""',
+        f"proto-max-bulk-len {MAX_BULK_BYTES}",
+        f"user default on >{password} {ROLE_ACL}",
+    ]
     if data_dir is None:
-        cmd += ["--appendonly", "no"]
+        lines.append("appendonly no")
     else:
-        cmd += ["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "everysec"]
-    if password:
-        cmd += ["--requirepass", password]
-    return cmd
+        lines += [f'dir "{data_dir}"', "appendonly yes", "appendfsync everysec"]
+    return "\n".join(lines) + "\n"
+
+
+def write_redis_config(path: Path, port: int, password: str, *, data_dir: str | None = None) -> list[str]:
+    """Write `redis_config` to `path` (mode 0600) and return the command line that reads it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(redis_config(port, password, data_dir=data_dir))
+    os.chmod(path, 0o600)
+    return [redis_binary(), str(path)]
 
 
 class LocalRedis:
     """One redis-server child process on a free loopback port; use as a context manager."""
 
     def __init__(self, password: str | None = None, port: int | None = None, data_dir: str | None = None):
-        self.password = password
+        self.password = password or secrets.token_urlsafe(24)
+        """The `default` user's password (drawn here unless given)."""
         self.port = port or free_port()
         self.data_dir = data_dir
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        cmd = redis_server_argv(self.port, data_dir=self.data_dir, password=self.password)
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        config = redis_config(self.port, self.password, data_dir=self.data_dir)
+        self.process = subprocess.Popen(
+            [redis_binary(), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        self.process.stdin.write(config.encode())  # the settings never show in `ps`
+        self.process.stdin.close()
         self._wait_ready(timeout_s)
         return self
 
@@ -90,11 +132,10 @@ class LocalRedis:
     def _answers_ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                if self.password:
-                    pw = self.password.encode()
-                    sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
-                    if not sock.recv(64).startswith(b"+OK"):
-                        return False
+                pw = self.password.encode()
+                sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
                 sock.sendall(b"PING\r\n")
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:

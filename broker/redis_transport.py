@@ -13,20 +13,28 @@
   a keyed publish (`keys=`, idempotent) spends them in one script that appends only the entries
   whose key is new (`redis_scripts.PUBLISH_KEYED`).
 * Blobs (SET EX NX, expiry refreshed on every put) and latest values (SET/GET).
+* With `fence` set, every publish, consume, ack, dead letter and `set_value` runs as a script behind the
+  lease's epoch check (broker/redis_fence.py; a consume polls: a script cannot block).
 * Restarts: the first `consume` of a (stream, group, consumer) in a process re-reads that
   consumer's own pending entries (XREADGROUP from id 0, page by page) before anything new, so a
   restarted process with the same consumer name gets back at once what it held when it died
   (instead of after `claim_idle_s`); the redelivery cap applies to them as well.
+* A broker at its `maxmemory` refuses a write whole; the call backs off and retries as below meanwhile.
 * Connection errors (server restarting or still loading its AOF, network blip): every call
   reconnects and retries with redis-py's `ExponentialBackoff` for up to `reconnect_s`, then
-  raises `TransportError`. A retried publish whose MULTI/EXEC reached the server but whose
-  reply was lost appears twice (once with keys); every stage downstream is idempotent by group id.
+  raises `TransportError`. Each attempt waits at most the time left in that window (a server that
+  stopped answering costs the window, not a 60 s socket timeout per try: broker/redis_deadline.py).
+  A retried publish whose MULTI/EXEC reached the server but whose reply was lost appears twice
+  (once with keys); every stage downstream is idempotent by group id.
 Password and user come from the URL: redis://[user]:password@host:port/db.
+* Byte caps: an entry above `max_entry_bytes` or a blob above `max_blob_bytes` raises
+  `OversizeError` before anything is sent; a dead letter keeps a `dead_payload_bytes` prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -35,29 +43,44 @@ from collections.abc import Sequence
 import redis
 from redis.backoff import ExponentialBackoff
 
-from broker import redis_scripts
+from broker import redis_fence, redis_scripts
 from broker.names import Names
-from broker.stream_options import Backoff, DeadLetter, StreamOptions
+from broker.redis_deadline import NO_RETRY, attempt_until, connection_class
+from broker.redis_fence import RedisLeases
+from broker.stream_options import Backoff, DeadLetter, StreamOptions, check_size
 from broker.transport import (
+    FENCED,
     PUBLISH_KEY_TTL_S,
     BackpressureTimeout,
     Deliveries,
     Delivery,
+    FencedError,
     Transport,
     TransportError,
     check_keys,
 )
 from runtime.redact import redact
 
+log = logging.getLogger(__name__)
 PUBLISH_CHUNK = 256
 """Most XADDs per MULTI/EXEC in `publish_many`."""
 MAX_BLOCK_S = 50.0
 """Longest single blocking read (below the socket timeout)."""
 RECONNECT_BACKOFF = ExponentialBackoff(cap=2.0, base=0.05)
 """Sleep before the n-th retry after a connection error: 0.05 s doubling up to 2 s."""
+RETRIED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.OutOfMemoryError)
+"""Errors a call retries for `reconnect_s`: the server unreachable, or at its maxmemory (it refuses a write
+whole; the consumers drain it meanwhile)."""
+RELEASED_IDLE_MS = 365 * 24 * 3600 * 1000
+"""The idle time a handed-back entry gets: above any claim_idle_s, so the next reclaim takes it."""
+SCRIPTS = {
+    name: getattr(redis_scripts, name)
+    for name in ("ACK", "RECLAIM", "DEAD_LETTER", "READ_OWN", "PUBLISH_KEYED")
+} | {name: getattr(redis_fence, name) for name in ("SPEND", "SET", "READ_NEW", "CHECK")}
+"""The scripts that have a fenced variant (`redis_fence.fenced`), by name."""
 
 
-class RedisTransport(Transport):
+class RedisTransport(RedisLeases, Transport):
     """Streams, blobs and values on one Redis server; see the module docstring.
 
     `options` (or keyword `StreamOptions` fields) set the contract knobs; `credit_batch` is how
@@ -82,13 +105,20 @@ class RedisTransport(Transport):
         self._token = uuid.uuid4().hex  # this producer's name in the credit hashes
         self._credits: dict[str, tuple[int, float]] = {}  # stream -> (count, spend before)
         self._publish_lock = threading.Lock()
-        self._redis = redis.Redis.from_url(url, socket_timeout=MAX_BLOCK_S + 10, socket_connect_timeout=5)
-        self._reserve_script = self._redis.register_script(redis_scripts.RESERVE)
-        self._ack = self._redis.register_script(redis_scripts.ACK)
-        self._reclaim = self._redis.register_script(redis_scripts.RECLAIM)
-        self._dead = self._redis.register_script(redis_scripts.DEAD_LETTER)
-        self._read_own = self._redis.register_script(redis_scripts.READ_OWN)
-        self._publish_keyed = self._redis.register_script(redis_scripts.PUBLISH_KEYED)
+        self._redis = redis.Redis.from_url(
+            url,
+            socket_timeout=MAX_BLOCK_S + 10,
+            socket_connect_timeout=5,
+            retry=NO_RETRY,  # _call retries, each attempt bounded by the window
+            connection_class=connection_class(url),
+        )
+        register = self._redis.register_script
+        self._reserve_script = register(redis_scripts.RESERVE)
+        self._release = register(redis_scripts.RELEASE)
+        self._scripts = {
+            name: (register(src), register(redis_fence.fenced(src))) for name, src in SCRIPTS.items()
+        }
+        self._lease_scripts = self.register_lease_scripts(register)
         self._groups: set[tuple[str, str]] = set()
         self._last_reclaim: dict[tuple[str, str], float] = {}  # when a reclaim scan last completed
         self._reclaim_cursor: dict[tuple[str, str], str] = {}
@@ -98,18 +128,27 @@ class RedisTransport(Transport):
         """Connection errors this transport recovered from (retried successfully)."""
         self._call("connect", self._redis.ping)
 
-    def _call(self, what: str, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)`, retried with back-off after connection errors for `reconnect_s`;
-        any other Redis error (or running out of time) is a TransportError."""
+    def _call(self, what: str, fn, *args, wait_s: float = 0.0, **kwargs):
+        """`fn(*args, **kwargs)`, retried with back-off after connection errors for `reconnect_s`, each
+        attempt bounded by the time left (plus `wait_s`, a blocking read's own wait); any other Redis
+        error (or running out of time) is a TransportError."""
         deadline = time.monotonic() + self.options.reconnect_s
         failures = 0
         while True:
             try:
-                result = fn(*args, **kwargs)
+                bound = (
+                    attempt_until(deadline + wait_s)
+                    if self.options.reconnect_s > 0
+                    else contextlib.nullcontext()
+                )
+                with bound:
+                    result = fn(*args, **kwargs)
             except redis.exceptions.AuthenticationError as exc:  # a ConnectionError, but retrying won't help
                 raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            except RETRIED as exc:
                 failures += 1
+                if failures == 1 and isinstance(exc, redis.exceptions.OutOfMemoryError):
+                    log.warning("redis %s: the broker is at its maxmemory, backing off: %s", what, exc)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportError(
@@ -120,10 +159,22 @@ class RedisTransport(Transport):
                 time.sleep(min(RECONNECT_BACKOFF.compute(failures), left))
                 continue
             except redis.exceptions.RedisError as exc:
+                if str(exc).startswith(FENCED):
+                    raise FencedError(f"redis {what} refused: {exc}") from exc
                 raise TransportError(f"redis {what} failed ({redact(self.url)}): {exc}") from exc
             if failures:
                 self.reconnects += 1
             return result
+
+    def _eval(self, what: str, name: str, keys: list, args: list, **kwargs):
+        """Script `name` (`SCRIPTS`) through `_call`; behind the epoch check when `fence` is set."""
+        plain, fenced = self._scripts[name]
+        fence = self.fence
+        if fence is None:
+            return self._call(what, plain, keys=keys, args=args, **kwargs)
+        return self._call(
+            what, fenced, keys=[fence.key, fence.counter, *keys], args=[fence.epoch, *args], **kwargs
+        )
 
     # ---- streams -------------------------------------------------------------------------------
     def ensure_group(self, stream: str, group: str) -> None:
@@ -146,6 +197,8 @@ class RedisTransport(Transport):
         keys: Sequence[str] | None = None,
     ) -> list[str]:
         check_keys(payloads, keys)
+        for payload in payloads:
+            check_size(f"{stream}: entry", len(payload), self.options.max_entry_bytes)
         with self._publish_lock:  # threads sharing this transport share its credits
             return self._publish_locked(stream, payloads, timeout, keys)
 
@@ -211,16 +264,21 @@ class RedisTransport(Transport):
             return pipe.execute()
 
         valid_until = self._credits[stream][1]
-        *added, held = self._call("publish", spend)
+        if self.fence is not None:  # the payloads pass through the script: only small fenced publishes
+            held, added = self._eval(
+                "publish", "SPEND", [stream, f"{stream}:credits"], [self._token, *payloads]
+            )
+        else:
+            *added, held = self._call("publish", spend)
         self._credits[stream] = (int(held), valid_until)
         return [i.decode() for i in added]
 
     def _spend_keyed(self, stream: str, payloads: Sequence[bytes], keys: Sequence[str]) -> list[str]:
         """XADD the entries whose key is new, SET their keys, give back as many credits: one script."""
         valid_until = self._credits[stream][1]
-        held, added = self._call(
+        held, added = self._eval(
             "publish",
-            self._publish_keyed,
+            "PUBLISH_KEYED",
             keys=[stream, f"{stream}:credits", *keys],
             args=[self._token, int(PUBLISH_KEY_TTL_S * 1000), *payloads],
         )
@@ -241,15 +299,21 @@ class RedisTransport(Transport):
             return out
         block_ms = None if out or block_s <= 0 else max(1, int(min(block_s, MAX_BLOCK_S) * 1000))
         try:
-            reply = self._call(
-                "consume",
-                self._redis.xreadgroup,
-                group,
-                consumer,
-                {stream: ">"},
-                count=count - len(out),
-                block=block_ms,
-            )
+            if self.fence is not None:
+                reply = self._read_new_fenced(
+                    stream, group, consumer, count - len(out), (block_ms or 0) / 1000
+                )
+            else:
+                reply = self._call(
+                    "consume",
+                    self._redis.xreadgroup,
+                    group,
+                    consumer,
+                    {stream: ">"},
+                    count=count - len(out),
+                    block=block_ms,
+                    wait_s=(block_ms or 0) / 1000,
+                )
         except TransportError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -260,15 +324,36 @@ class RedisTransport(Transport):
                 out.append(Delivery(stream, entry_id.decode(), fields.get(b"d", b""), 1))
         return out
 
+    def _read_new_fenced(self, stream: str, group: str, consumer: str, count: int, block_s: float):
+        """XREADGROUP of new entries behind the epoch check, polled (with back-off) for up to `block_s`."""
+        deadline, backoff = time.monotonic() + block_s, Backoff(0.005, 0.1)
+        while True:
+            reply = self._eval("consume", "READ_NEW", [stream], [group, consumer, count])
+            left = deadline - time.monotonic()
+            if reply or left <= 0:  # as redis-py's xreadgroup answers: fields in a dict
+                return [
+                    (name, [(i, dict(zip(f[::2], f[1::2]))) for i, f in entries])
+                    for name, entries in reply or []
+                ]
+            time.sleep(min(backoff.step(), left))
+
     def _reread_own(self, stream: str, group: str, consumer: str, count: int) -> Deliveries:
         """The next page of this consumer's own pending entries (empty once they are all re-read)."""
         key, opts = (stream, group, consumer), self.options
         after = self._own_cursor.get(key, "0")
-        last, entries, capped, read = self._call(
+        last, entries, capped, read = self._eval(
             "consume",
-            self._read_own,
+            "READ_OWN",
             keys=[stream, Names.dead(stream)],
-            args=[group, consumer, after, count, opts.max_deliveries, opts.dead_max_len],
+            args=[
+                group,
+                consumer,
+                after,
+                count,
+                opts.max_deliveries,
+                opts.dead_max_len,
+                opts.dead_payload_bytes,
+            ],
         )
         self._own_cursor[key] = last.decode() if isinstance(last, bytes) else str(last)
         if int(read) < count:
@@ -286,9 +371,9 @@ class RedisTransport(Transport):
         ):
             return Deliveries()  # a full scan happened moments ago: nothing can have become idle since
         opts = self.options
-        cursor, claimed, capped = self._call(
+        cursor, claimed, capped = self._eval(
             "reclaim",
-            self._reclaim,
+            "RECLAIM",
             keys=[stream, Names.dead(stream)],
             args=[
                 group,
@@ -298,6 +383,7 @@ class RedisTransport(Transport):
                 opts.max_deliveries,
                 opts.dead_max_len,
                 cursor,
+                opts.dead_payload_bytes,
             ],
         )
         self._reclaim_cursor[key] = cursor = cursor.decode()
@@ -310,22 +396,32 @@ class RedisTransport(Transport):
     def ack(self, stream: str, group: str, ids: Sequence[str]) -> None:
         if not ids:
             return
-        self._call("ack", self._ack, keys=[stream], args=[group, *ids])
+        self._eval("ack", "ACK", keys=[stream], args=[group, *ids])
 
     def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
-        self._call(
+        self._eval(
             "dead_letter",
-            self._dead,
+            "DEAD_LETTER",
             keys=[delivery.stream, Names.dead(delivery.stream)],
             args=[
                 group,
                 delivery.id,
-                delivery.payload,
+                bytes(delivery.payload[: self.options.dead_payload_bytes]),
                 delivery.attempts,
                 reason,
                 self.options.dead_max_len,
+                len(delivery.payload),
             ],
         )
+
+    def release(self, stream: str, group: str, consumer: str) -> int:
+        args = [group, consumer, RELEASED_IDLE_MS]
+        try:
+            return int(self._call("release", self._release, keys=[stream], args=args))
+        except TransportError as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc):
+                return 0
+            raise
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` entries of `<stream>:dead` (for inspection; not consumed)."""
@@ -337,6 +433,7 @@ class RedisTransport(Transport):
                 reason=f[b"reason"].decode(),
                 group=f[b"group"].decode(),
                 attempts=int(f[b"attempts"]),
+                nbytes=int(f.get(b"n", -1)),
             )
             for _id, f in entries
         ]
@@ -354,6 +451,7 @@ class RedisTransport(Transport):
 
     # ---- blobs and values ----------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        check_size(f"blob {key}", len(data), self.options.max_blob_bytes)
         ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
 
         def put():
@@ -374,7 +472,10 @@ class RedisTransport(Transport):
         return self._call("get_blobs", self._redis.mget, list(keys))
 
     def set_value(self, key: str, value: bytes) -> None:
-        self._call("set_value", self._redis.set, key, value)
+        if self.fence is not None:
+            self._eval("set_value", "SET", [key], [value])
+        else:
+            self._call("set_value", self._redis.set, key, value)
 
     def set_value_nx(self, key: str, value: bytes, *, ttl_s: float | None = None) -> bool:
         px = max(1, int(ttl_s * 1000)) if ttl_s is not None else None

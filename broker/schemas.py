@@ -18,9 +18,14 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 2
-"""Bump when a field changes meaning or a required field is added.
-2: `Rollout` carries its token ids and logprobs packed (int32 / float32 bytes) instead of as lists."""
+SCHEMA_VERSION = 3
+"""Bump when a field changes meaning or a field is added that a reader must not ignore.
+2: `Rollout` carries its token ids and logprobs packed (int32 / float32 bytes) instead of as lists.
+3: `Rollout` may be a multi-turn episode: a loss mask over its response, the tool turns' images, the
+   policy version of every turn (all optional: a version 2 message reads as a one-turn sample)."""
+
+READABLE_VERSIONS = (2, 3)
+"""Schema versions this build decodes (the codec refuses others); it writes SCHEMA_VERSION."""
 
 
 class ImageRef(msgspec.Struct, frozen=True):
@@ -77,6 +82,23 @@ class Rollout(msgspec.Struct, kw_only=True):
     """Policy version that was served when this sample finished."""
     finish_reason: str
     """"stop", "length" or "abort"."""
+    loss_mask_u8: bytes = b""
+    """Multi-turn episodes (docs/environments.md): per response token, 1 where the model sampled it and 0
+    where the environment appended it (tool turns, their image pads), packed uint8; the logprob of an
+    environment token is 0 and means nothing. Empty: every token is the model's (a one-turn sample)."""
+    images: list[ImageRef] = []
+    """The images the environment added in its turns, in the order of their pads in the response (one pad
+    each, like the prompt's); the group's `images` stay the prompt's."""
+    turn_versions: list[int] = []
+    """The policy version serving each model turn, in order (empty for a one-turn sample)."""
+    tool_calls: int = 0
+    """Tool calls the model made in this episode."""
+    tool_errors: int = 0
+    """Of those, the ones the environment answered with an error (malformed, out of range, over a limit)."""
+    env_reward: float = 0.0
+    """The environment's own reward term, summed over the episode; the reward service adds it."""
+    env_error: str = ""
+    """Why the environment failed this episode (a timeout, an exception), "" when it did not."""
 
     def __post_init__(self) -> None:
         """Reject ids and logprobs that do not pair up (also when decoding: the codec says "malformed")."""
@@ -88,15 +110,24 @@ class Rollout(msgspec.Struct, kw_only=True):
                 f"{len(ids)} bytes of int32 token ids and {len(logprobs)} bytes of float32 "
                 "logprobs do not pair up"
             )
+        if self.loss_mask_u8 and len(self.loss_mask_u8) * 4 != len(ids):
+            raise ValueError(f"a loss mask of {len(self.loss_mask_u8)} for {len(ids) // 4} response tokens")
 
     @classmethod
     def of(
-        cls, *, token_ids: Sequence[int] | np.ndarray, logprobs: Sequence[float] | np.ndarray, **fields
+        cls,
+        *,
+        token_ids: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray,
+        loss_mask: Sequence[int] | np.ndarray | None = None,
+        **fields,
     ) -> Rollout:
-        """A sample from token ids and logprobs as lists or arrays (packed here); `fields`: the rest."""
+        """A sample from token ids and logprobs (and a multi-turn episode's loss mask) as lists or arrays
+        (packed here); `fields`: the rest."""
         return cls(
             response_token_ids_i32=np.asarray(token_ids, dtype="<i4").tobytes(),
             behaviour_logprobs_f32=np.asarray(logprobs, dtype="<f4").tobytes(),
+            loss_mask_u8=b"" if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
             **fields,
         )
 
@@ -112,6 +143,17 @@ class Rollout(msgspec.Struct, kw_only=True):
     def logprobs(self) -> np.ndarray:
         """Behaviour logprobs, one per token (a read-only float32 view of the packed bytes)."""
         return np.frombuffer(self.behaviour_logprobs_f32, dtype="<f4")
+
+    def loss_mask(self) -> np.ndarray:
+        """1 per model token, 0 per environment token (all ones for a one-turn sample), uint8."""
+        if not self.loss_mask_u8:
+            return np.ones(self.num_tokens, dtype=np.uint8)
+        return np.frombuffer(self.loss_mask_u8, dtype=np.uint8)
+
+    @property
+    def multi_turn(self) -> bool:
+        """True for an episode with environment turns (a loss mask or images of its own)."""
+        return bool(self.loss_mask_u8 or self.images)
 
 
 class RolloutGroup(msgspec.Struct, tag="rollout_group", kw_only=True):

@@ -15,6 +15,13 @@ A transport offers four things:
     returns the id it got the first time, in the same atomic step as the appends. A producer that
     died after a publish and before recording its ids publishes the same entries again under the
     same keys and gets the original ids back (the learner's prompt feeder does).
+  * leases with epochs (`acquire_lease` / `renew_lease` / `release_lease`) and fenced writes: a
+    transport whose `fence` is set has every publish, consume, ack, dead letter and `set_value`
+    checked on the broker, atomically with the write, against the lease's current epoch; once
+    another holder took the lease they raise `FencedError` and change nothing (broker/lease.py).
+  * hand-back: `release(stream, group, consumer)` makes a consumer's pending entries claimable by
+    the group's other consumers at once, without counting a failed delivery (a generator that is
+    stopped hands back what it holds instead of letting it wait for `claim_idle_s`).
 
 Implementations: `broker.redis_transport.RedisTransport` (Redis Streams) and
 `broker.zmq_transport.ZmqTransport` (a small ZeroMQ broker process with credit-based flow
@@ -40,6 +47,36 @@ class TransportError(RuntimeError):
 
 class BackpressureTimeout(TransportError):
     """A publish waited longer than its timeout for consumers to catch up."""
+
+
+class FencedError(TransportError):
+    """A write of a lease holder whose lease another holder took: refused by the broker, nothing changed."""
+
+
+FENCED = "FENCED"
+"""How the broker's refusal of a fenced write starts (both transports)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The lease a transport's writes are checked against: its key and the epoch this process holds."""
+
+    key: str
+    epoch: int
+
+    @property
+    def counter(self) -> str:
+        """The key of the lease's epoch counter (it outlives the lease's expiry)."""
+        return f"{self.key}:epoch"
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What `acquire_lease` found: `acquired` (this call took it), the lease's epoch and its holder."""
+
+    acquired: bool
+    epoch: int
+    holder: bytes
 
 
 @dataclass(frozen=True)
@@ -73,6 +110,11 @@ class Transport(abc.ABC):
 
     options: StreamOptions
     """The stream options this transport was connected with (max_len, max_deliveries, ...)."""
+    auth_key: bytes | None = None
+    """The run's message key: `broker.channel` signs what it publishes and verifies what it consumes
+    with it (broker/auth.py); None: no message authentication. Set by `broker.connect`."""
+    fence: Fence | None = None
+    """Set by a lease holder (broker/lease.py): its writes are refused once the lease moved on."""
 
     def publish(self, stream: str, payload: bytes, *, timeout: float | None = 30.0) -> str:
         """Append `payload` to `stream` and return its entry id; block while the stream is full."""
@@ -140,6 +182,32 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def get_value(self, key: str) -> bytes | None:
         """Read a latest-value entry (None when unset)."""
+
+    @abc.abstractmethod
+    def release(self, stream: str, group: str, consumer: str) -> int:
+        """Hand `consumer`'s pending entries back to `group`: the next read of any other consumer reclaims
+        them, and their delivery counts stay as they were; returns how many."""
+
+    # ---- leases ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def acquire_lease(
+        self, key: str, holder: bytes, ttl_s: float, *, replace: bytes | None = None
+    ) -> LeaseState:
+        """Take lease `key` for `holder` if it is free (or held by exactly `replace`, a holder known to be
+        dead), with the epoch one above the last one handed out; else the current epoch and holder."""
+
+    @abc.abstractmethod
+    def renew_lease(self, key: str, epoch: int, holder: bytes, ttl_s: float) -> bool:
+        """Extend the lease of `epoch` by `ttl_s` (recreating it if it expired and nobody took it since);
+        False when another holder took it."""
+
+    @abc.abstractmethod
+    def release_lease(self, key: str, epoch: int) -> None:
+        """Give the lease of `epoch` up (nothing happens when another holder has it)."""
+
+    @abc.abstractmethod
+    def check_fence(self) -> None:
+        """Raise FencedError unless this transport's `fence` still holds (a round trip to the broker)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """The ZeroMQ broker process: a ROUTER socket serving `broker.zmq_state.BrokerState`.
 
-Run it with `python -m broker zmq-broker --bind tcp://127.0.0.1:5555`, or in a thread with
-`BrokerThread().start()` (tests). Clients (`broker.zmq_transport.ZmqTransport`) talk to it over
-DEALER sockets; a message is a msgpack header frame plus raw payload frames (no pickle):
+Run it with `python -m broker zmq-broker --bind tcp://127.0.0.1:5555 --password-file FILE`, or in a
+thread with `BrokerThread().start()` (tests). Clients (`broker.zmq_transport.ZmqTransport`) talk to it
+over DEALER sockets; a message is a msgpack header frame plus raw payload frames (no pickle):
 
     request  [request_id, op, *args]                                     + payload frames
     reply    [request_id, status ("ok" | "err" | "nocredit"), result, credits] + payload frames
@@ -17,11 +17,22 @@ of letting the broker's memory grow.
 Retries are exactly-once: a client resends a request that timed out with the same request id
 (its socket identity is fixed, so it survives reconnects); the broker answers a repeat of the
 request it answered last with that same reply again, and ignores a repeat of one still parked.
+
+Fenced requests: [request_id, "fenced", lease key, epoch, op, *args] runs `op` only while the lease
+holds that epoch (`BrokerState.fence_holds`), checked in the same turn of the loop as the op itself (a
+parked consume is checked again when it is answered); else the reply is an error starting with FENCED.
+
+Clients authenticate: with a password (`--password-file`, else $PARALLAX_BROKER_PASSWORD), every
+connection's handshake must present it (ZeroMQ PLAIN, checked by pyzmq's ZAP authenticator on the
+broker's own context), so a client without it is never served; without one the broker serves anyone
+and says so at start. PLAIN sends the password in clear: across hosts, tunnel the port (docs/security.md).
+A frame above `max_frame_bytes` (ZMQ_MAXMSGSIZE) disconnects its sender before the broker reads it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -31,13 +42,21 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from broker.config import PASSWORD_ENV
 from broker.redis_server import free_port, stop_process
+from broker.stream_options import StreamOptions
 from broker.zmq_state import BrokerState
+from runtime.private import new_secret, read_secret
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05
 """Longest wait between timer checks (parked deadlines, lease expiry, blob and key expiry)."""
+PLAIN_USER = "parallax"
+"""The user name of ZeroMQ PLAIN (only the password is secret)."""
+MAX_FRAME_BYTES = max(StreamOptions.max_entry_bytes, StreamOptions.max_blob_bytes) + 1024 * 1024
+"""Default largest frame a client may send: the largest entry or blob, plus room for a header."""
 
 
 @dataclass
@@ -46,6 +65,16 @@ class ZmqBrokerConfig:
 
     bind: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint to bind (port 0 or * picks a free port, printed at start)."""
+    password_file: str = ""
+    """File whose first line is the password every client connection must present ("" =
+    $PARALLAX_BROKER_PASSWORD; with neither, the broker serves any client)."""
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    """A client that sends a larger frame is disconnected (ZMQ_MAXMSGSIZE)."""
+
+    def password(self) -> str | None:
+        if self.password_file:
+            return read_secret(self.password_file)
+        return os.environ.get(PASSWORD_ENV) or None
 
 
 class ZmqBroker:
@@ -55,9 +84,20 @@ class ZmqBroker:
     or None when the request is parked (answered later by `_reply`).
     """
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:5555", context: zmq.Context | None = None):
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:5555",
+        context: zmq.Context | None = None,
+        *,
+        password: str | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ):
         self.bind_address = bind[:-2] + ":*" if bind.endswith(":0") else bind
-        self.context = context or zmq.Context.instance()
+        self._own_context = context is None  # the authenticator owns its context's ZAP endpoint
+        self.context = context or zmq.Context()
+        self.password = password
+        self.max_frame_bytes = max_frame_bytes
+        self.authenticator: ThreadAuthenticator | None = None
         self.state = BrokerState()
         self.socket: zmq.Socket | None = None
         self._waiting_consume: dict[str, list] = {}
@@ -69,7 +109,7 @@ class ZmqBroker:
             "ping": lambda c, r, f: ("ok", "pong", None),
             "credit": self._credit,
             "publish": self._publish,
-            "release": self._release,
+            "release_credits": self._release,
             "consume": self._consume,
             "read_own": self._read_own,
             "ack": self._ack,
@@ -88,12 +128,28 @@ class ZmqBroker:
                 None,
             ),
             "get_value": lambda c, r, f, key: ("ok", state.values.get(key), None),
+            "release": self._release_pending,
+            "lease_acquire": lambda c, r, f, *args: ("ok", state.acquire_lease(*args), None),
+            "lease_renew": lambda c, r, f, *args: ("ok", state.renew_lease(*args), None),
+            "lease_release": lambda c, r, f, *args: ("ok", state.release_lease(*args), None),
+            "fenced": self._fenced,
+            "check_fence": lambda c, r, f: ("ok", True, None),
         }
 
     def bind(self) -> str:
         """Bind the ROUTER socket; returns the endpoint actually bound (tcp://host:port)."""
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        if self.password:
+            self.authenticator = ThreadAuthenticator(self.context)
+            self.authenticator.start()
+            self.authenticator.configure_plain(domain="*", passwords={PLAIN_USER: self.password})
+            self.socket.setsockopt(zmq.PLAIN_SERVER, 1)
+        else:
+            log.warning(
+                "zmq broker without a password: any client that reaches %s is served", self.bind_address
+            )
         self.socket.bind(self.bind_address)
         return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -111,6 +167,10 @@ class ZmqBroker:
                     last_tick = time.monotonic()
         finally:
             self.socket.close(linger=0)
+            if self.authenticator is not None:
+                self.authenticator.stop()
+            if self._own_context:
+                self.context.term()
 
     def _drain(self, limit: int = 1000) -> None:
         for _ in range(limit):
@@ -187,19 +247,30 @@ class ZmqBroker:
         return "ok", ids, credits
 
     def _release(self, client, rid, frames, stream):
-        self.state.release(client, stream)
+        self.state.release_credits(client, stream)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", None, [stream, 0, 0.0]
 
+    def _fenced(self, client, rid, frames, key, epoch, op, *args):
+        if not self.state.fence_holds(key, epoch):
+            return "err", f"FENCED lease {key} moved on from epoch {epoch}", None
+        if op == "consume":
+            return self._consume(client, rid, frames, *args, fence=(key, epoch))
+        return self._ops[op](client, rid, frames, *args)
+
+    def _release_pending(self, client, rid, frames, stream, group, consumer):
+        return "ok", self.state.release(stream, group, consumer), None
+
     # ---- consuming -------------------------------------------------------------------------------
     def _consume(
-        self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries
-    ):
+        self, client, rid, frames, stream, group, consumer, count, block_s, claim_idle_s, max_deliveries,
+        fence=None,
+    ):  # fmt: skip
         out, capped = self.state.consume(stream, group, consumer, count, claim_idle_s, max_deliveries)
         self._serve_credit_waiters(stream, time.monotonic())  # reclaim may have dead-lettered some
         if out or block_s <= 0:
             return _deliveries_reply(out, capped)
-        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped)
+        args = (stream, group, consumer, count, block_s, claim_idle_s, max_deliveries, capped, fence)
         self._waiting_consume.setdefault(stream, []).append((client, rid, args, time.monotonic() + block_s))
         return None
 
@@ -215,9 +286,14 @@ class ZmqBroker:
             return
         keep = []
         for client, rid, args, deadline in waiters:
-            stream_, group, consumer, count, _block, idle_s, max_deliveries, capped = args
+            stream_, group, consumer, count, _block, idle_s, max_deliveries, capped, fence = args
             if deadline > now and not self.state.has_new(stream_, group):
                 keep.append((client, rid, args, deadline))
+                continue
+            if fence is not None and not self.state.fence_holds(*fence):
+                self._reply(
+                    client, rid, "err", f"FENCED lease {fence[0]} moved on from epoch {fence[1]}", None
+                )
                 continue
             out, more = self.state.consume(stream_, group, consumer, count, idle_s, max_deliveries)
             self._reply(client, rid, *_deliveries_reply(out, capped + more))
@@ -232,14 +308,14 @@ class ZmqBroker:
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", n, None
 
-    def _dead(self, client, rid, frames, stream, group, id_, attempts, reason):
-        n = self.state.dead_letter(stream, group, id_, frames[0], attempts, reason)
+    def _dead(self, client, rid, frames, stream, group, id_, attempts, reason, nbytes=-1):
+        n = self.state.dead_letter(stream, group, id_, frames[0], attempts, reason, nbytes)
         self._serve_credit_waiters(stream, time.monotonic())
         return "ok", n, None
 
     def _dead_letters(self, client, rid, frames, stream, count):
         rows = list(self.state.stream(stream).dead)[:count]
-        return "ok", [[i, r, g, a] for i, _, r, g, a in rows], None, [p for _, p, _, _, _ in rows]
+        return "ok", [[i, r, g, a, n] for i, _, r, g, a, n in rows], None, [row[1] for row in rows]
 
     def _get_blob(self, client, rid, frames, key):
         data = self.state.get_blob(key)
@@ -267,17 +343,25 @@ def _deliveries_reply(out: list, capped: int) -> tuple:
 
 
 class BrokerThread:
-    """A ZmqBroker serving from a daemon thread (tests, demo); `url` is its zmq:// address."""
+    """A ZmqBroker serving from a daemon thread (tests, demo), with a password drawn for it unless given
+    (`password=""`: none); `url` is its zmq:// address with the password in it."""
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:0"):
-        self.broker = ZmqBroker(bind)
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        password: str | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ):
+        self.password = new_secret(18) if password is None else password
+        self.broker = ZmqBroker(bind, password=self.password or None, max_frame_bytes=max_frame_bytes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.url = ""
 
     def start(self) -> BrokerThread:
         endpoint = self.broker.bind()
-        self.url = "zmq://" + endpoint.removeprefix("tcp://")
+        auth = f":{self.password}@" if self.password else ""
+        self.url = f"zmq://{auth}" + endpoint.removeprefix("tcp://")
         self._thread = threading.Thread(
             target=self.broker.serve, args=(self._stop,), daemon=True, name="zmq-broker"
         )
@@ -298,7 +382,7 @@ class BrokerThread:
 
 def serve_forever(config: ZmqBrokerConfig) -> None:
     """Entry point of `python -m broker zmq-broker`; stops on Ctrl-C / SIGTERM."""
-    broker = ZmqBroker(config.bind)
+    broker = ZmqBroker(config.bind, password=config.password(), max_frame_bytes=config.max_frame_bytes)
     endpoint = broker.bind()
     print(f"zmq broker listening on zmq://{endpoint.removeprefix('tcp://')}", flush=True)
     try:
@@ -308,16 +392,19 @@ def serve_forever(config: ZmqBrokerConfig) -> None:
 
 
 class BrokerProcess:
-    """`python -m broker zmq-broker` as a child process on a free port (benchmark, demo)."""
+    """`python -m broker zmq-broker` as a child process on a free port (benchmark, demo), with a password
+    drawn for it and handed over in its environment; `url` carries it."""
 
     def __init__(self, port: int | None = None):
         self.port = port or free_port()
-        self.url = f"zmq://127.0.0.1:{self.port}"
+        self.password = new_secret(18)
+        self.url = f"zmq://:{self.password}@127.0.0.1:{self.port}"
         self.process = None
 
     def start(self) -> BrokerProcess:
         cmd = [sys.executable, "-m", "broker", "zmq-broker", "--bind", f"tcp://127.0.0.1:{self.port}"]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, PASSWORD_ENV: self.password}
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.process.stdout.readline()  # "zmq broker listening on ..." once bound
         if "listening" not in line:
             self.stop()

@@ -9,6 +9,11 @@ a consumer its own pending entries again (what a restarted process asks for firs
 published with a key is appended once: a later publish under the same key returns its first id
 (kept `PUBLISH_KEY_TTL_S`). Everything lives in this process's memory: a broker restart loses it.
 
+Leases with epochs (broker/lease.py): `acquire_lease`, `renew_lease`, `release_lease` with the Redis
+scripts' semantics (broker/redis_fence.py), and `fence_holds(key, epoch)`, which the broker checks before
+it runs a fenced request. `release` hands a consumer's pending entries back to its group (the next
+reclaim of any consumer takes them; their attempt counts stay).
+
 Credit-based flow control: a producer may only publish with credits, and credits are granted
 only while backlog + outstanding credits < max_len. Grants are leased (`CREDIT_LEASE_S`), so a
 producer that dies holding credits gives them back by expiry.
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 
 from broker.transport import PUBLISH_KEY_TTL_S
 
+DEAD_PAYLOAD_BYTES = 1024
+"""A dead letter keeps this much of its payload (with its size), never the whole of it."""
 CREDIT_LEASE_S = 10.0
 """Unused credits return to the pool this long after their last grant."""
 
@@ -45,7 +52,7 @@ class Stream:
     credits: dict[bytes, list] = field(default_factory=dict)
     """client identity -> [count, expires_at]."""
     dead: deque = field(default_factory=lambda: deque(maxlen=100_000))
-    """(id, payload, reason, group, attempts), oldest first."""
+    """(id, payload prefix, reason, group, attempts, payload bytes), oldest first."""
 
 
 class BrokerState:
@@ -60,6 +67,10 @@ class BrokerState:
         self.published_keys: dict[str, tuple[str, float]] = {}
         """Publish key -> (entry id, expires at)."""
         self._key_expiry: deque[tuple[float, str]] = deque()  # (expires at, key), oldest first
+        self.leases: dict[str, list] = {}
+        """Lease key -> [epoch, holder, expires at]."""
+        self.epochs: dict[str, int] = {}
+        """Lease key -> the last epoch handed out (outlives the lease's expiry)."""
 
     def stream(self, name: str) -> Stream:
         s = self.streams.get(name)
@@ -90,7 +101,7 @@ class BrokerState:
             return 0, 0.0
         return mine[0], mine[1] - self.clock()
 
-    def release(self, client: bytes, name: str) -> None:
+    def release_credits(self, client: bytes, name: str) -> None:
         if name in self.streams:
             self.streams[name].credits.pop(client, None)
 
@@ -178,7 +189,8 @@ class BrokerState:
         for seq in seqs:
             attempts = g.pending.pop(seq)[2]
             reason = f"delivered {attempts} times without ack (max_deliveries {max_deliveries})"
-            s.dead.append((str(seq), s.entries[seq][0], reason, group, attempts))
+            payload = s.entries[seq][0]
+            s.dead.append((str(seq), _prefix(payload), reason, group, attempts, len(payload)))
             self._acked(s, seq)
 
     def _reclaim(self, s, g, group, consumer, count, idle_before, max_deliveries):
@@ -192,6 +204,17 @@ class BrokerState:
         for seq in claim:  # re-inserted at the end: pending stays ordered by delivery time
             g.pending[seq] = [consumer, now, g.pending.pop(seq)[2] + 1]
         return [(str(seq), s.entries[seq][0], g.pending[seq][2]) for seq in claim], len(dead)
+
+    def release(self, name: str, group: str, consumer: str) -> int:
+        """Hand `consumer`'s pending entries back (module docstring); returns how many."""
+        s = self.streams.get(name)
+        g = s.groups.get(group) if s else None
+        if g is None:
+            return 0
+        mine = [seq for seq, record in g.pending.items() if record[0] == consumer]
+        released = {seq: [consumer, float("-inf"), max(g.pending.pop(seq)[2] - 1, 0)] for seq in mine}
+        g.pending = released | g.pending  # first in delivery order: the next reclaim takes them
+        return len(mine)
 
     def ack(self, name: str, group: str, ids: list[str]) -> int:
         s = self.streams.get(name)
@@ -212,12 +235,17 @@ class BrokerState:
         if entry[1] >= len(s.groups):
             del s.entries[seq]
 
-    def dead_letter(self, name: str, group: str, id_: str, payload: bytes, attempts: int, reason: str) -> int:
+    def dead_letter(
+        self, name: str, group: str, id_: str, payload: bytes, attempts: int, reason: str, nbytes: int = -1
+    ) -> int:
+        """Move a pending entry to the dead-letter list (`payload`: the part to keep; `nbytes`: its size)."""
         s = self.stream(name)
         g = s.groups.get(group)
         if g is None or int(id_) not in g.pending:
             return 0
-        s.dead.append((id_, payload, reason, group, attempts))
+        s.dead.append(
+            (id_, _prefix(payload), reason, group, attempts, nbytes if nbytes >= 0 else len(payload))
+        )
         return self.ack(name, group, [id_])
 
     def pending(self, name: str, group: str) -> int:
@@ -230,6 +258,41 @@ class BrokerState:
     def has_new(self, name: str, group: str) -> bool:
         s = self.streams.get(name)
         return s is not None and group in s.groups and s.groups[group].last + 1 < s.next_seq
+
+    # ---- leases ----------------------------------------------------------------------------------
+    def _lease(self, key: str) -> list | None:
+        lease = self.leases.get(key)
+        if lease is not None and lease[2] <= self.clock():
+            del self.leases[key]
+            return None
+        return lease
+
+    def acquire_lease(self, key: str, holder: bytes, ttl_s: float, replace: bytes | None) -> list:
+        """[taken, epoch, holder]: taken when free or held by exactly `replace`, with the next epoch."""
+        lease = self._lease(key)
+        if lease is not None and (not replace or lease[1] != replace):
+            return [False, lease[0], lease[1]]
+        epoch = self.epochs[key] = self.epochs.get(key, 0) + 1
+        self.leases[key] = [epoch, holder, self.clock() + ttl_s]
+        return [True, epoch, holder]
+
+    def renew_lease(self, key: str, epoch: int, holder: bytes, ttl_s: float) -> bool:
+        """Extend the lease of `epoch` (recreated if it expired and nobody took it); False when lost."""
+        if not self.fence_holds(key, epoch):
+            return False
+        lease = self._lease(key)
+        self.leases[key] = [epoch, lease[1] if lease else holder, self.clock() + ttl_s]
+        return True
+
+    def release_lease(self, key: str, epoch: int) -> None:
+        lease = self._lease(key)
+        if lease is not None and lease[0] == epoch:
+            del self.leases[key]
+
+    def fence_holds(self, key: str, epoch: int) -> bool:
+        """The lease (or, expired, its last epoch) is still `epoch`'s: its holder's writes may go ahead."""
+        lease = self._lease(key)
+        return (lease[0] if lease is not None else self.epochs.get(key, 0)) == epoch
 
     # ---- blobs and values -------------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, ttl_s: float | None) -> None:
@@ -260,3 +323,9 @@ class BrokerState:
             item = self.published_keys.get(key)
             if item is not None and item[1] <= now:
                 del self.published_keys[key]
+
+
+def _prefix(payload):
+    """The first DEAD_PAYLOAD_BYTES of a payload (a zmq.Frame or bytes), as bytes."""
+    data = payload.buffer if hasattr(payload, "buffer") else payload
+    return bytes(data[:DEAD_PAYLOAD_BYTES])

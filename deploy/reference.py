@@ -1,16 +1,17 @@
 """The configuration reference (docs/configuration.md), generated from the config dataclasses.
 
-    python -m deploy.reference > docs/configuration.md
+    python -m deploy.reference docs/configuration.md
 
 Every process has one config dataclass (runtime/config.py); this walks each of them, section by
 section, and writes one table per section: the flag, its TOML key, the type, the default and the
 field's docstring. A section whose type is a union of dataclasses (a variant chosen by its `type`
-field) gets one table per variant. tests/unit/deploy/test_reference.py fails when the committed page
+field) gets one table per variant. tests/unit/deploy/test_config_reference.py fails when the committed page
 differs from what this prints, so the page never drifts from the code.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import enum
@@ -179,10 +180,12 @@ def _one_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m deploy.reference", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", help="write the page to this file (default: standard output)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     page = render()
-    if argv:
-        Path(argv[0]).write_text(page)
+    if args.out:
+        Path(args.out).write_text(page)
     else:
         sys.stdout.write(page)
     return 0

@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from broker.redis_server import redis_server_argv
+from broker.redis_server import write_redis_config
+from deploy.credentials import RunCredentials
 from deploy.gpus.layout import GpuPlan
 from deploy.gpus.mps import GeneratorShare, time_slice_notice
 from deploy.plan import LaunchConfig
@@ -25,6 +26,7 @@ from deploy.preflight import PreflightError, inspect_model
 from deploy.processes import Child, ChildDied, free_port, port_open, tail
 from deploy.progress import JsonlTail, scrape
 from deploy.supervisor import Supervisor
+from runtime.private import private_dir
 
 
 def build_model(sv: Supervisor, cfg: LaunchConfig) -> Path:
@@ -74,17 +76,25 @@ def _geometry3k(sv: Supervisor, cfg: LaunchConfig, model_dir: Path) -> tuple[Pat
     return dirs["train"], dirs["test"]
 
 
-def start_broker(sv: Supervisor, cfg: LaunchConfig) -> str:
-    """Start the broker on a free port and wait until it listens; returns its URL."""
+def start_broker(sv: Supervisor, cfg: LaunchConfig, creds: RunCredentials) -> str:
+    """Start the broker on a free port, with the run's password, and wait until it listens; returns its
+    URL (without the password: the roles read `creds.password_file`)."""
     sv.stage("broker", cfg.broker)
     port = free_port()
     if cfg.broker == "redis":  # AOF in the run directory: restarts and --resume lose nothing
-        (sv.run_dir / "redis").mkdir(exist_ok=True)
-        argv = redis_server_argv(port, data_dir=str(sv.run_dir / "redis"))
+        data_dir = private_dir(sv.run_dir / "redis")  # its settings hold the password: a 0600 file
+        argv = write_redis_config(data_dir / "redis.conf", port, creds.password, data_dir=str(data_dir))
         sv.infra.start("redis", argv, restarts=cfg.max_restarts)
         url = f"redis://127.0.0.1:{port}/0"
     else:
-        sv.start(sv.infra, "zmq-broker", "broker", ["zmq-broker", "--bind", f"tcp://127.0.0.1:{port}"])
+        args = [
+            "zmq-broker",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            "--password-file",
+            str(creds.password_file),
+        ]
+        sv.start(sv.infra, "zmq-broker", "broker", args)
         url = f"zmq://127.0.0.1:{port}"
     sv.write_pids()
     deadline = time.monotonic() + 30
@@ -180,13 +190,17 @@ def wait_ready(sv: Supervisor, generator: Child, port: int, timeout_s: float) ->
         time.sleep(0.5)
 
 
-def train(sv: Supervisor, cfg: LaunchConfig, learner: Child, generator_port: int, metrics: JsonlTail) -> str:
+def train(
+    sv: Supervisor, cfg: LaunchConfig, learner: Child, generator_port: int, metrics: JsonlTail, on_tick=None
+) -> str:
     """Watch the run until it ends; returns its outcome: max_steps (the learner finished), time_limit
-    (--max-minutes) or target_reached (--stop-accuracy)."""
+    (--max-minutes) or target_reached (--stop-accuracy). `on_tick()` runs once a second (deploy/scale.py)."""
     deadline = sv.status.started + cfg.max_minutes * 60 if cfg.max_minutes > 0 else float("inf")
     url = f"http://127.0.0.1:{generator_port}/metrics" if generator_port else ""
     while True:
         sv.check()
+        if on_tick is not None:
+            on_tick()
         _observe(sv, metrics, url)
         code = learner.popen.poll()
         if code is not None and (code == 0 or learner.max_restarts == 0):  # else: restarted by check()

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from deploy.failures import classify
 from deploy.gpus.mps import MpsDaemon
 from deploy.preflight import explain_failure
 from deploy.processes import Child, ChildDied, ProcessGroup, tail
@@ -27,13 +28,28 @@ from runtime import jsonl
 class Supervisor:
     """A launch's process groups, live status, progress display and run records."""
 
-    def __init__(self, run_dir: Path, env: dict[str, str], max_restarts: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        max_restarts: int,
+        refill_s: float = 600.0,
+        watchdog_s: float = 0.0,
+    ):
         self.run_dir = run_dir
         self.max_restarts = max_restarts
-        """Restarts a child started with `restart=True` gets (the launch's --max-restarts)."""
+        """Restarts a child started with `restart=True` gets (the launch's --max-restarts), again after it
+        stayed up `refill_s` (--restart-refill-s); a role silent for `watchdog_s` (--watchdog-s) is
+        restarted."""
         self.status = RunStatus()
-        self.infra = ProcessGroup(run_dir, env, on_restart=self._restarted, classify=explain_failure)
-        self.roles = ProcessGroup(run_dir, env, on_restart=self._restarted, classify=explain_failure)
+        kw = {
+            "on_restart": self._restarted,
+            "classify": classify,
+            "refill_s": refill_s,
+            "watchdog_s": watchdog_s,
+        }
+        self.infra = ProcessGroup(run_dir, env, **kw)
+        self.roles = ProcessGroup(run_dir, env, **kw)
         self.progress: Progress | None = None
         self.mps: MpsDaemon | None = None
 
@@ -106,11 +122,19 @@ class Supervisor:
     def _restarted(self, child: Child, code: int) -> None:
         """A supervised process crashed and was started again: count, log and show it."""
         self.status.restarts[child.name] = child.restarts
-        self.event("restart", process=child.name, exit_code=code, restarts=child.restarts)
+        failure = child.failure
+        self.event(
+            "restart",
+            process=child.name,
+            exit_code=code,
+            restarts=child.restarts,
+            **({"failure": failure.kind, "fix": failure.fix} if failure else {}),
+        )
         if self.progress is not None:
+            known = f" ({failure.kind}: {failure.fix})" if failure else ""
             self.progress.message(
-                f"[launcher] {child.name} exited with code {code}: restarted "
-                f"({child.restarts}/{child.max_restarts})"
+                f"[launcher] {child.name} exited with code {code}{known}: restarted "
+                f"({child.used}/{child.max_restarts})"
             )
         self.write_pids()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from generator.config import GeneratorConfig, default_generator_id
 from policy.model_dir import ModelDirError, model_dir
 from runtime.config import apply_gpus, load_config, parse_gpus, write_resolved
+from runtime.private import private_umask
 from runtime.redact import setup_logging
 
 log = logging.getLogger("generator")
@@ -76,6 +77,7 @@ def run_children(argv: list[str], cfg: GeneratorConfig, groups: list[list[int]])
 
 
 def main(argv: list[str] | None = None) -> int:
+    private_umask()  # its run directory and logs: this user's only
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(GeneratorConfig, argv, description=__doc__)
     groups = engine_groups(parse_gpus(cfg.gpus), cfg.tp)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from broker.config import BrokerConfig
+from envs.config import EnvConfig
 from runtime.metrics import MetricsConfig
 from weights.config import RPC_BYTES_LIMIT, WeightReceiverConfig
 
@@ -44,35 +45,29 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     """Fraction of GPU memory vLLM may take (weights + activations + KV cache), when kv_cache_gb is 0."""
     max_num_seqs: int = 0
-    """Most sequences vLLM schedules at once; 0 = every sequence of one generate call (`batch_prompts` x `n`,
-    with `continuous` `max_inflight_prompts` x `n`), at least MIN_SEQS. Fewer than a call holds run it in
-    waves, each as long as its longest response, the last at a small batch (`validate` warns)."""
+    """Most sequences vLLM runs at once; 0 = every sequence of one generate call (`batch_prompts` x `n`, or
+    `max_inflight_prompts` x `n` with `continuous`), at least 256. Fewer run a call in slower waves."""
     enforce_eager: bool = True
-    """No CUDA graphs / torch.compile (fast start; on CPU also disables dynamo, see engine.py)."""
+    """No CUDA graphs or torch.compile: a faster engine start (on CPU, torch.compile stays off throughout)."""
     attention_backend: str = ""
-    """vLLM's attention backend for the language model by its name in vLLM (FLASH_ATTN, TRITON_ATTN,
-    FLASHINFER, ...); "" = vLLM's choice for the GPU."""
+    """vLLM's attention backend for the language model by name (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ...);
+    "" = vLLM's choice for the GPU."""
     mm_encoder_attention_backend: str = ""
     """vLLM's attention backend for the vision encoder by name (FLASH_ATTN, TORCH_SDPA, ...); "" = vLLM's
     choice."""
     in_process: bool | None = None
-    """Where vLLM's engine core runs. None (default): in its own process on CUDA (vLLM's default mode, which
-    overlaps scheduling and output processing with the GPU: faster than the in-process core,
-    docs/benchmarks.md; CUDA-IPC weights are read inside it from the learner's buffer), in
-    this process on CPU (fast start, no extra process). True: in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0; tensors are handed over without serialisation). False: its own
-    process (named-tensor updates then travel as safetensors bytes). Always its own process when tp > 1."""
+    """Where vLLM's engine core runs: True = in this process, False = in its own process, None = its own
+    process on CUDA (faster) and this process on CPU (faster start). Always its own process when tp > 1."""
     seed: int = 0
     """vLLM sampling seed (per engine; the worker adds the engine index)."""
     weight_load: Literal["auto", "reload", "load_weights"] = "auto"
-    """How received weights enter the model: "reload" (model runner `reload_weights`, required on CPU where
-    linear weights are pre-packed), "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU)."""
+    """How received weights enter the model: "reload" (vLLM's `reload_weights`, required on CPU),
+    "load_weights" (`model.load_weights`, GPU), "auto" (reload on CPU, load_weights on a GPU)."""
     keep_rollback_copy: bool = True
     """Keep a host copy of applied weights: a load that fails half way rolls back to the last good version."""
     rpc_chunk_bytes: int = 2**30
-    """Most tensor bytes per collective_rpc when a version travels to an engine core in its own process
-    (safetensors bytes; vLLM's msgpack refuses one bytes object of 4 GiB or more). A version goes as
-    several RPCs, still applied all or nothing; a single larger tensor goes alone. 1..2**32 - 2**24."""
+    """With the engine core in its own process: most weight bytes per call into it, 1 to 2**32 - 2**24 (a
+    version still applies all or nothing; a larger single tensor goes alone)."""
 
 
 @dataclass
@@ -88,8 +83,8 @@ class SamplingConfig:
     max_tokens: int = 1024
     """Longest response; prompts longer than max_model_len - max_tokens after image expansion are rejected."""
     min_tokens: int = 0
-    """Training responses are not ended by the end-of-turn token before this many tokens (vLLM min_tokens);
-    = max_tokens forces every response to max_tokens (fixed-length benchmark workloads). 0 = off."""
+    """Training responses cannot end before this many tokens (0 = off; = max_tokens makes every response
+    max_tokens long, for fixed-length benchmarks)."""
     eval_n: int = 1
     """Responses per evaluation prompt (split != "train")."""
     eval_temperature: float = 0.6
@@ -115,28 +110,23 @@ class GeneratorConfig:
     run_dir: str = "runs/generator"
     """Where this process writes its resolved config and vLLM's cache."""
     batch_prompts: int = 8
-    """Prompt records taken from the stream per generate call (with `continuous`: per admission, and freed
-    slots are refilled only once this many are free, so that the new prompts' prefills run batched)."""
+    """Prompts taken from the stream per generate call (with `continuous`: per admission; freed slots are
+    refilled once this many are free, so new prompts' prefills run batched)."""
     continuous: bool = False
-    """Continuous batching (generator/streaming.py): prompts enter vLLM as they are prepared and each group
-    is published when it finishes, instead of one generate call per batch; weights apply when the prompts
-    in flight have drained."""
+    """Continuous batching: prompts enter vLLM as they are prepared and each group is published when it
+    finishes, instead of one generate call per batch of `batch_prompts`."""
     max_inflight_prompts: int = 256
     """With `continuous`: prompts in vLLM at once (each is `n` sequences)."""
     weight_update: Literal["drain", "inflight"] = "drain"
-    """With `continuous`, when a new policy version arrives: "drain" pauses admission until the prompts in
-    flight finish, then applies it (a group never spans versions); "inflight" applies it at once, and vLLM
-    recomputes the running sequences' KV cache under the new weights (AReaL's interruptible generation):
-    their tokens so far keep the old version's behaviour logprobs, the rest come from the new version,
-    and the samples carry version_start < version_end. The batch loop always applies between calls."""
+    """With `continuous`, what a new policy version does: "drain" waits until the prompts in flight finish (a
+    group never spans versions); "inflight" applies it at once and running sequences continue under it
+    (their samples span two versions; docs/algorithms.md). Without `continuous` it applies between calls."""
     prepare_threads: int = 8
-    """Threads that verify and decode a batch's images before each generate call (generator/prepare.py;
-    hashlib and PIL release the GIL, so they run in parallel with each other and with prompt rendering),
-    at most one per CPU of the process; 0 = serially in the loop thread. With vLLM's engine core in its
-    own process this preparation is the loop's exposed CPU time."""
+    """Threads that verify and decode a batch's images before each generate call, at most one per CPU of the
+    process; 0 = in the loop thread."""
     max_staleness: int = -1
-    """Refuse to start a group while learner_version - served_version > this (-1 = off; the feeder's
-    min_version is the primary gate). 0 = synchronous."""
+    """Start no group while learner_version - served_version > this (-1 = off: the learner's feeder bounds
+    staleness; 0 = synchronous)."""
     gate_poll_s: float = 0.5
     """How often a blocked gate re-reads the versions."""
     initial_version: int = 0
@@ -153,8 +143,7 @@ class GeneratorConfig:
     """Exit after this many seconds without prompts (0 = never; for burst runs and tests)."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(claim_idle_s=600.0, max_deliveries=5))
     """The broker. claim_idle_s: a prompt pending this long on one (dead) generator is reclaimed by another;
-    it must exceed the longest generate call plus any staleness wait, or a live generator's prompts are
-    generated twice (downstream stages drop the duplicate by group id, derived from the stream entry)."""
+    keep it above the longest generate call plus any staleness wait, or live prompts get generated twice."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Prometheus server of engine 0; engine i of a multi-GPU launch serves port + i (port 0 = none)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -162,8 +151,11 @@ class GeneratorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters."""
     weight_sync: WeightReceiverConfig = field(default_factory=WeightReceiverConfig)
-    """Receiving the learner's weights (`[weight_sync]`; weights/config.py): by default the generator
-    follows the learner's announcement on the broker; `--weight-sync.no-enabled` serves the model as is."""
+    """Receiving the learner's weights (the transport follows the learner's announcement on the broker);
+    `--weight-sync.no-enabled` serves the model as is."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: which prompts run with an environment (a tool) and their limits
+    (docs/environments.md); prompts without one are sampled in one turn."""
 
     def validate(self) -> None:
         """Rules across fields (runtime.config calls this before any engine is built)."""
@@ -174,6 +166,11 @@ class GeneratorConfig:
         if not 0 < self.engine.rpc_chunk_bytes <= RPC_BYTES_LIMIT:
             raise ValueError(
                 f"engine.rpc_chunk_bytes must be in 1..{RPC_BYTES_LIMIT}, not {self.engine.rpc_chunk_bytes}"
+            )
+        self.env.validate()
+        if self.continuous and self.env.routes:
+            raise ValueError(
+                "multi-turn episodes (env.routes) run in the batch loop only: set continuous = false"
             )
         if self.batch_prompts < 1 or self.max_inflight_prompts < 1:
             raise ValueError("batch_prompts and max_inflight_prompts must be >= 1")

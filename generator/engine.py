@@ -278,6 +278,15 @@ class Engine:
             results[i].seconds = seconds
         return results
 
+    def continue_turns(self, prompts: list[dict], params: list) -> tuple[list[Completion], int]:
+        """Multi-turn episodes (generator/episodes.py): one Completion per prompt that continues an episode's
+        exact token ids (checked there against the context and image limits), and the version served."""
+        with self._lock:
+            version = self.version
+            with self._no_compile():
+                outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        return [self.completion(output.outputs[0]) for output in outputs], version
+
     def add_request(self, request_id: str, prompt: dict, params) -> None:
         """Continuous batching (streaming.py): add one admitted prompt (`admit`) to the running engine."""
         with self._lock, self._no_compile():

@@ -32,6 +32,7 @@ REASONS = (
     "bad_image",
     "image_missing",
     "image_undecodable",
+    "image_too_large",
 )
 """Every rejection reason a generator counts (label values of parallax_generator_rejected_prompts_total)."""
 

@@ -14,6 +14,8 @@ The pool gets no more threads than the process has CPUs: more were slower and no
 Reasons (a record's first bad image decides between the first two; the third needs good images):
     image_missing          a blob is not in the store (expired or never stored)
     image_undecodable      a blob fails its sha256 check or does not decode
+    image_too_large        a blob above the byte cap, or a header declaring more pixels than the
+                           pixel cap (`ImageStore.max_pixels`): refused before decoding
     image_count_mismatch   the rendered prompt does not keep one image pad per image
 """
 
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from broker.images import ImageMissing, ImageStore
+from broker.images import ImageMissing, ImageStore, ImageTooLarge
 from broker.schemas import PromptRecord
 from generator.inputs import Request
 
@@ -78,6 +80,8 @@ def _prepared(record: PromptRecord, images: list, ids: list[int] | ValueError) -
     bad = next((image for image in images if isinstance(image, Exception)), None)
     if isinstance(bad, ImageMissing):
         return Prepared(reason="image_missing", detail=str(bad))
+    if isinstance(bad, ImageTooLarge):
+        return Prepared(reason="image_too_large", detail=str(bad))
     if bad is not None:
         return Prepared(reason="image_undecodable", detail=str(bad))
     if isinstance(ids, ValueError):

@@ -22,6 +22,12 @@ With `continuous` (streaming.py) the same pieces run as continuous batching: pro
 running engine as they are prepared and each group is published the step it finishes; weights
 apply once the prompts in flight have drained, or between two engine steps with the prompts kept
 running (weight_update = "inflight").
+Joining and leaving a running run: `run` starts with `catch_up`, which waits (up to `weight_sync.timeout_s`)
+for the weights of the version the learner announced before taking any prompt, so a generator added to a
+run serves the current weights from its first group. Stopped (`stop()`, SIGTERM), it finishes the batch it
+is generating and `close` hands every prompt it still holds (held by the gate, in flight, unacked) back to
+the other generators (`Transport.release`): they take them at their next read, not after `claim_idle_s`.
+A crash hands nothing back (its restart re-reads them, and a prompt that kills it still meets the cap).
 The group id is `<prompt_id>@<stream entry id>`: stable across redeliveries, so a prompt reclaimed
 and generated twice yields one group id and downstream idempotency drops the copy.
 
@@ -44,12 +50,14 @@ from broker.channel import Publisher, Subscriber
 from broker.images import ImageStore
 from broker.names import Names, group_id
 from broker.schemas import PromptRecord, Rollout, RolloutGroup, WeightVersion
-from broker.transport import BackpressureTimeout, Delivery
+from broker.transport import BackpressureTimeout, Delivery, TransportError
 from generator.config import GeneratorConfig, default_generator_id
+from generator.episodes import EpisodeRunner, episode_fields
 from generator.gate import StalenessGate, VersionReader
 from generator.inputs import Result
 from generator.metrics import GeneratorMetrics
 from generator.prepare import make_pool, prepare_batch
+from runtime.heartbeat import Heartbeat
 from weights.vllm_apply import WeightLoadError
 
 log = logging.getLogger(__name__)
@@ -69,6 +77,7 @@ class GeneratorWorker:
         self, config: GeneratorConfig, *, engine=None, transport=None, metrics: GeneratorMetrics | None = None
     ):
         self.config = config
+        self.heartbeat = Heartbeat.from_env()  # the launcher's watchdog restarts a stuck generator
         self.generator_id = config.generator_id or default_generator_id()
         self.names = Names(config.broker.namespace)
         self.metrics = metrics or GeneratorMetrics()
@@ -100,6 +109,7 @@ class GeneratorWorker:
             from generator.streaming import ContinuousLoop
 
             self.continuous = ContinuousLoop(self)
+        self.episodes: EpisodeRunner | None = None  # built at the first prompt with an environment
         self.published = 0
         # groups with a non-finite logprob in a sample; in a row with one in every sample (`_check_finite`)
         self.nonfinite_groups = self.nonfinite_run = 0
@@ -145,6 +155,7 @@ class GeneratorWorker:
 
     def run(self) -> int:
         """Loop until stopped, `max_groups` published or `idle_exit_s` idle; returns groups published."""
+        self.catch_up()
         self.announce()
         last_work = time.monotonic()
         while not self._stop.is_set():
@@ -184,6 +195,7 @@ class GeneratorWorker:
         t0 = time.perf_counter()
         try:
             results = self.engine.generate(requests)
+            self.run_episodes([record for _, record, _ in prepared], requests, results)
         finally:
             self.metrics.queue_depth.set(0)
         log.info(
@@ -198,6 +210,39 @@ class GeneratorWorker:
             groups.append(self.make_group(delivery, record, ids, result, images_s))
             done.append(delivery)
         return self.publish_and_ack(groups, done)
+
+    def run_episodes(self, records: list[PromptRecord], requests: list, results: list[Result]) -> None:
+        """Continue the first turns of the prompts that name an environment into whole episodes."""
+        if not any(self.config.env.environment_of(record) for record in records):
+            return
+        if self.episodes is None:
+            self.episodes = EpisodeRunner(
+                self.engine, self.config.env, self.config.sampling.max_tokens, self.images.put_image,
+                self.metrics.registry,
+            )  # fmt: skip
+        self.episodes.run(records, requests, results)
+
+    def catch_up(self) -> None:
+        """Before serving: wait until the weights of the learner's announced version are applied (a generator
+        joining a running run), for at most `weight_sync.timeout_s`; then the staleness gate alone decides."""
+        learner = self.gate.learner()
+        if self.receiver is None or learner is None or self.engine.version >= learner:
+            return
+        log.info(
+            "joining at learner version %d (serving %d): waiting for its weights",
+            learner,
+            self.engine.version,
+        )
+        deadline = time.monotonic() + self.config.weight_sync.timeout_s
+        while self.engine.version < learner and not self._stop.is_set() and time.monotonic() < deadline:
+            if not self.sync_weights():
+                self._stop.wait(0.05)
+        if self.engine.version < learner:
+            log.warning(
+                "learner version %d not received within %.0f s: serving version %d meanwhile (the staleness "
+                "gate holds the prompts that need newer weights)",
+                learner, self.config.weight_sync.timeout_s, self.engine.version,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ parts of a step (streaming.py's too)
     @property
@@ -280,6 +325,7 @@ class GeneratorWorker:
                 version_start=result.version,
                 version_end=max(result.version, result.version_end),
                 finish_reason=c.finish_reason,
+                **episode_fields(c),
             )
             for c in result.completions
         ]
@@ -339,6 +385,7 @@ class GeneratorWorker:
     def sync_weights(self, running: bool = False) -> bool:
         """Apply the newest received version, if any; True when a new version is now served. `running`:
         requests are in flight in the engine and stay there (continuous loop, weight_update = inflight)."""
+        self.heartbeat()  # before every batch and while the gate holds one: the loop turns
         if self.receiver is None:
             return False
         received = self.receiver.poll()
@@ -371,14 +418,31 @@ class GeneratorWorker:
         )
         self.transport.set_value(self.names.generator_version(self.generator_id), codec.encode(msg))
 
+    def hand_back(self) -> int:
+        """Give the prompts this generator holds and has not acked back to the other generators; how many."""
+        self._held = []
+        try:
+            n = self.transport.release(self.names.prompts, Names.GENERATORS, self.generator_id)
+        except TransportError as exc:  # they still come back after claim_idle_s
+            log.warning("could not hand the prompts this generator holds back: %s", exc)
+            return 0
+        if n:
+            log.info("stopping: handed %d prompts back to the other generators", n)
+        return n
+
     def close(self) -> None:
-        """Stop the receiver and the preparation threads, release the engine and the broker connection
-        (unacked prompts get redelivered)."""
+        """Stop the receiver and the preparation threads, release the engine and the broker connection. After
+        a `stop()` the prompts still held go back to the other generators at once (`hand_back`); otherwise
+        (a crash) they stay with this consumer name, for its restart."""
+        if self._stop.is_set():
+            self.hand_back()
         self.stop()
         if self.receiver is not None:
             self.receiver.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.close()
         self.transport.close()
 

@@ -33,6 +33,7 @@ from broker.schemas import ImageRef
 from learner.losses import loss_denominator
 from learner.samples import TrainSample
 from policy.packing import PackedBatch, PixelCache, make_sample, pack
+from policy.turns import make_turn_sample
 from tasks.prompt import num_image_tokens
 
 
@@ -74,11 +75,12 @@ class MicroBatchPlanner:
         batching = self.cfg.batching
         budget = batching.max_tokens_per_microbatch
         if batching.share_prompts:  # what each sample adds to a row where its group's prompt is once
-            lengths = shared_lengths(samples, lengths, budget)
+            responses = [response_length(s, self.image_tokens) for s in samples]
+            lengths = shared_lengths(samples, lengths, budget, responses)
         bins = plan_microbatches(lengths, budget, [s.group_id for s in samples])
         per_rank = assign_to_ranks(bins, lengths, self.info.world_size)
         mine = [self.build_micro_batch([samples[i] for i in b]) for b in per_rank[self.info.rank]]
-        n_resp = sum(len(s.response_ids) for s in samples)
+        n_resp = sum(s.loss_tokens for s in samples)
         denom = loss_denominator(self.cfg.loss, n_resp, len(samples))
         # bigger packs for the passes that keep no activations (a budget of 0 joins nothing)
         joined = [join_microbatches(r, lengths, batching.no_grad_tokens_per_microbatch) for r in per_rank]
@@ -125,25 +127,39 @@ def split_evenly(n: int, parts: int) -> list[list[int]]:
 
 
 def sample_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) -> int:
-    """Tokens of the packed sequence: prompt with images expanded, plus the response."""
+    """Tokens of the packed sequence: prompt with images expanded, plus the response (with its tool
+    turns' images expanded)."""
     extra = sum(image_tokens(ref) - 1 for ref in sample.images)
-    return len(sample.prompt_ids) + extra + len(sample.response_ids)
+    return len(sample.prompt_ids) + extra + response_length(sample, image_tokens)
 
 
-def shared_lengths(samples: Sequence[TrainSample], lengths: Sequence[int], max_tokens: int) -> list[int]:
+def response_length(sample: TrainSample, image_tokens: Callable[[ImageRef], int]) -> int:
+    """Tokens of the packed response: its ids with the tool turns' images expanded."""
+    return len(sample.response_ids) + sum(image_tokens(ref) - 1 for ref in sample.response_images)
+
+
+def shared_lengths(
+    samples: Sequence[TrainSample],
+    lengths: Sequence[int],
+    max_tokens: int,
+    responses: Sequence[int] | None = None,
+) -> list[int]:
     """What each sample adds to a row with shared prompts, for `plan_microbatches`: a group that fits the
     budget whole (one prompt plus its responses) is planned at exactly what its row computes (the first
     sample carries the prompt); a larger one is split sample by sample, each piece with its own prompt, so
-    it is planned at the unshared lengths (never over the budget)."""
+    it is planned at the unshared lengths (never over the budget). `responses`: each sample's packed response
+    length (`response_length`; default: its ids)."""
+    if responses is None:
+        responses = [len(s.response_ids) for s in samples]
     units: dict[Hashable, list[int]] = {}
     for i, s in enumerate(samples):
         units.setdefault(s.group_id, []).append(i)
     out = list(lengths)
     for unit in units.values():
-        prompt = lengths[unit[0]] - len(samples[unit[0]].response_ids)
-        if prompt + sum(len(samples[i].response_ids) for i in unit) <= max_tokens:
+        prompt = lengths[unit[0]] - responses[unit[0]]
+        if prompt + sum(responses[i] for i in unit) <= max_tokens:
             for i in unit[1:]:
-                out[i] = len(samples[i].response_ids)
+                out[i] = responses[i]
     return out
 
 
@@ -241,19 +257,25 @@ class PackedMicroBatch:
         `share_prompts`)."""
         packed_samples = []
         for s in samples:
-            for ref in s.images:
+            for ref in (*s.images, *s.response_images):
                 warm_pixels(cache, ref, image_bytes)
-            images = [(ref.sha256, None) for ref in s.images]
+            images = [(ref.sha256, None) for ref in (*s.images, *s.response_images)]
             try:
-                packed_samples.append(
-                    make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id)
-                )
+                if s.loss_mask is None and not s.response_images:
+                    sample = make_sample(s.prompt_ids, s.response_ids, images, cache, image_token_id)
+                else:  # a multi-turn episode: its model tokens are the targets
+                    sample = make_turn_sample(
+                        s.prompt_ids, s.response_ids, s.loss_mask, images, cache, image_token_id
+                    )
+                packed_samples.append(sample)
             except ValueError as exc:  # e.g. image pads that do not match the images
                 raise ValueError(f"group {s.group_id}: {exc}") from exc
         packed = pack(
             packed_samples, image_token_id, cache.image_processor.merge_size, share_prompts=share_prompts
         )
-        lens = [len(s.response_ids) for s in samples]
+        lens = [s.loss_tokens for s in samples]
+        if lens != packed.response_lens:
+            raise ValueError(f"behaviour logprobs for {lens} tokens but {packed.response_lens} targets")
         prox = None
         if all(s.proximal_logprobs is not None for s in samples):
             prox = torch.tensor([x for s in samples for x in s.proximal_logprobs], dtype=torch.float32)

@@ -5,9 +5,18 @@ A checkpoint is a directory `<run_dir>/checkpoints/step-00000042/` holding
     optim.safetensors      AdamW tensors (exp_avg, exp_avg_sq, step) keyed "<param>/<field>"
     optim.json             AdamW param groups and non-tensor state, the LR scheduler's state
     trainer_state.json     step, policy version, the feeder's data cursor, consumed group ids
-All ranks take part (FSDP gathers), rank 0 writes into `step-...tmp/`, fsyncs every file and
-renames the directory into place, so a checkpoint exists completely or not at all. Nothing is
-pickled; safetensors and JSON only. Loading broadcasts rank 0's copy into every rank's shards.
+    manifest.json          every other file's size and sha256 (learner/manifest.py), written last
+All ranks take part (FSDP gathers), rank 0 writes into `step-...tmp/`, fsyncs every file, writes the
+manifest and renames the directory into place, so a checkpoint exists completely or not at all. Nothing
+is pickled; safetensors and JSON only. Loading broadcasts rank 0's copy into every rank's shards.
+
+`resume(model, optimizer, scheduler)` loads the newest checkpoint that verifies against its manifest:
+rank 0 checks them newest first, logs each one it skips with the file and the reason (truncated, changed
+on disk, unreadable), and every rank loads the one it chose. A checkpoint without a manifest (written
+before manifests existed) is loaded unverified, with a log line that says so. With `keep` >= 2 the
+learner acks a step's groups only once a second checkpoint holds them (learner/inbox.py), so falling
+back to the previous checkpoint loses no group: what the skipped one held is still pending and comes
+back. When no checkpoint is usable, `CorruptCheckpoint` lists every file at fault.
 
 `export_hf` writes `save_pretrained` output (config, weights under checkpoint names, generation
 config) plus the processor files, which transformers and vLLM load directly.
@@ -34,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from learner.parallel import HF_PREFIX, distributed
+from learner.manifest import CorruptCheckpoint, verify, write_manifest
+from learner.parallel import HF_PREFIX, broadcast_bytes, distributed
 from policy.loading import save_processor
 
 log = logging.getLogger(__name__)
@@ -61,21 +71,69 @@ class TrainerState:
 class Checkpointer:
     """Save, find and load checkpoints under `directory`; keep the newest `keep`."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0):
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, rank: int = 0, guard=None):
         self.directory = Path(directory)
         self.keep = max(keep, 1)
         self.rank = rank
+        self.guard = guard or (lambda: None)
+        """Called by rank 0 before a written checkpoint is renamed into place; raising keeps it out (a
+        learner that lost the run: learner/fencing.py)."""
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint directory, or None."""
+        """The newest complete checkpoint directory (unverified), or None."""
+        return next(iter(self.complete()), None)
+
+    def complete(self) -> list[Path]:
+        """The complete checkpoint directories, newest first (unverified)."""
         if not self.directory.is_dir():
-            return None
+            return []
         done = [
             p
             for p in self.directory.glob(f"{PREFIX}*")
             if p.is_dir() and (p / "trainer_state.json").is_file() and not p.name.endswith(".tmp")
         ]
-        return max(done, key=lambda p: int(p.name[len(PREFIX) :]), default=None)
+        return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
+
+    def resume(self, model, optimizer=None, scheduler=None) -> TrainerState | None:
+        """Collective: load the newest usable checkpoint (see the module docstring); None when there is
+        none at all; CorruptCheckpoint when there are some and none is usable."""
+        chosen = self._choose() if self.rank == 0 else None
+        raw = broadcast_bytes(None if chosen is None else chosen.encode())  # as it is without a group
+        chosen = None if raw is None else raw.decode()
+        if chosen is None:
+            return None
+        if chosen.startswith("!"):
+            raise CorruptCheckpoint(chosen[1:])
+        return self.load(chosen, model, optimizer, scheduler)
+
+    def _choose(self) -> str | None:
+        """Rank 0: the path of the newest checkpoint that verifies (None: no checkpoint; "!why": none
+        usable), logging each one skipped with its reason."""
+        found, problems = self.complete(), []
+        for path in found:
+            try:
+                verified = verify(path)
+            except CorruptCheckpoint as exc:
+                problems.append(str(exc))
+                log.warning("skipping checkpoint %s: %s", path.name, exc)
+                continue
+            if not verified:
+                log.warning(
+                    "checkpoint %s has no manifest (written before checkpoints had one): loading it "
+                    "unverified",
+                    path.name,
+                )
+            if problems:
+                log.warning("resuming from the previous checkpoint %s instead", path.name)
+            return str(path)
+        if not found:
+            return None
+        return "!" + (
+            f"no usable checkpoint in {self.directory}: "
+            + "; ".join(problems)
+            + ". Move the damaged checkpoint directories away (with none left, the learner starts again from "
+            "its initial weights)"
+        )
 
     def save(self, model, optimizer, scheduler, state: TrainerState) -> Path:
         """Collective: write a checkpoint of `state.step`; returns its directory once durable."""
@@ -95,6 +153,8 @@ class Checkpointer:
             _write_json(tmp / "trainer_state.json", asdict(state))
             for f in tmp.iterdir():
                 _fsync(f)
+            write_manifest(tmp)  # last: a manifest lists only files that are durable
+            self.guard()
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
             _fsync(self.directory)

@@ -26,6 +26,11 @@ step until the trainer finished it (`commit()`, which also dead-letters the step
 groups), and are acked only by `ack_durable()`, which the trainer calls after a checkpoint made
 them durable. So a crash, or a stop in the middle of a step, re-delivers exactly the groups
 whose effect was lost, and the checkpointed `consumed` set drops the ones whose effect was kept.
+With `checkpoint.keep` >= 2 the acks lag one checkpoint (`ack_generations`): a step's deliveries are
+acked by the second `ack_durable()` after it, once two checkpoints hold them, so a learner that falls
+back to the previous checkpoint (the newest one damaged, learner/checkpoint.py) gets back every group
+the damaged one held. A redelivered entry of a group already consumed (one the newest checkpoint holds
+and has not acked yet) is held and acked with the current step, counted as `redelivered`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from learner.config import LearnerConfig
 from learner.evaluation import Evaluator
 from learner.feeder import PromptFeeder
 from learner.samples import nonfinite_problem, validate_group
+from runtime.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,12 @@ NOT_READY = NotReady()
 
 ROUTINE_SKIPS = ("redelivered", "zero_variance")
 """Skips that a healthy run makes (a redelivery after a reclaim; dynamic sampling's uniform groups)."""
+
+
+def ack_generations(cfg: LearnerConfig) -> int:
+    """Checkpoints that hold a step before its deliveries are acked: 2 where the previous checkpoint is
+    kept (a damaged newest one falls back to it), else 1."""
+    return 2 if cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 2 else 1
 
 
 class Inbox:
@@ -94,12 +106,17 @@ class Inbox:
         self._batch: list[ScoredGroup] = []  # its groups taken so far (`collect`)
         self._step_rejects: list[tuple[Delivery, str, str, str]] = []  # (delivery, group id, reason, detail)
         self._committed: set[str] = set()  # group ids of `unacked` and of committed rejects
+        self._durable: list[tuple[list[Delivery], set[str]]] = []  # checkpointed, acked one checkpoint later
+        self.generations = ack_generations(cfg)
         self._held: set[str] = set()  # entry ids taken and not acked yet
         self.skipped: Counter[str] = Counter()
         self.first_skips: dict[str, str] = {}
         """The detail of the first skip of each kind (`skipped`'s keys)."""
         self.on_skip = on_skip or (lambda reason: None)
         self.eval_metrics: list[dict[str, float]] = []
+        self.heartbeat = Heartbeat.from_env()
+        """Beaten while a step is collected (runtime/heartbeat.py): the launcher's watchdog restarts a stuck
+        learner."""
 
     def restore(self, consumed: list[str]) -> None:
         """Resume with the checkpoint's consumed ids."""
@@ -114,6 +131,7 @@ class Inbox:
         want = self.cfg.algo.groups_per_step
         idle_since = time.monotonic()
         while len(self._batch) < want:
+            self.heartbeat()
             self._feed(version, taken=len(self._batch))
             if self._finished():
                 return None
@@ -149,15 +167,19 @@ class Inbox:
         self._step, self._step_rejects = [], []
 
     def ack_durable(self) -> int:
-        """Ack the deliveries of every committed step (call after a checkpoint holds their effect)."""
-        n = len(self.unacked)
-        if n:
-            self.sub.ack(self.unacked)
-            self._held.difference_update(d.id for d in self.unacked)
-            self.unacked = []
-        if self.feeder is not None:
-            self.feeder.mark_durable(self._committed)
-        self._committed = set()
+        """A checkpoint holds every committed step: ack the deliveries that `generations` checkpoints hold
+        now (see the module docstring); returns how many were acked."""
+        self._durable.append((self.unacked, self._committed))
+        self.unacked, self._committed = [], set()
+        n = 0
+        while len(self._durable) >= self.generations:
+            deliveries, committed = self._durable.pop(0)
+            if deliveries:
+                self.sub.ack(deliveries)
+                self._held.difference_update(d.id for d in deliveries)
+                n += len(deliveries)
+            if self.feeder is not None:
+                self.feeder.mark_durable(committed)
         return n
 
     def _feed(self, version: int, taken: int = 0) -> None:
@@ -193,6 +215,12 @@ class Inbox:
         if delivery.id in self._held:
             # the held delivery is acked with the next checkpoint
             self._skip("redelivered", f"entry {delivery.id}")
+            return False
+        if group.group_id in self.consumed and delivery.attempts > 1:
+            # held by the newest checkpoint and not acked yet (acks lag one): ack it with this step's
+            self._step.append((delivery, group.group_id))
+            self._held.add(delivery.id)
+            self._skip("redelivered", f"entry {delivery.id} of group {group.group_id}: already consumed")
             return False
         if group.group_id in self.consumed:
             self._dead_letter(delivery, "duplicate", f"group {group.group_id}: already consumed")

@@ -25,7 +25,7 @@ The off-policy weight w is chosen by `LossConfig.correction` (its `type`, with t
     icepop    : w = k if low ≤ k ≤ high else 0                  IcePop's M(k)
     geo_mask  : w = 1 if low ≤ exp(mean_seq log k) ≤ high else 0 whole sequence rejected
 w is a constant (no gradient flows through it). Which corrections each policy takes, and why:
-learner/config.py POLICY_CORRECTIONS (checked by LossConfig.validate).
+learner/loss_config.py POLICY_CORRECTIONS (checked by LossConfig.validate).
 
 Aggregation (`LossConfig.aggregation`) divides a numerator by a denominator; the trainer
 passes the denominator of the whole optimizer step (all micro-batches, all ranks) so that
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from learner.config import POLICY_LOSSES, CispoLoss, GspoLoss, LossConfig, PpoClipLoss, SapoLoss
+from learner.loss_config import POLICY_LOSSES, CispoLoss, GspoLoss, LossConfig, PpoClipLoss, SapoLoss
 
 
 @dataclass
@@ -76,7 +76,7 @@ def loss_denominator(cfg: LossConfig, num_tokens: int, num_seqs: int) -> float:
         return float(max(num_seqs, 1))
     if cfg.aggregation == "seq-mean-token-sum-norm":
         return float(max(num_seqs, 1) * cfg.norm_length)
-    raise ValueError(f"unknown aggregation {cfg.aggregation!r} (learner.config.Aggregation)")
+    raise ValueError(f"unknown aggregation {cfg.aggregation!r} (learner.loss_config.Aggregation)")
 
 
 def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -120,7 +120,7 @@ def off_policy_weight(cfg: LossConfig, log_k: Tensor, batch: TokenBatch) -> Tens
         geo = seq_mean(log_k, batch.seq_index, batch.num_seqs).exp()
         keep_seq = (geo >= corr.low) & (geo <= corr.high)
         return keep_seq[batch.seq_index].to(log_k.dtype)
-    raise ValueError(f"unknown correction {corr.type!r} (learner.config.Correction)")
+    raise ValueError(f"unknown correction {corr.type!r} (learner.loss_config.Correction)")
 
 
 def _clipped(cfg: PpoClipLoss | GspoLoss, ratio: Tensor, adv: Tensor):

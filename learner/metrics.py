@@ -1,7 +1,8 @@
 """The learner's metrics: Prometheus series (docs/metrics.md, rank 0) and a JSONL log per step.
 
-`LearnerMetrics.log_step(step, values)` appends one JSON line to `<run_dir>/metrics.jsonl` (a NaN
-value, e.g. mismatch_kl_fresh on a step without fresh samples, is left out: strict JSON has no NaN) and
+`LearnerMetrics.log_step(values)` appends one JSON line to `<run_dir>/metrics.jsonl` (a NaN
+value, e.g. mismatch_kl_fresh on a step without fresh samples, is left out: strict JSON has no NaN), hands
+the same values to the experiment trackers `metrics.sinks` names (TensorBoard, W&B: trackers/sinks.py) and
 sets the matching gauges; counters and the staleness histogram are fed where the events
 happen. `flops_per_token` / `mfu` estimate model FLOPs utilisation for the language model
 (6·N per token plus causal attention), given the device's peak FLOP/s. `track_gpu_peak` / `gpu_peak`
@@ -13,11 +14,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from runtime import jsonl
+from trackers.sinks import Sinks
+
+if TYPE_CHECKING:
+    from runtime.metrics import MetricsConfig
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -47,7 +52,16 @@ _GAUGES = {
 class LearnerMetrics:
     """Prometheus series and the JSONL step log of one learner (only rank 0 writes)."""
 
-    def __init__(self, registry: CollectorRegistry, run_dir: str | Path | None, enabled: bool = True):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        run_dir: str | Path | None,
+        enabled: bool = True,
+        cfg: MetricsConfig | None = None,
+        config: dict | None = None,
+    ):
+        """`cfg`: the learner's metrics section (its `sinks`: the trackers to log to beside metrics.jsonl);
+        `config`: the run's resolved config, secrets redacted (stored with a W&B run)."""
         self.registry = registry
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl" if run_dir else None
@@ -87,11 +101,13 @@ class LearnerMetrics:
             "nonfinite",
         ):
             self.skipped.labels(reason=reason)
+        self.sinks = None
         if self.path is not None and enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.sinks = Sinks.open(self.path.parent, cfg, config)
 
     def log_step(self, values: dict[str, float]) -> None:
-        """Set the gauges of `values` and append them as one JSON line (with a timestamp)."""
+        """Set the gauges of `values`, append them as one JSON line (with a timestamp) and hand them to the
+        trackers."""
         if not self.enabled:
             return
         for key, gauge in self.gauges.items():
@@ -100,10 +116,8 @@ class LearnerMetrics:
         for key, value in values.items():
             if key.startswith("eval/accuracy/"):
                 self.eval_accuracy.labels(data_source=key.removeprefix("eval/accuracy/")).set(value)
-        if self.path is not None:
-            line = {"time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
-            with open(self.path, "a") as f:
-                f.write(jsonl.dumps(line) + "\n")  # a NaN value (no such sample this step): key left out
+        if self.sinks is not None:
+            self.sinks.log(values)
 
     def log_trained(self, step: int, group_ids: list[str]) -> None:
         """Append the group ids one step trained on to trained.jsonl (next to metrics.jsonl): an
@@ -114,9 +128,10 @@ class LearnerMetrics:
             with open(self.path.with_name("trained.jsonl"), "a") as f:
                 f.write(json.dumps(line) + "\n")
 
-
-def _jsonable(value):
-    return float(value) if isinstance(value, (int, float)) else value
+    def close(self) -> None:
+        """Flush and close the trackers (a W&B run is finished)."""
+        if self.sinks is not None:
+            self.sinks.close()
 
 
 def lm_param_count(hf_model) -> int:

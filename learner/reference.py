@@ -21,7 +21,7 @@ On a CPU run every location is host memory, and "host" builds the same plain mod
 The shards are moved into one anonymous memory map of their own (`into_host_slab`) and that map is page-locked
 (`page_lock`: cudaHostRegister), rather than copied by FSDP2 into torch's pinned allocator, which rounds each
 block up to a power of two (a 7B MLP weight of 136 MB would take 256 MB, the whole model about twice its size;
-the torch that stops that, `pinned_max_round_threshold_mb`, is newer than the GPU image's 2.11). The map is
+the torch that stops that, `pinned_max_round_threshold_mb`, is newer than the GPU stack's 2.11). The map is
 the reference's alone: registering heap pages in place would also lock the neighbours that share them, and a
 later copy into such a neighbour fails (cudaErrorInvalidValue; docs/benchmarks.md, 2026-12-06). Where
 registering fails the weights stay pageable (slower copies).

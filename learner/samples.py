@@ -10,6 +10,11 @@
   samples of versions lost to a crash (`lost` ranges: weights that were discarded when the
   learner restarted from an older checkpoint), which count as stale whatever their number.
 * `filter_truncated` masks samples cut at the token limit (DAPO's overlong filtering).
+* `filter_env_failed` drops multi-turn episodes whose environment failed (a timeout or a crash: not the
+  policy's doing); `episode_stats` sums the episodes' turns and tool calls for the step's metrics.
+A multi-turn episode (docs/environments.md) trains like any sample on its model tokens only: its
+`behaviour_logprobs` (and so every per-token tensor of the loss) cover the tokens its `loss_mask` marks
+as the model's; the environment's tokens and the tool turns' images are context.
 The samples that pass go to micro-batch planning (learner/batching.py).
 """
 
@@ -45,6 +50,18 @@ class TrainSample:
     """Filled by the proximal recompute pass when configured."""
     truncated: bool = False
     """The generator stopped it at its token limit (finish reason "length")."""
+    loss_mask: list[int] | None = None
+    """Multi-turn episodes: per response token, 1 for the model's and 0 for the environment's (None: every
+    token is the model's). `behaviour_logprobs` hold the model's tokens' only."""
+    response_images: list[ImageRef] = field(default_factory=list)
+    """The images of the episode's tool turns, in the order of their pads in the response."""
+    env_error: str = ""
+    """Why the environment failed this episode ("" when it did not)."""
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens the loss is computed on (the model's tokens of the response)."""
+        return len(self.behaviour_logprobs)
 
 
 def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
@@ -53,12 +70,14 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
     for scored, advs in zip(groups, advantages, strict=True):
         g = scored.group
         for sample, score, adv in zip(g.samples, scored.scores, advs, strict=True):
+            mask = sample.loss_mask()
+            logprobs = sample.logprobs()[mask.astype(bool)] if sample.multi_turn else sample.logprobs()
             out.append(
                 TrainSample(
                     group_id=g.group_id,
                     prompt_ids=list(g.prompt_token_ids),
                     response_ids=sample.token_ids().tolist(),
-                    behaviour_logprobs=sample.logprobs().tolist(),
+                    behaviour_logprobs=logprobs.tolist(),
                     advantage=float(adv),
                     version_start=sample.version_start,
                     version_end=sample.version_end,
@@ -67,6 +86,9 @@ def to_samples(groups: Sequence[ScoredGroup], advantages: Sequence[Sequence[floa
                     accuracy=score.accuracy,
                     data_source=g.data_source,
                     truncated=sample.finish_reason == "length",
+                    loss_mask=mask.tolist() if sample.multi_turn else None,
+                    response_images=list(sample.images),
+                    env_error=sample.env_error,
                 )
             )
     return out
@@ -92,8 +114,9 @@ def validate_group(
             return f"sample {i} has no response tokens"
         if len(s.behaviour_logprobs_f32) != len(s.response_token_ids_i32):
             return f"sample {i}: {len(s.behaviour_logprobs_f32) // 4} logprobs for {s.num_tokens} tokens"
-        if image_token_id is not None and (s.token_ids() == image_token_id).any():
-            return f"sample {i}: its response holds image pad tokens (no image stands behind them)"
+        problem = _episode_problem(s, image_token_id)
+        if problem:
+            return f"sample {i}: {problem}"
     if not g.prompt_token_ids:
         return "no prompt tokens"
     if vocab_size is not None:
@@ -102,6 +125,24 @@ def validate_group(
         )
         if ids.min() < 0 or ids.max() >= vocab_size:
             return f"token ids outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _episode_problem(sample, image_token_id: int | None) -> str | None:
+    """What makes a sample's response untrainable as an episode: image pads without images behind them,
+    a pad marked as the model's, no model token at all."""
+    mask = sample.loss_mask()
+    if not mask.any():
+        return "no model token in its response"
+    if image_token_id is None:
+        return None
+    pads = sample.token_ids() == image_token_id
+    if pads.any() and not sample.images:
+        return "its response holds image pad tokens (no image stands behind them)"
+    if int(pads.sum()) != len(sample.images):
+        return f"{int(pads.sum())} image pads in its response but {len(sample.images)} images"
+    if mask[pads].any():
+        return "an image pad of its response is marked as a model token"
     return None
 
 
@@ -157,3 +198,28 @@ def filter_truncated(samples: Sequence[TrainSample]) -> tuple[list[TrainSample],
     Their group's advantages were computed with them, so the baseline still sees their reward."""
     kept = [s for s in samples if not s.truncated]
     return kept, len(samples) - len(kept)
+
+
+def filter_env_failed(samples: Sequence[TrainSample]) -> tuple[list[TrainSample], int]:
+    """Episodes whose environment failed (timed out, raised) get no loss; returns (kept, dropped). As with
+    truncation, their group's advantages were computed with them."""
+    kept = [s for s in samples if not s.env_error]
+    return kept, len(samples) - len(kept)
+
+
+def episode_stats(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """Per-sample means of a step's multi-turn episodes: turns, tool calls, tool errors, images the tools
+    returned, failed environments; {} when no sample of the step is an episode."""
+    samples = [s for scored in groups for s in scored.group.samples]
+    episodes = [s for s in samples if s.turn_versions or s.multi_turn]
+    if not episodes:
+        return {}
+    n = float(len(samples))
+    return {
+        "episode_turns": sum(max(len(s.turn_versions), 1) for s in samples) / n,
+        "tool_calls_per_sample": sum(s.tool_calls for s in samples) / n,
+        "tool_call_rate": sum(s.tool_calls > 0 for s in samples) / n,
+        "tool_errors_per_sample": sum(s.tool_errors for s in samples) / n,
+        "tool_images_per_sample": sum(len(s.images) for s in samples) / n,
+        "env_failed": float(sum(bool(s.env_error) for s in samples)),
+    }

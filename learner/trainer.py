@@ -18,7 +18,8 @@ groups are already waiting, its first KL pass runs beside the AdamW and the weig
 (`_finish_held_update`); else, or before a checkpoint, export or evaluation, the AdamW and its sync run at
 once (`_finish_held_update_alone`, or `_finish_held_update` without a KL pass beside it).
 Rank 0 alone talks to the scored stream and the feeder (learner/inbox.py) and broadcasts each
-step's groups to the other ranks.
+step's groups to the other ranks. It holds the run (learner/fencing.py): every write of its transport and
+every checkpoint is checked against its lease's epoch, and a learner whose lease another took stops.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ import torch
 
 from broker import codec
 from broker.images import ImageStore
+from broker.metrics import watch_pipeline
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
+from broker.transport import FencedError
 from learner.advantages import batch_advantages
 from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
-from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady
+from learner.fencing import lost_message
+from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady, ack_generations
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
     apply_parallelism,
@@ -51,12 +55,20 @@ from learner.parallel import (
     resolve_master_weights,
 )
 from learner.reference import build_reference
-from learner.samples import filter_stale, filter_truncated, spans_versions, staleness, to_samples
+from learner.samples import (
+    episode_stats,
+    filter_env_failed,
+    filter_stale,
+    filter_truncated,
+    spans_versions,
+    staleness,
+    to_samples,
+)
 from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
-from runtime.config import write_resolved
+from runtime.config import to_dict, write_resolved
 from runtime.metrics import new_registry, start_metrics_server
 from runtime.redact import setup_logging
 
@@ -66,9 +78,10 @@ log = logging.getLogger(__name__)
 class Learner:
     """See the module docstring."""
 
-    def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None):
+    def __init__(self, cfg: LearnerConfig, *, transport=None, sender=None, registry=None, fence=None):
         """Build the parts, then assemble them; `transport`, `sender` and `registry` stand in for the ones
-        the config would build (tests, benchmarks)."""
+        the config would build (tests, benchmarks); `fence` (rank 0's lease, learner/fencing.py) guards
+        every write of the transport and every checkpoint."""
         self.cfg = cfg
         clock = [("start", time.perf_counter())]  # the start-up's phases, logged once ready
         # this rank, the policy and its reference, the optimizer
@@ -91,16 +104,24 @@ class Learner:
         # the broker and what goes through it: images, metrics, checkpoints, the weight sender, the inbox
         self.names = Names(cfg.broker.namespace)
         self.transport = transport or cfg.broker.connect()
+        if fence is not None:
+            self.transport.fence = fence
+        self.fenced = False
+        """Set when the broker refused a write (the lease moved on): `close` then writes nothing."""
         self.images = ImageStore(self.transport, self.names)
         self.pixels = PixelCache(self.processor.image_processor)
         self.registry = registry if registry is not None else new_registry()
-        self.metrics = LearnerMetrics(self.registry, self.run_dir, enabled=self.info.is_main)
+        self.metrics = LearnerMetrics(
+            self.registry, self.run_dir, enabled=self.info.is_main, cfg=cfg.metrics, config=to_dict(cfg)
+        )
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint.keep, self.info.rank)
         if sender is None:
             sender = build_sender(cfg.weight_sync, self.info, self.transport, self.names)
         self.sender = sender
+        self.checkpointer.guard = self.transport.check_fence  # a learner that lost the run writes none
         self.inbox = None
         if self.info.is_main:
+            watch_pipeline(self.registry, self.transport, self.names)  # what autoscalers size the roles by
             self.inbox = build_inbox(
                 cfg, self.transport, self.names, model_config=self.hf.config, images=self.images,
                 pixels=self.pixels, metrics=self.metrics,
@@ -129,9 +150,10 @@ class Learner:
 
     # ------------------------------------------------------------------ lifecycle
     def _resume(self) -> None:
-        latest = self.checkpointer.latest() if self.cfg.checkpoint.resume else None
-        if latest is not None:
-            self.state = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler)
+        resume = self.cfg.checkpoint.resume
+        loaded = self.checkpointer.resume(self.model, self.optimizer, self.scheduler) if resume else None
+        if loaded is not None:
+            self.state = loaded
             self._last_ckpt_step = self.state.step
         if self.inbox is not None:
             self.inbox.restore(self.state.consumed)
@@ -220,11 +242,16 @@ class Learner:
     def close(self) -> None:
         """The held update, final checkpoint and acks, Hugging Face export, release sockets and the process
         group."""
+        if self.fenced:  # another learner holds the run: nothing more is written
+            self.sender.close()
+            self.transport.close()
+            return
         self._finish_held_update(self._carried)
         if self.cfg.checkpoint.every >= 0:
             if self.state.step > self._last_ckpt_step:
                 self._checkpoint()
             export_hf(self.model, self.hf, self.processor, self.run_dir / "hf", rank=self.info.rank)
+        self.metrics.close()
         self.sender.close()
         self.transport.close()
         if distributed():
@@ -250,6 +277,9 @@ class Learner:
         if cfg.algo.mask_truncated:
             samples, n_truncated = filter_truncated(samples)
             values["truncated_masked"] = float(n_truncated)
+        samples, n_env_failed = filter_env_failed(samples)
+        if n_env_failed:
+            values["env_failed_masked"] = float(n_env_failed)
         if ages:
             values["staleness_mean"], values["staleness_max"] = sum(ages) / len(ages), float(max(ages))
             values["version_spanning"] = float(sum(map(spans_versions, all_samples)))
@@ -396,13 +426,15 @@ class Learner:
             self.transport.set_value(self.names.learner_version, codec.encode(msg))
 
     def _acks_due(self) -> bool:
-        """The groups held unacked for the next checkpoint fill half the scored stream's `max_len`.
+        """The groups held unacked since the last checkpoint fill half the scored stream's `max_len` (a
+        quarter when acks lag one checkpoint, learner/inbox.py: two checkpoints' groups are held then).
 
         The broker counts unacked entries against `max_len` (a publish blocks while a stream holds that
         many), so a learner holding its acks for `checkpoint.every` steps of more groups than that would
         block the reward service that feeds it and then wait for data forever: it checkpoints early.
         """
-        if self._held_groups < self.transport.options.max_len // 2:  # every rank counts the same groups
+        share = 2 * ack_generations(self.cfg)  # every rank counts the same groups
+        if self._held_groups < self.transport.options.max_len // share:
             return False
         log.info("checkpoint at step %d: %d groups await their ack", self.state.step, self._held_groups)
         return True
@@ -425,6 +457,7 @@ class Learner:
             "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
             "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
             "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
+            **episode_stats(groups),
         }
         # Generator seconds behind this step: each generate call that produced some of its groups, once.
         calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}
@@ -436,16 +469,31 @@ class Learner:
         return out
 
 
-def run(cfg: LearnerConfig) -> None:
-    """Entry point of every rank (`python -m learner`)."""
+def run(cfg: LearnerConfig, claim=None) -> None:
+    """Entry point of every rank (`python -m learner`); `claim`: rank 0's hold on the run
+    (learner.fencing.claim_run), released at the end. A learner whose lease another learner took exits
+    with SystemExit saying so, without writing anything more."""
     setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")
-    learner = Learner(cfg)
-    if learner.info.is_main:
-        write_resolved(cfg, cfg.run_dir, "learner")
-        start_metrics_server(cfg.metrics, learner.registry)
+    fence = claim.lease.fence if claim is not None else None
+    learner = None
     try:
+        learner = Learner(cfg, fence=fence)
+        if learner.info.is_main:
+            write_resolved(cfg, cfg.run_dir, "learner")
+            start_metrics_server(cfg.metrics, learner.registry)
         learner.train()
     except KeyboardInterrupt:
+        if learner is None:
+            raise
         log.info("interrupted at step %d: saving and exporting", learner.state.step)
+    except FencedError as exc:
+        if learner is not None:
+            learner.fenced = True
+        raise SystemExit(lost_message(fence.epoch if fence else 0, str(exc))) from None
     finally:
-        learner.close()
+        try:
+            if learner is not None:
+                learner.close()
+        finally:
+            if claim is not None:
+                claim.release()

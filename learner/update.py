@@ -234,7 +234,7 @@ class Updater:
         with torch.no_grad():
             mask = torch.tensor(fresh).to(batch.seq_index.device, non_blocking=True)[batch.seq_index]
             kl = behaviour_kl(batch.logprobs.float(), batch.behaviour_logprobs.float())
-            lengths = [len(s.response_ids) for s in mb.samples]
+            lengths = [s.loss_tokens for s in mb.samples]
             weights["fresh_tokens"] += float(sum(n for n, f in zip(lengths, fresh, strict=True) if f))
             weights["fresh_kl"] = weights["fresh_kl"] + torch.where(mask, kl, 0.0).sum()
 

@@ -1,7 +1,7 @@
-"""Compatibility for machines where torchvision cannot be imported (the CPU stack here).
+"""Compatibility for machines where torchvision cannot be imported (the CPU install, docs/install.md).
 
 PyPI's torchvision builds are linked against CUDA torch and fail to import beside the CPU
-build of torch. Three things then break (../shared/notes/cpu-stack.md), and this module fixes
+build of torch. Three things then break, and this module fixes
 all three in one place, and only when torchvision is missing:
 
 1. `transformers.models.qwen2_vl.image_processing_qwen2_vl` imports torchvision at the top,

@@ -8,9 +8,9 @@ mean, rsqrt, two multiplies, cast back), SiLU(gate) * up, residual adds; under a
 checkpointing they run again in the backward pass. `compile_elementwise` turns the norms and the
 SiLU product into fused Triton kernels and leaves every matmul and the varlen attention kernel
 eager, so selective activation checkpointing (policy/recompute.py) still sees, and keeps,
-their outputs. `compile_blocks` compiles whole blocks as torchtitan does; measured on the H200
-(docs/benchmarks.md) a compiled block inside a selectively checkpointed one loses the selective
-policy (its matmuls are recomputed: full-AC memory and FLOPs), so use it with full checkpointing.
+their outputs. `compile_blocks` compiles whole blocks as torchtitan does; a compiled block inside a
+selectively checkpointed one loses the selective policy (its matmuls are recomputed: full-AC memory
+and FLOPs), so use it with full checkpointing (docs/memory.md).
 `policy.forward.chunked_logprobs(..., compiled=True)` fuses the fp32 log-softmax / gather / entropy
 of each logprob chunk likewise. Shapes are dynamic: a new pack length does not recompile.
 Compiled and eager give the same values (tested on CPU to 1e-5).

@@ -52,6 +52,14 @@ class PackSample:
     """(sum of t*h*w over images, C*T*P*P) patches as the image processor returns them; None: no images."""
     image_keys: list[str] | None = None
     """A content key (the sha256) per image: images with equal keys in one pack are encoded once."""
+    target_mask: list[bool] | None = None
+    """Multi-turn samples (policy/turns.py): per response token, True where its logprob is wanted (the
+    model's tokens), False for the environment's (tool turns, their image tokens); None: every token."""
+
+    @property
+    def targets(self) -> int:
+        """Response tokens whose logprobs are wanted."""
+        return len(self.response_ids) if self.target_mask is None else sum(map(bool, self.target_mask))
 
 
 @dataclasses.dataclass
@@ -70,9 +78,12 @@ class PackedBatch:
     target_index: torch.Tensor
     """(N,) positions of response tokens in the row; their logits come from position index-1."""
     response_lens: list[int]
-    """Response tokens per sample (split the N per-token outputs with these)."""
+    """Target tokens per sample (split the N per-token outputs with these): the whole response, or its
+    model tokens where a sample has a `target_mask`."""
     prompt_lens: list[int]
     """Prompt tokens per sample."""
+    sequence_lens: list[int] = dataclasses.field(default_factory=list)
+    """Prompt + response tokens per sample (environment tokens included)."""
     pixel_values: torch.Tensor | None = None
     """All samples' image patches concatenated in order; None when the pack has no image."""
     image_grid_thw: torch.Tensor | None = None
@@ -104,7 +115,7 @@ class PackedBatch:
     @property
     def sequence_tokens(self) -> int:
         """Prompt + response tokens of every sample (the row's length unless prompts are shared)."""
-        return sum(self.prompt_lens) + sum(self.response_lens)
+        return sum(self.sequence_lens)
 
     def causal_area(self) -> int:
         """Query-key pairs of causal attention, counted as a full square per sequence (what attention FLOP
@@ -138,52 +149,97 @@ def pack(
     stored once; with `share_prompts`, samples with equal prompts share one copy of it (module docstring)."""
     if not samples:
         raise ValueError("cannot pack zero samples")
-    if any(not s.response_ids for s in samples):
-        raise ValueError("every sample needs at least one response token")
+    if any(not s.response_ids or not s.targets for s in samples):
+        raise ValueError("every sample needs at least one response token (and one target among them)")
     images = _Images(dedup_images)
     row = _Row(share_prompts)
     targets: list = [None] * len(samples)
     states: list = [None] * len(samples)
-    for segment in _segments(samples, share_prompts):
+    for segment in _segments(samples, share_prompts, image_token_id, merge):
         first = samples[segment[0]]
-        images.add(first)
         if len(segment) == 1:  # prompt + response as one piece, attending to itself
+            images.add(first)
             seq = list(first.prompt_ids) + list(first.response_ids)
             at = row.piece(seq, mrope_position_ids(seq, first.image_grid_thw, image_token_id, merge)[0])
-            targets[segment[0]] = torch.arange(at + len(first.prompt_ids), row.length)
+            response = torch.arange(at + len(first.prompt_ids), row.length)
+            targets[segment[0]] = _masked(response, first)
             states[segment[0]] = targets[segment[0]] - 1
             continue
-        positions, start = mrope_position_ids(first.prompt_ids, first.image_grid_thw, image_token_id, merge)
+        n_prompt = prompt_images(first, image_token_id, merge)
+        images.add(first, stop=n_prompt)
+        grids = first.image_grid_thw[:n_prompt]
+        positions, start = mrope_position_ids(first.prompt_ids, grids, image_token_id, merge)
         prompt = (row.piece(list(first.prompt_ids), positions), row.length)
         for i in segment:  # responses continue the prompt's positions (text after it: +1 per token)
-            ids = list(samples[i].response_ids)
-            if image_token_id in ids:
-                raise ValueError(f"sample {i}: its response holds image tokens")
-            at = row.piece(ids, torch.arange(start, start + len(ids)).expand(3, -1), keys_before=prompt)
-            targets[i] = torch.arange(at, row.length)
-            states[i] = torch.cat([torch.tensor([prompt[1] - 1]), targets[i][:-1]])
+            s = samples[i]
+            ids = list(s.response_ids)
+            images.add(s, start=n_prompt)
+            at = row.piece(ids, _response_positions(s, start, image_token_id, merge), keys_before=prompt)
+            previous = torch.cat([torch.tensor([prompt[1] - 1]), torch.arange(at, row.length - 1)])
+            targets[i] = _masked(torch.arange(at, row.length), s)
+            states[i] = _masked(previous, s)
     return PackedBatch(
         input_ids=torch.tensor(row.ids, dtype=torch.long).unsqueeze(0),
         position_ids=torch.cat(row.positions, dim=1).unsqueeze(1),
         cu_seqlens=torch.tensor(row.cu_q, dtype=torch.int32),
         max_seqlen=max(b - a for a, b in zip(row.cu_q, row.cu_q[1:])),
         target_index=torch.cat(targets),
-        response_lens=[len(s.response_ids) for s in samples],
+        response_lens=[len(t) for t in targets],
         prompt_lens=[len(s.prompt_ids) for s in samples],
+        sequence_lens=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
         **images.fields(),
         **(row.shared_fields(torch.cat(states)) if share_prompts else {}),
     )
 
 
-def _segments(samples: Sequence[PackSample], share: bool) -> list[list[int]]:
+def _masked(positions: torch.Tensor, sample: PackSample) -> torch.Tensor:
+    """The row `positions` of the sample's response tokens (or their predecessors) that are targets."""
+    if sample.target_mask is None:
+        return positions
+    if len(sample.target_mask) != len(sample.response_ids):
+        raise ValueError(
+            f"a target mask of {len(sample.target_mask)} for {len(sample.response_ids)} response tokens"
+        )
+    return positions[torch.tensor(sample.target_mask, dtype=torch.bool)]
+
+
+def prompt_images(sample: PackSample, image_token_id: int, merge: int) -> int:
+    """How many of the sample's images stand in its prompt (the rest are in its response: tool turns)."""
+    tokens = sum(1 for t in sample.prompt_ids if t == image_token_id)
+    count = 0
+    for grid in sample.image_grid_thw:
+        if tokens <= 0:
+            break
+        tokens -= image_token_count(grid, merge)
+        count += 1
+    if tokens != 0:
+        raise ValueError("the prompt's image tokens do not end at an image's last token")
+    return count
+
+
+def _response_positions(sample: PackSample, start: int, image_token_id: int, merge: int) -> torch.Tensor:
+    """(3, R) positions of a response after its prompt: text counts on from `start`; a response holding
+    images (tool turns) gets its positions from the whole sequence, as transformers' get_rope_index does."""
+    ids = list(sample.response_ids)
+    if image_token_id not in ids:
+        return torch.arange(start, start + len(ids)).expand(3, -1)
+    seq = list(sample.prompt_ids) + ids
+    return mrope_position_ids(seq, sample.image_grid_thw, image_token_id, merge)[0][
+        :, len(sample.prompt_ids) :
+    ]
+
+
+def _segments(samples: Sequence[PackSample], share: bool, image_token_id: int, merge: int) -> list[list[int]]:
     """Sample indices by prompt, in order of first appearance (each its own unless `share`). Images count
-    as equal only by key: a sample with images but no keys shares with nothing."""
+    as equal only by key: a sample with images but no keys shares with nothing. A prompt is its ids and
+    the keys of its own images (a multi-turn response's images are that response's)."""
     segments: dict = {}
     for i, s in enumerate(samples):
         if not share or (s.image_grid_thw and s.image_keys is None):
             key = ("own", i)
         else:
-            key = (tuple(s.prompt_ids), tuple(s.image_keys or ()))
+            keys = (s.image_keys or [])[: prompt_images(s, image_token_id, merge)]
+            key = (tuple(s.prompt_ids), tuple(keys))
         segments.setdefault(key, []).append(i)
     return list(segments.values())
 
@@ -237,7 +293,8 @@ class _Images:
         self.by_key: dict[str, int] = {}
         self.shared = False
 
-    def add(self, s: PackSample) -> None:
+    def add(self, s: PackSample, start: int = 0, stop: int | None = None) -> None:
+        """The sample's images [start, stop) (a shared prompt's images, or a response's), in row order."""
         if not s.image_grid_thw:
             return
         if s.pixel_values is None:
@@ -249,7 +306,8 @@ class _Images:
         keys = s.image_keys if self.dedup and s.image_keys is not None else [None] * len(grids)
         if len(keys) != len(grids):
             raise ValueError(f"{len(keys)} image keys for {len(grids)} images")
-        for grid, key, pixels in zip(grids, keys, torch.split(s.pixel_values, sizes)):
+        chosen = slice(start, stop)
+        for grid, key, pixels in zip(grids[chosen], keys[chosen], torch.split(s.pixel_values, sizes)[chosen]):
             if key is not None and key in self.by_key:
                 known = self.by_key[key]
                 if self.grids[known] != grid:

@@ -97,8 +97,10 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> int:
     from runtime.config import load_config, write_resolved
+    from runtime.private import private_umask
     from runtime.redact import setup_logging
 
+    private_umask()
     cfg = load_config(RewardConfig, argv, description="Parallax reward service: score rollout groups.")
     setup_logging(cfg.log_level, "%(asctime)s reward %(levelname)s %(message)s")
     write_resolved(cfg, cfg.run_dir, "reward")

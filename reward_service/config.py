@@ -35,8 +35,8 @@ class RewardConfig:
     memory_mb: int = 1024
     """Address-space cap of each grader process in MiB (0 = none)."""
     group_budget_s: float = 10.0
-    """Bound on grading one whole group; groups_per_read * group_budget_s must stay below broker.claim_idle_s,
-    or groups still waiting in a worker's hands would be reclaimed by another."""
+    """Seconds to grade one whole group; groups_per_read * group_budget_s must stay below broker.claim_idle_s
+    (else another worker reclaims groups still waiting in this one's hands)."""
     spare_grader: bool = True
     """Keep a warm spare grader per worker so that a timeout costs no process start."""
     cache_size: int = 4096
@@ -46,10 +46,11 @@ class RewardConfig:
     block_s: float = 1.0
     """Longest wait of one read on an empty stream."""
     publish_timeout_s: float = 5.0
-    """While the scored stream is full a worker holds its group and retries publishing at this period
-    (backpressure reaches the generators through the rollouts stream; nothing is dropped)."""
-    claim_stale_s: float = 300.0
-    """A publish claim older than this, by a worker that never finished, is taken over."""
+    """While the scored stream is full, a worker holds its group and retries publishing every this many
+    seconds (nothing is dropped)."""
+    claim_stale_s: float = 60.0
+    """A publish claim older than this, by a worker that never finished, is taken over; it must run out
+    before the group's delivery is dead-lettered (checked at start-up)."""
     dedupe_ttl_s: float = 7 * 24 * 3600.0
     """How long group ids are remembered as scored (with transports that support expiry)."""
     publish_thread: bool = True
@@ -78,9 +79,24 @@ class RewardConfig:
                 f" must be below broker.claim_idle_s ({self.broker.claim_idle_s}), or groups still waiting in"
                 " a worker's hands get reclaimed by another"
             )
+        if self.claim_stale_s >= self.dead_letter_s:
+            raise ValueError(
+                f"claim_stale_s ({self.claim_stale_s}) must be below {self.dead_letter_s:.0f} s: "
+                "(broker.max_deliveries - 1) * broker.claim_idle_s - groups_per_read * group_budget_s, the "
+                "soonest a group held by a frozen worker's claim reaches its last delivery before it is "
+                "dead-lettered"
+            )
         for name in [self.default_reward, *self.routes.values()]:
             if name not in REWARDS:
                 raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
+
+    @property
+    def dead_letter_s(self) -> float:
+        """The soonest a group whose publish claim is held by a frozen worker gets its last delivery: after
+        that one it is dead-lettered. Deliveries are `claim_idle_s` apart at least; the claim is taken up to
+        `groups_per_read * group_budget_s` after the first."""
+        cap = self.broker.max_deliveries
+        return (cap - 1) * self.broker.claim_idle_s - self.groups_per_read * self.group_budget_s
 
     @property
     def weights(self) -> Weights:

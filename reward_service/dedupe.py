@@ -10,7 +10,13 @@ reclaim idle time, or failed to publish. `OnceGate` keeps one small value per gr
 A worker publishes only while holding the claim and acks only after "done" is stored, so a crash
 between claim and "done" never loses a group: the claim goes stale after `stale_s` (or at once
 for "free" and for the same consumer) and the next delivery takes it over. A duplicate can only
-come from a worker that stalls for more than `stale_s` between claiming and publishing.
+come from a worker that stalls for more than `stale_s` between claiming and publishing (a live holder
+waiting on backpressure renews its claim, `renew`, so only a stalled one loses it).
+
+`stale_s` must run out before the delivery is dead-lettered (RewardConfig.dead_letter_s): the other
+workers that get the delivery while the claim stands leave it pending (BUSY), and each such delivery
+counts towards `max_deliveries`. A claim that outlived them all would leave a worker frozen between
+claim and publish, then killed, holding the only copy of the group.
 
 Set-if-absent uses `Transport.set_value_nx(key, value, ttl_s=...)` when the transport has it (an
 atomic SET NX with expiry on Redis); otherwise a read-then-write, which narrows but does not close
@@ -54,7 +60,7 @@ class OnceGate:
         names: Names,
         consumer: str,
         *,
-        stale_s: float = 300.0,
+        stale_s: float = 60.0,
         ttl_s: float | None = 7 * 24 * 3600.0,
     ) -> None:
         self.transport = transport
@@ -78,6 +84,10 @@ class OnceGate:
             self.transport.set_value(key, mine)
             return Claim.MINE
         return Claim.BUSY
+
+    def renew(self, group_id: str) -> None:
+        """Stamp this worker's claim with the time now (it is still publishing, e.g. under backpressure)."""
+        self._set(scored_key(self.names, group_id), f"claim {self.consumer} {time.time():.3f}".encode())
 
     def finish(self, group_id: str) -> None:
         self._set(scored_key(self.names, group_id), DONE)

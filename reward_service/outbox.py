@@ -40,7 +40,7 @@ class Outbox:
         *,
         stopping: Callable[[], bool],
         publish_timeout_s: float = 5.0,
-        claim_stale_s: float = 300.0,
+        claim_stale_s: float = 60.0,
         dedupe_ttl_s: float | None = None,
         threaded: bool = False,
         depth: int = 2,
@@ -104,6 +104,7 @@ class Outbox:
             except BackpressureTimeout:
                 if self.stopping():
                     return False
+                self.gate.renew(scored.group.group_id)  # alive: the claim must not go stale meanwhile
                 log.warning(
                     "%s is full; holding group %s until the learner catches up",
                     self.names.scored,

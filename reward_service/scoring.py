@@ -67,17 +67,20 @@ class GroupScorer:
         """The Scores of a submitted group, in sample order."""
         outcomes = self.grader.finish(pending.ticket)
         return [
-            self._score(pending.reward, pending.group, item[1], outcome)
-            for item, outcome in zip(pending.ticket.items, outcomes)
+            self._score(pending.reward, pending.group, item[1], outcome, sample.env_reward)
+            for item, outcome, sample in zip(pending.ticket.items, outcomes, pending.group.samples)
         ]
 
-    def _score(self, name: str, group: RolloutGroup, response: str, outcome: Outcome) -> Score:
+    def _score(
+        self, name: str, group: RolloutGroup, response: str, outcome: Outcome, env_reward: float = 0.0
+    ) -> Score:
+        """The sample's Score; a multi-turn episode's environment reward term is added to the reward."""
         accuracy, format = outcome.accuracy, outcome.format
         if outcome.failed or outcome.error:
             accuracy, format = 0.0, load_format(name)(response)
             self._count_failure(group, outcome)
         score = Score(
-            reward=self.weights.combine(accuracy, format),
+            reward=self.weights.combine(accuracy, format) + env_reward,
             accuracy=accuracy,
             format=format,
             timed_out=outcome.failed,

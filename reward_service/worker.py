@@ -40,6 +40,7 @@ from reward_service.pool import SafeGrader
 from reward_service.rewards import DEFAULT_ROUTES
 from reward_service.scoring import GroupScorer, Pending
 from runtime.config import from_dict
+from runtime.heartbeat import Heartbeat
 from runtime.metrics import start_metrics_server
 from runtime.redact import setup_logging
 
@@ -93,6 +94,8 @@ class RewardWorker:
         )
         self.gate = OnceGate(self.transport, self.names, self.consumer, stale_s=cfg.claim_stale_s)
         self._stopping = False
+        self.heartbeat = Heartbeat.from_env(f"-{index}")
+        """Beaten once per loop (runtime/heartbeat.py): the launcher's watchdog restarts a stuck worker."""
 
     @property
     def published(self) -> int:
@@ -117,6 +120,7 @@ class RewardWorker:
         window: deque[tuple[Delivery, Pending, float]] = deque()  # sent to the grader, oldest first
         try:
             while not self._stopping:
+                self.heartbeat()
                 room = self.cfg.groups_per_read - len(window)
                 if room > 0:  # top up (without waiting while there is work in hand)
                     batch = self.subscriber.poll(count=room, block_s=0.0 if window else self.cfg.block_s)

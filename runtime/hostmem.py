@@ -11,9 +11,9 @@ refusal the kernel would not have made is worse than the OOM kill the check exis
 learner's host-memory AdamW needs ~100 GB: without the check, a machine that has less gets the kernel's OOM
 killer minutes into the run, after vLLM has started and the first rollouts are generated.
 
-Some virtual machines give memory as it is used (a balloon or hot-plugged memory: the lent H200 machines
-are Firecracker VMs, and on the 2-GPU kind MemTotal read 31 GiB at the start of a 256 GiB machine and grew
-as memory was filled), so MemAvailable under-reports what they can give. There, `PARALLAX_HOST_MEMORY_GIB`
+Some virtual machines give memory as it is used (a balloon or hot-plugged memory, e.g. Firecracker VMs: on
+one 2-GPU machine MemTotal read 31 GiB at the start of a 256 GiB machine and grew as memory was filled), so
+MemAvailable under-reports what they can give. There, `PARALLAX_HOST_MEMORY_GIB`
 states the machine's memory, and what is available is that less what is in use now (MemTotal - MemAvailable).
 """
 

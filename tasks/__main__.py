@@ -2,8 +2,9 @@
 
 python -m tasks geometry3k --input train.parquet --out data/geo3k [--split train] [--model DIR]
 python -m tasks synthetic --out data/shapes [--task colour] [--train 2000] [--test 64]
+python -m tasks zoom --out data/zoom [--tool-free]       (a multi-turn task with the crop tool)
 
-Each subcommand's options are its config dataclass (tasks/geometry3k.py, tasks/synthetic.py),
+Each subcommand's options are its config dataclass (tasks/geometry3k.py, tasks/synthetic.py, tasks/zoom.py),
 resolved by runtime.config.load_config (`--config FILE.toml` works too). Bad input (a parquet
 without a needed column, no usable row) exits 1 with one line naming the problem.
 """
@@ -14,8 +15,14 @@ import sys
 
 from tasks.geometry3k import BadInput, Geo3kConfig, preprocess
 from tasks.synthetic import SyntheticConfig, write_task
+from tasks.zoom import ZoomConfig
+from tasks.zoom import write_task as write_zoom
 
-COMMANDS = {"geometry3k": (Geo3kConfig, preprocess), "synthetic": (SyntheticConfig, write_task)}
+COMMANDS = {
+    "geometry3k": (Geo3kConfig, preprocess),
+    "synthetic": (SyntheticConfig, write_task),
+    "zoom": (ZoomConfig, write_zoom),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures.services",
     "tests.fixtures.models",
+    "tests.fixtures.trackers",
 ]

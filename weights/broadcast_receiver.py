@@ -164,9 +164,7 @@ class BroadcastReceiver(WeightReceiver):
         self.stats.joins += 1
         with self._lock:
             self._report = (store.clone(), accept.session)
-        log.info(
-            "weight receiver %s joined %s (session %d)", self.generator_id, target.address, accept.session
-        )
+        log.info("weight receiver %s joined %s (join %d)", self.generator_id, target.address, accept.session)
         return store, group, accept
 
     def _serve(self, store, group, accept: JoinAccept) -> None:

@@ -62,9 +62,8 @@ class CudaIpcTransport:
     type: Annotated[Literal["cuda-ipc"], TRANSPORT_TYPES] = "cuda-ipc"
     """The weight transport; each has its own settings (`--help` after the type lists the chosen one's)."""
     params_in_buffer: bool = True
-    """The model's parameters live in the shared buffer, so the GPU holds the weights once and a sync copies
-    nothing; the optimizer's writes then wait for a generator still copying the previous version. Applies
-    to plain parameters of the wire's dtype (bf16 parameters); others are copied."""
+    """The learner's bf16 parameters live in the shared buffer: the GPU holds the weights once and a sync
+    copies nothing, but AdamW's writes wait for a generator still reading (docs/memory.md)."""
     lock_timeout_s: float = 30.0
     """A generator holding the buffer's lock longer than this is dropped (it rejoins by itself)."""
     poll_s: float = 0.002

@@ -5,6 +5,9 @@ The learner publishes an `Announcement` (transport, rendezvous "host:port", the 
 `WeightReceiverConfig.address = ""` a generator's receiver is a `FollowingReceiver`: it builds the
 receiver of the announced transport when the learner first appears, and rebuilds it if a restarted
 learner announces the other one, so generators need no setting that must match the learner's.
+The announcement is sealed with the run's message key (broker/auth.py, when the transport has one):
+an announcement someone else wrote to the broker, pointing generators at another rendezvous, is
+refused and logged.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from broker.auth import AuthError, key_of, open_sealed, seal
 from weights.interface import ReceivedVersion, ReceiverStats, Resolve, WeightReceiver
 from weights.protocol import Announcement, WeightSyncError, decode, encode
 
@@ -23,7 +27,12 @@ Make = Callable[[str, Resolve, int], WeightReceiver]
 
 def broker_publisher(transport, names) -> Callable[[Announcement], None]:
     """A `publish` callback storing the announcement (msgpack) under `names.weight_sync_address`."""
-    return lambda announcement: transport.set_value(names.weight_sync_address, encode(announcement))
+
+    def publish(announcement: Announcement) -> None:
+        name = names.weight_sync_address
+        transport.set_value(name, seal(key_of(transport), name, encode(announcement)))
+
+    return publish
 
 
 def broker_resolver(transport, names) -> Resolve:
@@ -35,9 +44,10 @@ def broker_resolver(transport, names) -> Resolve:
         if not value:
             return None
         try:
-            announced = decode(value, Announcement)
-        except WeightSyncError as exc:
-            log.error("the learner's weight-sync announcement is unreadable: %s", exc)
+            body = open_sealed(key_of(transport), names.weight_sync_address, value)
+            announced = decode(body, Announcement)
+        except (WeightSyncError, AuthError) as exc:
+            log.error("the learner's weight-sync announcement is refused: %s", exc)
             return None
         return announced if announced.address else None
 

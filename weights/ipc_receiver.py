@@ -167,7 +167,7 @@ class IpcReceiver(WeightReceiver):
             self._taken = -1
         self.stats.joins += 1
         log.info(
-            "cuda-ipc receiver %s joined %s (session %d)", self.generator_id, target.address, accept.session
+            "cuda-ipc receiver %s joined %s (join %d)", self.generator_id, target.address, accept.session
         )
 
     def _check(self, session: tuple) -> None:

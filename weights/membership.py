@@ -80,7 +80,7 @@ class Membership:
             self.drop(old, "replaced by a new session of the same generator")
         if member.alive:
             self._members.append(member)
-            log.info("weight sync: generator %s joined (session %d)", member.generator_id, member.session)
+            log.info("weight sync: generator %s joined (join %d)", member.generator_id, member.session)
 
     def drop(self, member: Member, reason: str, level: int = logging.WARNING) -> None:
         """Forget a generator (it rejoins by itself) and end its session; the caller holds `lock`."""
@@ -89,7 +89,7 @@ class Membership:
         member.alive = False
         log.log(
             level,
-            "weight sync: dropping generator %s (session %d): %s",
+            "weight sync: dropping generator %s (join %d): %s",
             member.generator_id,
             member.session,
             reason,

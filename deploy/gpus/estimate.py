@@ -19,7 +19,7 @@ CONTEXT_GIB = 1.5
 """GPU memory one CUDA process holds before its first tensor (context, cuBLAS workspace)."""
 ENGINE_OVERHEAD_GIB = 4.7
 """GPU memory a vLLM engine process holds beyond its `gpu_memory_utilization` share (CUDA context and graphs,
-allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (session 24,
+allocations outside its memory profile): 28.4 GiB at 0.3 of an H100 (23.75 GiB) for the 7B (2026-12-06,
 docs/benchmarks.md). A shared GPU keeps it free for the engine."""
 REFERENCE_RESIDENT_FRACTION = 0.2
 """Of a KL reference model in host memory (learner/reference.py), the share the GPU still holds while it

@@ -205,7 +205,9 @@ def plan_reference(location: str, kl: bool, plan: Callable[[str], GpuPlan]) -> G
 
 GPU_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # its sampler needs flashinfer, which vLLM does not require
-    "NCCL_NVLS_ENABLE": "0",  # NVLink multicast (NVLS) is not usable on the lent machines
+    # NVLink multicast off (NCCL and PyTorch): the weight broadcast does not need it, and on a host whose GPUs
+    # are shared with others it can put them out of service
+    "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",  # checkpoints are local directories

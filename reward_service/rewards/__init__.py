@@ -24,6 +24,7 @@ DEFAULT_ROUTES: dict[str, str] = {
     "geometry3k": "math",
     "hiyouga/geometry3k": "math",
     "synthetic": "synthetic",
+    "zoom": "synthetic",
 }
 """Data source -> reward name, before any configured overrides."""
 

@@ -58,6 +58,7 @@ def test_cpu_profile_learns_and_down_leaves_nothing():
     env = {
         **images,
         "REDIS_PASSWORD": secrets.token_hex(16),
+        "PARALLAX_AUTH_KEY": secrets.token_hex(32),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(16),
         "PARALLAX_STOP_ACCURACY": str(TARGET),
         "PARALLAX_MAX_STEPS": "300",

@@ -57,9 +57,9 @@ def test_reference_in_host_memory_scores_like_the_reference_on_the_gpu(compile_m
 
 
 def test_host_memory_around_the_page_locked_reference_stays_usable():
-    """Session 27: a second learner in one process (bench.learner_step's variants) failed its first copy from
-    the GPU into new host memory (cudaErrorInvalidValue), the old registration having locked heap pages that
-    the new allocations shared. The reference now lives in a memory map of its own, unregistered when it is
+    """A second learner in one process (bench.learner_step's variants) must copy from the GPU into new host
+    memory: page-locking heap pages in place would lock the neighbours that share them, and a copy into those
+    fails (cudaErrorInvalidValue). The reference lives in a memory map of its own, unregistered when it is
     collected: host tensors around it and a second reference after it copy as any others."""
     import gc
 

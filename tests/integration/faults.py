@@ -1,9 +1,9 @@
-"""Helpers of the fault-injection suite (tests/integration/test_faults.py): a short launcher run,
+"""The parts of the fault-injection suite (tests/integration/test_faults.py): a short launcher run,
 an independent audit of the broker's streams, and the accounting of what was trained.
 
 * `FaultRun` starts `python -m deploy` on the tiny model with a small task (one epoch, so the run
-  finishes by itself once every prompt came back), kills what it is told to with SIGKILL, and
-  measures the time from the kill to the learner's next completed step.
+  finishes by itself once every prompt came back), kills what it is told to with SIGKILL (or stops and
+  continues it: `signal`), and measures the time from the fault to the learner's next completed step.
 * `Audit` is its own consumer group ("audit") on the prompts, rollouts and scored streams,
   created before the learner publishes anything: it sees every entry published, whoever consumes
   it, and across a broker restart (its group and pending entries live in the AOF like the others).
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import broker
 from broker import codec
+from broker.auth import open_sealed
+from broker.config import BrokerConfig
 from broker.names import Names, group_id
 from broker.schemas import PromptRecord, ScoredGroup
 from broker.transport import TransportError
@@ -44,7 +46,14 @@ PROMPTS = 16
 class FaultRun:
     """`python -m deploy` on the tiny model, one epoch of `prompts` prompts; the test kills parts of it."""
 
-    def __init__(self, run_dir: Path, broker_kind: str, resume: bool = False, prompts: int = PROMPTS):
+    def __init__(
+        self,
+        run_dir: Path,
+        broker_kind: str,
+        resume: bool = False,
+        prompts: int = PROMPTS,
+        extra: tuple[str, ...] = (),
+    ):
         self.run_dir, self.broker_kind = run_dir, broker_kind
         base = free_ports(3)
         ports = [
@@ -59,7 +68,7 @@ class FaultRun:
             "--learner.eval.every", "0", "--learner.feeder.epochs", "1", "--learner.checkpoint.every", "2",
             "--learner.broker.claim-idle-s", "600", "--generator.broker.claim-idle-s", "600",
             "--reward.broker.claim-idle-s", "600",
-            "--generator.sampling.n", "2", "--generator.sampling.max-tokens", "4", *ports,
+            "--generator.sampling.n", "2", "--generator.sampling.max-tokens", "4", *ports, *extra,
         ]  # fmt: skip
         self.log_path = run_dir.parent / ("launcher-resumed.log" if resume else "launcher.log")
         self.log = open(self.log_path, "wb")  # noqa: SIM115
@@ -86,14 +95,15 @@ class FaultRun:
         raise AssertionError(f"no {what} within {timeout_s} s:\n{self.log_text()}")
 
     def broker_and_names(self, not_url: str = "") -> tuple[str, Names]:
-        """The broker url and names of this run's roles (once their configs are written)."""
+        """The broker url (with the run's password in it) and names of this run's roles, once their
+        configs are written (other than the configs whose url is `not_url`)."""
 
         def configs():
             cfg = _toml(self.run_dir / "configs" / "learner.toml")
-            return cfg if cfg and cfg["broker"]["url"] != not_url else None
+            return cfg if cfg and _connect_url(cfg) != not_url else None
 
         cfg = self.wait_for("role configs", configs, poll_s=0.05)
-        return cfg["broker"]["url"], Names(cfg["broker"]["namespace"])
+        return _connect_url(cfg), Names(cfg["broker"]["namespace"])
 
     def trained_lines(self) -> list[dict]:
         path = self.run_dir / "learner" / "trained.jsonl"
@@ -103,8 +113,20 @@ class FaultRun:
         path = self.run_dir / "learner" / "metrics.jsonl"
         return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
+    def checkpoints(self) -> list[Path]:
+        """The learner's complete checkpoint directories, newest first."""
+        root = self.run_dir / "learner" / "checkpoints"
+        done = [
+            p for p in root.glob("step-*") if not p.name.endswith(".tmp") and (p / "manifest.json").is_file()
+        ]
+        return sorted(done, reverse=True)
+
     def kill(self, process: str) -> float:
-        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time.
+        """SIGKILL `process` (its whole process group, grandchildren included); returns the wall time."""
+        return self.send(process, signal.SIGKILL)
+
+    def send(self, process: str, sig: int) -> float:
+        """Send `sig` to `process` (its whole process group, grandchildren included); returns the wall time.
         Waits for pids.json to name a live one (a role may be between a restart and its new pid); fails
         with the launcher's log if the run ended first."""
 
@@ -119,10 +141,30 @@ class FaultRun:
         pid = self.wait_for(f"a live {process} to kill", live_pid, timeout_s=60.0)
         when = time.time()
         if process == "redis":
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         else:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, sig)
         return when
+
+    def second_learner(self, *extra: str) -> subprocess.Popen:
+        """`python -m learner` with the run's learner config (and `extra` flags), as a user could start it."""
+        config = self.run_dir / "configs" / "learner.toml"
+        cmd = [sys.executable, "-m", "learner", "--config", str(config), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def scale(self, generators: int) -> float:
+        """`python -m deploy scale RUN_DIR --generators N`; returns the wall time it was asked."""
+        when = time.time()
+        cmd = [sys.executable, "-m", "deploy", "scale", str(self.run_dir), "--generators", str(generators)]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+        return when
+
+    def role_log(self, process: str) -> str:
+        path = self.run_dir / "logs" / f"{process}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
 
     def recovery_s(self, killed_at: float, restarted_at: float) -> float | None:
         """Seconds from the kill to the first learner step completed after the restart.
@@ -172,6 +214,12 @@ def _toml(path: Path) -> dict | None:
         return None
 
 
+def _connect_url(cfg: dict) -> str:
+    """A role config's broker url with the password of its password file in it."""
+    section = cfg["broker"]
+    return BrokerConfig(url=section["url"], password_file=section.get("password_file", "")).connect_url()
+
+
 def _first_after(lines: list[dict], when: float) -> dict | None:
     return next((x for x in lines if x["time"] > when), None)
 
@@ -183,7 +231,7 @@ class Audit(threading.Thread):
 
     def __init__(self, url: str, names: Names):
         super().__init__(daemon=True, name="audit")
-        self.transport = broker.connect(url, reconnect_s=60)
+        self.transport = broker.connect(url, reconnect_s=60)  # no message key: reads signed entries unchecked
         self.streams = [names.prompts, names.rollouts, names.scored]
         for stream in self.streams:
             self.transport.ensure_group(stream, self.GROUP)
@@ -210,7 +258,7 @@ class Audit(threading.Thread):
     def _read(self, stream: str) -> None:
         got = self.transport.consume(stream, self.GROUP, "auditor", count=200, block_s=0.05)
         for delivery in got:
-            msg = codec.decode(delivery.payload)
+            msg = codec.decode(open_sealed(None, stream, delivery.payload))
             if isinstance(msg, PromptRecord):
                 if msg.split == "train":
                     self.expected.append(group_id(msg.prompt_id, delivery.id))

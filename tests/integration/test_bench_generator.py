@@ -2,7 +2,7 @@
 
 Benches are run, not imported (tests never import bench/): `python -m bench.generator` in a
 subprocess, the smallest sizes, and its JSON read back. The bench drives the real GeneratorWorker
-from its config, so a config change that the bench missed fails here instead of on the lent GPU
+from its config, so a config change that the bench missed fails here instead of on a GPU
 (it once did: the worker's namespace moved into its [broker] section).
 """
 

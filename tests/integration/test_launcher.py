@@ -191,6 +191,38 @@ def test_prometheus_scrapes_every_process_of_the_launched_pipeline(launcher_run,
         prom.stop()
 
 
+def test_the_run_is_private_and_its_broker_admits_only_the_run(launcher_run):
+    """Another local user finds nothing to read in the run directory, no password in `ps`, and a broker
+    that refuses a client without the password."""
+    import stat
+
+    import broker
+    from broker.transport import TransportError
+
+    launcher_run.wait_for_steps(1, timeout_s=300)
+    run_dir = launcher_run.run_dir
+    loose = [
+        p
+        for p in [run_dir, *run_dir.rglob("*")]
+        if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) & 0o077
+    ]
+    assert not loose, f"readable by others: {loose[:5]}"
+    assert (run_dir / "redis").is_dir() and any((run_dir / "redis").rglob("*.aof*"))
+    password = (run_dir / "secrets" / "broker.password").read_text().strip()
+    key = (run_dir / "secrets" / "message.key").read_text().strip()
+    for pid in processes_of_run(launcher_run.run_id()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        assert password not in cmdline and key not in cmdline, cmdline
+    for path in run_dir.rglob("config.*.json"):
+        assert password not in path.read_text() and key not in path.read_text(), path
+    url = tomllib.loads((run_dir / "configs" / "learner.toml").read_text())["broker"]["url"]
+    with pytest.raises(TransportError):
+        broker.connect(url, reconnect_s=0)
+
+
 def test_ctrl_c_stops_every_process_the_launcher_started(launcher_run):
     launcher_run.wait_for_steps(1, timeout_s=300)
     run_id = launcher_run.run_id()

@@ -88,9 +88,11 @@ def _version_1(raw: dict) -> dict:
 
 
 def test_a_version_1_group_is_rejected_with_a_clear_error():
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
     old = _version_1(_as_dict(rollout_group()))
-    with pytest.raises(codec.MessageError, match="schema_version 1, this build speaks 2") as info:
+    with pytest.raises(
+        codec.MessageError, match="schema_version 1, this build speaks 3 \\(and reads 2\\)"
+    ) as info:
         codec.decode(msgspec.msgpack.encode(old))
     assert info.value.reason == "unknown_version"
     scored = _as_dict(every_message()[2])

@@ -40,7 +40,7 @@ def test_a_password_in_the_url_is_kept_and_a_redacted_one_is_not_used(monkeypatc
     assert BrokerConfig(url="redis://:inline@h:1/0").connect_url() == "redis://:inline@h:1/0"
     monkeypatch.setenv(PASSWORD_ENV, "from-env")
     assert BrokerConfig(url="redis://:***@h:1/0").connect_url() == "redis://:from-env@h:1/0"
-    assert BrokerConfig(url="zmq://h:1").connect_url() == "zmq://h:1"  # no auth on ZeroMQ
+    assert BrokerConfig(url="zmq://h:1").connect_url() == "zmq://:from-env@h:1"  # ZeroMQ PLAIN too
 
 
 def test_validation_names_the_bad_field(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 import broker
-from broker.images import ImageCorrupt, ImageError, ImageMissing, ImageStore
+from broker.images import MAX_PIXELS, ImageCorrupt, ImageError, ImageMissing, ImageStore, ImageTooLarge
 from broker.schemas import ImageRef
-from tests.fixtures.models import noisy_png
+from tests.fixtures.models import noisy_png, png_declaring
 
 
 def _png(color=(200, 30, 30), size=(32, 24)) -> bytes:
@@ -139,3 +139,36 @@ def test_open_many_refuses_a_decompression_bomb_alone(store, pool, monkeypatch):
     out = store.open_many([huge, small], pool)
     assert isinstance(out[0], ImageError) and "refused" in str(out[0])
     assert out[1].size == (8, 8)
+
+
+def test_an_image_bomb_is_refused_from_its_header_before_decoding(store, pool, monkeypatch):
+    """A 13000 x 13000 PNG of a few hundred bytes: 507 MB of pixels that PIL's own check lets through."""
+    bomb = png_declaring(13000, 13000)
+    assert len(bomb) < 1000 and 13000 * 13000 > MAX_PIXELS
+    ref, small = store.put(bomb), store.put(_png(size=(8, 8)))  # put reads the header only
+    assert (ref.width, ref.height) == (13000, 13000)
+    from PIL import ImageFile
+
+    load = ImageFile.ImageFile.load
+
+    def no_bomb(image):
+        assert image.size != (13000, 13000), "decoded the bomb"
+        return load(image)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_bomb)
+    with pytest.raises(ImageTooLarge, match="13000 x 13000 = 169,000,000 pixels, above the cap"):
+        store.open(ref)
+    out = store.open_many([ref, small], pool)
+    assert isinstance(out[0], ImageTooLarge) and isinstance(out[1], Image.Image)
+
+
+def test_images_above_the_stores_caps_are_refused(store):
+    ref = store.put(_png(size=(64, 64)))
+    pixels = ImageStore(store.transport, store.names, max_pixels=64 * 63)
+    with pytest.raises(ImageTooLarge, match="pixels"):
+        pixels.open(ref)
+    small_bytes = ImageStore(store.transport, store.names, max_bytes=ref.nbytes - 1)
+    with pytest.raises(ImageTooLarge, match="bytes"):
+        small_bytes.get(ref)
+    assert isinstance(small_bytes.open_many([ref])[0], ImageTooLarge)
+    assert store.open(ref).size == (64, 64)

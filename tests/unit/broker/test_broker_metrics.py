@@ -87,3 +87,23 @@ def test_a_stream_never_read_is_absent_not_zero():
     collector = BacklogCollector(errors, cache_s=0.0)
     collector.watch("s", FlakyTransport(TransportError("no broker")))
     assert samples(collector) == {}
+
+
+def test_the_pipeline_exports_what_waits_for_generators_and_reward_workers(transport, names):
+    from broker.metrics import watch_pipeline
+
+    registry = new_registry()
+    watch_pipeline(registry, transport, names)
+    broker_metrics(registry).backlog.cache_s = 0.0
+    for stream in (names.prompts, names.rollouts):
+        transport.ensure_group(stream, names.GENERATORS if stream == names.prompts else names.REWARD)
+    transport.publish_many(names.prompts, [b"p0", b"p1", b"p2"])
+    transport.publish(names.rollouts, b"r0")
+    transport.consume(names.prompts, names.GENERATORS, "gen-0", count=1, block_s=0.5)  # one taken
+
+    def value(name, stream):
+        return registry.get_sample_value(name, {"stream": stream})
+
+    assert value("parallax_broker_stream_waiting", names.prompts) == 2.0
+    assert value("parallax_broker_stream_backlog", names.prompts) == 3.0
+    assert value("parallax_broker_stream_waiting", names.rollouts) == 1.0

@@ -104,3 +104,72 @@ def test_a_server_that_stays_down_is_a_transport_error_after_reconnect_s(tmp_pat
     with pytest.raises(TransportError, match="attempts"):
         t.get_value(names.learner_version)
     assert 1.0 <= time.monotonic() - started < 5.0
+
+
+def test_a_stopped_server_costs_the_reconnect_window_not_the_socket_timeout(tmp_path, names):
+    """SIGSTOP: the server's sockets stay open and silent. An attempt waits only for what is left of
+    `reconnect_s` (redis-py's own retries are off), not for its 60 s socket timeout, eleven times over; a
+    server that comes back within the window answers the call."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from broker.redis_server import LocalRedis
+
+    server = LocalRedis(data_dir=str(tmp_path)).start()
+    try:
+        t = broker.connect(server.url, reconnect_s=1.5)
+        t.set_value(names.learner_version, b"1")
+        os.kill(server.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="attempts over 1.5s"):
+            t.get_value(names.learner_version)
+        assert time.monotonic() - started < 5.0
+        resume = threading.Timer(0.5, os.kill, (server.process.pid, signal.SIGCONT))
+        os.kill(server.process.pid, signal.SIGSTOP)
+        resume.start()
+        assert t.get_value(names.learner_version) == b"1"  # within the window: answered
+        resume.join()
+        t.close()
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_broker_at_its_maxmemory_makes_writers_back_off_and_loses_nothing(names):
+    import subprocess
+    import threading
+
+    import redis
+
+    from broker.redis_server import redis_binary
+
+    port = free_port()
+    server = subprocess.Popen([redis_binary(), "--port", str(port), "--save", "", "--appendonly", "no"])
+    try:
+        admin = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                admin.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                threading.Event().wait(0.05)
+        t = broker.connect(f"redis://127.0.0.1:{port}/0", reconnect_s=30)
+        t.ensure_group(names.prompts, "g")
+        admin.config_set("maxmemory", 1)  # every write is refused (OOM)
+        published = []
+        writer = threading.Thread(
+            target=lambda: published.extend(t.publish_many(names.prompts, [b"a", b"b"]))
+        )
+        writer.start()
+        writer.join(timeout=0.5)
+        assert writer.is_alive() and t.backlog(names.prompts) == 0  # backing off, nothing half-written
+        admin.config_set("maxmemory", 0)
+        writer.join(timeout=30)
+        assert len(published) == 2 and t.reconnects == 1
+        assert [d.payload for d in t.consume(names.prompts, "g", "c", count=5, block_s=0.5)] == [b"a", b"b"]
+        t.close()
+    finally:
+        server.kill()
+        server.wait()

@@ -11,7 +11,7 @@ import broker
 from broker.redis_server import free_port
 from broker.transport import PUBLISH_KEY_TTL_S, TransportError
 from broker.zmq_state import CREDIT_LEASE_S, BrokerState
-from broker.zmq_transport import endpoint_of
+from broker.zmq_transport import PLAIN_USER, _password_of, endpoint_of
 
 
 class FakeClock:
@@ -60,10 +60,20 @@ def test_a_repeated_publish_key_spends_no_credit_and_is_forgotten_after_its_ttl(
     assert state.published_keys == {} and state.publish(b"A", "s", [b"a"], ["k"]) is None  # new again
 
 
-def test_broker_survives_garbage_and_unknown_requests(zmq_broker, names):
+def raw_client(url: str, identity: bytes | None = None) -> zmq.Socket:
+    """A bare DEALER socket with the credentials in `url` (ZeroMQ PLAIN)."""
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(endpoint_of(zmq_broker.url))
+    if identity:
+        raw.setsockopt(zmq.IDENTITY, identity)
+    raw.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
+    raw.setsockopt(zmq.PLAIN_PASSWORD, _password_of(url).encode())
+    raw.connect(endpoint_of(url))
+    return raw
+
+
+def test_broker_survives_garbage_and_unknown_requests(zmq_broker, names):
+    raw = raw_client(zmq_broker.url)
     try:
         raw.send(b"\x00garbage")
         raw.send(msgspec.msgpack.encode([7, "no_such_op"]))
@@ -84,6 +94,7 @@ def test_unreachable_broker_is_a_transport_error():
 
 def test_endpoint_of():
     assert endpoint_of("zmq://10.0.0.1:5555") == "tcp://10.0.0.1:5555"
+    assert endpoint_of("zmq://:pw@10.0.0.1:5555") == "tcp://10.0.0.1:5555"
     with pytest.raises(ValueError):
         endpoint_of("redis://x")
 
@@ -101,10 +112,7 @@ def test_broker_process_cli_serves_and_stops(names):
 
 def test_a_resent_request_is_answered_once(zmq_broker, names):
     """A client retry (same request id, same socket identity) does not publish twice."""
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.setsockopt(zmq.IDENTITY, b"retrying-client")
-    raw.connect(endpoint_of(zmq_broker.url))
+    raw = raw_client(zmq_broker.url, identity=b"retrying-client")
 
     def ask(*request, frames=()):
         raw.send_multipart([msgspec.msgpack.encode(list(request)), *frames])
@@ -128,11 +136,11 @@ def test_requests_are_resent_until_the_broker_answers(names):
     from broker.zmq_broker import BrokerThread
 
     port = free_port()
-    late = BrokerThread(bind=f"tcp://127.0.0.1:{port}")
+    late = BrokerThread(bind=f"tcp://127.0.0.1:{port}", password="pw")
     timer = threading.Timer(1.0, late.start)
     timer.start()
     try:
-        with broker.connect(f"zmq://127.0.0.1:{port}", request_timeout_s=0.3, reconnect_s=20) as t:
+        with broker.connect(f"zmq://:pw@127.0.0.1:{port}", request_timeout_s=0.3, reconnect_s=20) as t:
             assert t.retries >= 1
             t.set_value(names.learner_version, b"ok")
             assert t.get_value(names.learner_version) == b"ok"

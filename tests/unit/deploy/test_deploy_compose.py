@@ -1,5 +1,5 @@
 """deploy/docker-compose.yml: profiles, host networking, the CPU demo's stages and roles, healthchecks,
-password wiring and consistency with Prometheus and the launcher.
+secret files and consistency with Prometheus and the launcher.
 
 There is no Docker engine here. `docker compose config` (which needs no engine) runs when the
 docker CLI and its compose plugin are installed; the structural checks with PyYAML always run.
@@ -28,7 +28,11 @@ from tests.support.compose import interpolate
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
-ENV = {"REDIS_PASSWORD": "s3cret-test-pw", "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
+ENV = {
+    "REDIS_PASSWORD": "s3cret-test-pw",
+    "PARALLAX_AUTH_KEY": "message-test-key",
+    "GRAFANA_ADMIN_PASSWORD": "admin-test-pw",
+}
 BOTH = {"redis", "redis_exporter", "grafana"}
 CPU = {
     "model",
@@ -55,6 +59,8 @@ IMAGES = {
     "PROMETHEUS_IMAGE": "prom/prometheus:v2.55.1",
     "GRAFANA_IMAGE": "grafana/grafana-oss:11.6.0",
 }
+SECRET_FLAGS = ["--broker.password-file", "/run/secrets/redis_password", "--broker.auth-key-file",
+                "/run/secrets/message_key"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +102,10 @@ def test_every_service_is_in_a_profile_on_the_host_network(compose):
             assert key not in svc, f"{name}.{key} means nothing on the host network"
 
 
-def test_required_variables_are_required(raw):
-    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
-        interpolate(raw, {"GRAFANA_ADMIN_PASSWORD": "x"})
-    with pytest.raises(KeyError, match="GRAFANA_ADMIN_PASSWORD"):
-        interpolate(raw, {"REDIS_PASSWORD": "x"})
+@pytest.mark.parametrize("missing", sorted(ENV))
+def test_required_variables_are_required(raw, missing):
+    with pytest.raises(KeyError, match=missing):
+        interpolate(raw, {k: v for k, v in ENV.items() if k != missing})
 
 
 def test_third_party_images_are_variables_with_the_public_defaults(raw, compose):
@@ -152,7 +157,8 @@ def test_cpu_roles_run_python_m_role_on_the_configs_the_launcher_writes(compose,
     services = compose["services"]
     for name, (module, _) in CPU_ROLES.items():
         role = "reward" if module == "reward_service" else module
-        assert services[name]["command"] == ["python", "-m", module, "--config", f"/runs/configs/{role}.toml"]
+        command = services[name]["command"]
+        assert command == ["python", "-m", module, "--config", f"/runs/configs/{role}.toml", *SECRET_FLAGS]
         deps = services[name]["depends_on"]
         assert deps["configs"]["condition"] == "service_completed_successfully", name
         assert deps["redis"]["condition"] == "service_healthy", name
@@ -223,32 +229,59 @@ def test_prometheus_scrapes_every_job_on_the_host(name):
 
 def test_redis_password_and_persistence(raw, compose):
     redis = compose["services"]["redis"]
-    assert flag(redis["command"], "--requirepass") == ENV["REDIS_PASSWORD"]
-    assert "REDIS_PASSWORD" in flag(raw["services"]["redis"]["command"], "--requirepass")
-    assert flag(redis["command"], "--appendonly") == "yes"
-    assert flag(redis["command"], "--maxmemory-policy") == "noeviction", "evicting a stream would lose work"
-    assert flag(redis["command"], "--bind") == "127.0.0.1"
-    assert redis["environment"]["REDISCLI_AUTH"] == ENV["REDIS_PASSWORD"], "the healthcheck must authenticate"
+    assert redis["entrypoint"] == ["/bin/sh", "-c"]
+    (script,) = redis["command"]
+    assert "redis_password" in redis["secrets"]
+    assert '"$(cat /run/secrets/redis_password)"' in script, "the password comes from the secret file"
+    assert "| exec docker-entrypoint.sh redis-server - " in script, "and reaches redis-server on its stdin"
+    assert ENV["REDIS_PASSWORD"] not in script and "REDIS_PASSWORD" not in script
+    assert "-@dangerous" in script and "+config|set" not in script, "no CONFIG SET, SHUTDOWN, FLUSHALL"
+    assert "--appendonly yes" in script
+    assert "--maxmemory-policy noeviction" in script, "evicting a stream would lose work"
+    assert "--port 6379 --bind 127.0.0.1" in script, "its own port, on the host's loopback only"
+    assert "REDISCLI_AUTH" not in (redis.get("environment") or {})
+    assert "/run/secrets/redis_password" in " ".join(redis["healthcheck"]["test"]), (
+        "the healthcheck must authenticate"
+    )
     assert "redis_data:/data" in redis["volumes"]
     exporter = compose["services"]["redis_exporter"]["environment"]
     assert exporter["REDIS_PASSWORD"] == ENV["REDIS_PASSWORD"]
     assert exporter["REDIS_ADDR"] == "redis://127.0.0.1:6379"
     assert "parallax:rollouts" in exporter["REDIS_EXPORTER_CHECK_STREAMS"]
+    assert compose["secrets"] == {
+        "redis_password": {"environment": "REDIS_PASSWORD"},
+        "message_key": {"environment": "PARALLAX_AUTH_KEY"},
+    }
     for name in (*CPU_ROLES, *GPU_ROLES, *STAGES):
         service = compose["services"][name]
-        assert ENV["REDIS_PASSWORD"] not in " ".join(service["command"]), f"{name}: a password in ps"
-        if name not in STAGES:
-            assert service["environment"]["PARALLAX_BROKER_PASSWORD"] == ENV["REDIS_PASSWORD"], name
+        command = service["command"]
+        for secret in (ENV["REDIS_PASSWORD"], ENV["PARALLAX_AUTH_KEY"]):
+            assert secret not in " ".join(command), f"{name}: a secret on a command line shows in ps"
+            assert secret not in str(service.get("environment")), f"{name}: use the secret file"
+        if name in STAGES:  # they write files; none of them talks to Redis
+            assert "secrets" not in service, name
+            continue
+        assert flag(command, "--broker.password-file") == "/run/secrets/redis_password", name
+        assert flag(command, "--broker.auth-key-file") == "/run/secrets/message_key", name
+        assert set(service["secrets"]) == {"redis_password", "message_key"}, name
+        assert "PARALLAX_BROKER_PASSWORD" not in (service.get("environment") or {}), name
 
 
 def test_the_redis_port_is_one_variable(raw):
     moved = interpolate(raw, {**ENV, "REDIS_PORT": "6390"})["services"]
-    assert flag(moved["redis"]["command"], "--port") == "6390"
+    assert "--port 6390 --bind 127.0.0.1" in moved["redis"]["command"][0]
     assert "-p 6390" in moved["redis"]["healthcheck"]["test"][1]
     assert moved["redis_exporter"]["environment"]["REDIS_ADDR"] == "redis://127.0.0.1:6390"
     assert flag(moved["configs"]["command"], "--broker-url") == "redis://127.0.0.1:6390/0"
     for name in GPU_ROLES:
         assert flag(moved[name]["command"], "--broker.url") == "redis://127.0.0.1:6390/0", name
+
+
+@pytest.mark.parametrize("name", ["prometheus", "prometheus_cpu"])
+def test_prometheus_cannot_be_stopped_or_reloaded_over_http(compose, name):
+    command = compose["services"][name]["command"]
+    assert not any("lifecycle" in a for a in command)
+    assert "--web.listen-address=127.0.0.1:9090" in command, "the host's loopback only"
 
 
 def test_no_secret_is_written_in_the_file(raw):
@@ -259,7 +292,9 @@ def test_no_secret_is_written_in_the_file(raw):
             if re.search(r"PASSWORD|AUTH|SECRET|TOKEN$", key):
                 assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]*\}", str(value)), f"{name}.{key} is hard-coded"
                 secrets += 1
-    assert secrets >= 4  # the roles' broker password, redis healthcheck auth, redis_exporter, grafana admin
+    assert secrets >= 2  # redis_exporter, grafana admin
+    for name, secret in raw["secrets"].items():
+        assert set(secret) == {"environment"}, f"secret {name} must come from deploy/.env"
 
 
 def test_healthchecks_are_shell_strings_that_parse(compose):
@@ -272,6 +307,9 @@ def test_healthchecks_are_shell_strings_that_parse(compose):
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD-SHELL" and len(test) == 2, name
         words = shlex.split(test[1])
+        if words[0].startswith("REDISCLI_AUTH="):  # the password from its secret file, not from ps
+            assert words[0] == "REDISCLI_AUTH=$(cat /run/secrets/redis_password)", name
+            words = words[1:]
         if words[0] == "python":
             assert words[1] == "-c" and len(words) == 3, name
             compile(words[2], name, "exec")
@@ -318,7 +356,7 @@ def test_volumes_builds_and_mounts(compose):
 def test_env_example_lists_every_required_variable():
     required = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
     example = (DEPLOY / "env.example").read_text()
-    assert required == {"REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
+    assert required == {"REDIS_PASSWORD", "PARALLAX_AUTH_KEY", "GRAFANA_ADMIN_PASSWORD"}
     for var in required:
         assert re.search(rf"^{var}=", example, re.M), var
 

@@ -22,6 +22,8 @@ from tests.support.compose import load_compose
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
 PASSWORD = "s3cret-test-pw"
+KEY = "message-test-key"
+ENV = {"REDIS_PASSWORD": PASSWORD, "PARALLAX_AUTH_KEY": KEY, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
 # `python -m <module>` -> its config class
 CONFIG_CLASSES = {
     "learner": ("learner.config", "LearnerConfig"),
@@ -52,11 +54,14 @@ def role_of(path: Path) -> str:
     return m[1]
 
 
-def compose_command(service: str) -> tuple[list[str], dict]:
-    """The service's arguments after `python -m <module>` and its environment, with test values."""
-    env = {"REDIS_PASSWORD": PASSWORD, "GRAFANA_ADMIN_PASSWORD": "admin-test-pw"}
-    svc = load_compose(env)["services"][service]
-    command = svc["command"]
+def compose_command(service: str, secrets_dir: Path) -> tuple[list[str], dict]:
+    """The service's arguments after `python -m <module>` and its environment, with test values; its
+    secrets are written to `secrets_dir` as Compose mounts them at /run/secrets/ (the paths replaced)."""
+    compose = load_compose(ENV)
+    svc = compose["services"][service]
+    for name in svc.get("secrets", []):
+        (secrets_dir / name).write_text(ENV[compose["secrets"][name]["environment"]])
+    command = [a.replace("/run/secrets", str(secrets_dir)) for a in svc["command"]]
     return command[command.index("-m") + 2 :], dict(svc.get("environment") or {})
 
 
@@ -100,17 +105,19 @@ def test_the_reference_configs_choose_their_loss_and_transport_by_type():
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
-def test_compose_command_parses_into_its_role_config(service, monkeypatch):
+def test_compose_command_parses_into_its_role_config(service, monkeypatch, tmp_path):
     module, port = SERVICES[service]
-    args, env = compose_command(service)
+    args, env = compose_command(service, tmp_path)
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
     cfg = load_config(
         config_class(module), [a if not a.startswith("deploy/") else str(ROOT / a) for a in args]
     )
     assert cfg.broker.url == "redis://127.0.0.1:6379/0", "no password on the command line"
-    assert cfg.broker.password() == PASSWORD, "the password reaches the process through the environment"
+    assert cfg.broker.password() == PASSWORD, "the password reaches the process as a secret file"
     assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@127.0.0.1:6379/0"
+    assert cfg.broker.auth_key() == KEY, "every role signs and verifies with the run's message key"
+    assert PASSWORD not in " ".join(args) and KEY not in " ".join(args)
     assert cfg.broker.namespace == "parallax"
     assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", port), "host networking: Prometheus is local"
     if module in ("learner", "generator"):
@@ -120,6 +127,27 @@ def test_compose_command_parses_into_its_role_config(service, monkeypatch):
         assert cfg.workers == 4
     if module == "learner":
         assert cfg.weight_sync.host == "127.0.0.1", "the generators reach the rendezvous on the host"
+
+
+def test_cpu_roles_read_the_secret_files_over_the_configs_the_launcher_writes(tmp_path):
+    """The cpu profile: the `configs` stage writes the role configs (no secret in them), each role adds
+    the secret files on its command line."""
+    from deploy import role_configs
+
+    runs, secrets = tmp_path / "runs", tmp_path / "secrets"
+    secrets.mkdir()
+    services = load_compose(ENV)["services"]
+    stage = [str(runs) if a == "/runs" else a for a in services["configs"]["command"][3:]]
+    assert role_configs.main(stage) == 0
+    for path in (runs / "configs").glob("*.toml"):
+        assert PASSWORD not in path.read_text() and KEY not in path.read_text(), path.name
+    for service, module in (("reward_cpu", "reward_service"), ("generator_cpu", "generator"),
+                            ("learner_cpu", "learner")):  # fmt: skip
+        args, env = compose_command(service, secrets)
+        assert not env.keys() & {"PARALLAX_BROKER_PASSWORD", "PARALLAX_BROKER_AUTH_KEY"}, service
+        cfg = load_config(config_class(module), [a.replace("/runs", str(runs), 1) for a in args])
+        assert cfg.broker.url == "redis://127.0.0.1:6379/0", service
+        assert cfg.broker.password() == PASSWORD and cfg.broker.auth_key() == KEY, service
 
 
 def test_a_wrong_key_in_a_toml_is_refused(tmp_path):

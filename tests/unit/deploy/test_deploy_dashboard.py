@@ -17,7 +17,7 @@ from tests.support.dashboard import DASHBOARD_SCRIPT, load_dashboard
 GRAFANA = DASHBOARD_SCRIPT.parent
 DEPLOY = GRAFANA.parent
 
-# What the dashboard must show (issue 7): each topic needs a panel querying one of these series.
+# What the dashboard must show: each topic needs a panel querying one of these series.
 TOPICS = {
     "throughput": {"parallax_generator_tokens_total", "parallax_learner_tokens_total"},
     "reward": {"parallax_learner_reward_mean", "parallax_reward_value_sum"},

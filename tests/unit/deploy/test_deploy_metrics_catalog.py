@@ -6,7 +6,7 @@ import pytest
 
 from tests.support.catalog import load_catalog, promql_metric_names, unknown_series
 
-# The names the team agreed on (the brief of issue 7); docs/metrics.md must define each of them.
+# The metric names dashboards and alerts rely on; docs/metrics.md must define each of them.
 REQUIRED = {
     "parallax_generator_tokens_total": ("counter", ()),
     "parallax_generator_groups_total": ("counter", ()),

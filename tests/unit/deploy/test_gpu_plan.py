@@ -225,7 +225,7 @@ def test_auto_recomputation_is_selective_where_the_packs_fit_and_full_where_they
     plan = _auto(N_3B, QWEN_3B, h100)
     assert (plan.checkpoint_mode, plan.pack_tokens, plan.pack_capped_from) == ("full", 32768, 0)
     assert "full recomputation at 32768-token training packs (checkpoint_mode auto)" in plan.describe()
-    # 7B beside vLLM on an H200: selective would be capped at 8k (session 16 ran out of memory at 16k)
+    # 7B beside vLLM on an H200: selective would be capped at 8k (16k ran out of memory, 2026-12-05)
     assert _auto(N_7B, QWEN_7B, h200s(1)).checkpoint_mode == "full"
     # a learner on GPUs of its own keeps selective at the config's packs
     plan = _auto(N_7B, QWEN_7B, h200s(2), learner="0", generator="1")
@@ -247,7 +247,7 @@ def test_parameters_in_the_weight_buffer_leave_the_learner_a_copy_of_the_weights
     # 7B on an H200: still full recomputation at 32k (selective's 16k would need 45.8 GiB of the 41.4 left)
     assert (inside.checkpoint_mode, inside.pack_tokens) == ("full", 32768)
     # 7B on an 80 GB GPU beside vLLM at 0.3 (and its engine's 4.7 GiB beyond that): the states fit now, but
-    # no training pack does (session 24: out of memory at 8k packs before the engine's overhead was counted)
+    # no training pack does (out of memory at 8k packs before the engine's overhead was counted, 2026-12-06)
     with pytest.raises(LayoutError, match="the learner needs at least 63.3 GiB per GPU"):
         _auto(N_7B, QWEN_7B, h100)
     with pytest.raises(LayoutError, match="too little for the activations of a 1024-token training pack"):
@@ -267,8 +267,8 @@ def test_auto_puts_the_reference_model_in_host_memory_only_where_the_learner_doe
     def layout(gpus):
         return lambda reference: _auto(N_7B, QWEN_7B, gpus, in_buffer=True, reference=reference)
 
-    # 7B beside vLLM on an 80 GB card: with the reference on the GPU no training pack fits (session 24's
-    # out-of-memory); in host memory the GPU keeps its embeddings, lm_head and the blocks in flight
+    # 7B beside vLLM on an 80 GB card: with the reference on the GPU no training pack fits (out of memory,
+    # 2026-12-06); in host memory the GPU keeps its embeddings, lm_head and the blocks in flight
     host = plan_reference("auto", True, layout(h100))
     on_device = _auto(N_7B, QWEN_7B, h200s(1), in_buffer=True)
     assert host.reference_location == "host"

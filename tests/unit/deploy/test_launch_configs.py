@@ -23,7 +23,12 @@ from tests.unit.deploy.test_gpu_plan import h200s
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "deploy" / "configs"
-LAUNCH_CONFIGS = ["demo.toml", "qwen2_5_vl_7b_geometry3k.toml", "gpu_learn.toml"]
+LAUNCH_CONFIGS = [
+    "demo.toml",
+    "qwen2_5_vl_7b_geometry3k.toml",
+    "qwen2_5_vl_7b_geometry3k_crop.toml",
+    "gpu_learn.toml",
+]
 PER_RUN = {"broker.namespace", "broker.url", "run_dir", "feeder.train_data", "feeder.test_data"}
 """Role settings the launcher fills in for each run."""
 
@@ -72,7 +77,7 @@ ROLE_CLASSES = {"learner": LearnerConfig, "generator": GeneratorConfig, "reward"
 def test_gpu_configs_set_every_value_the_cpu_demo_changes(name):
     """A launch config starts from the CPU demo's embedded default (LaunchConfig()), so a setting the demo
     changes from the role's own default and a GPU config leaves out runs the demo's CPU value on the GPU
-    (a 0.25 GiB KV cache did, session 9). Each such setting is written in the GPU config."""
+    (a 0.25 GiB KV cache did once). Each such setting is written in the GPU config."""
     with open(CONFIGS / name, "rb") as f:
         written = _flat(tomllib.load(f))
     demo = LaunchConfig()

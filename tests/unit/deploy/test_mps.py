@@ -156,7 +156,10 @@ def test_the_generator_settings_come_from_the_config_and_label_its_runs():
     assert share == GeneratorShare(40, "below-normal")
     assert share.label() == "40-low" and GeneratorShare().label() == ""
     assert GeneratorShare.of(LaunchConfig()) == GeneratorShare()
-    row = {"mps_generator_sms": 50, "mps_generator_blas": "default"}  # rows of sessions 20-31
+    row = {
+        "mps_generator_sms": 50,
+        "mps_generator_blas": "default",
+    }  # an older row: no priority, a BLAS setting since dropped
     assert GeneratorShare.of_row(row) == GeneratorShare(50) and GeneratorShare.of_row({}) == GeneratorShare()
 
 

@@ -57,6 +57,8 @@ def documented_commands() -> list[tuple[str, str]]:
     for path in DOCS:
         for number, snippet in code_snippets(path.read_text()):
             snippet = re.split(r"(?:^|\s)#", snippet, maxsplit=1)[0]  # a shell comment names no command
+            if snippet.startswith("run: "):  # a message ./run prints, quoted in the docs
+                continue
             for match in re.finditer(r"(?<![\w.-])(python -m |\./run )", snippet):
                 found.append((f"{path.relative_to(ROOT)}:{number}", snippet[match.start() :]))
     return found
@@ -92,12 +94,13 @@ def help_text(argv: tuple[str, ...]) -> str:
 
 def run_commands() -> set[str]:
     """The commands `run` dispatches: the labels of its `case` (`setup) ...`), less the fallback."""
-    return set(re.findall(r"^\s+([\w-]+)\)", (ROOT / "run").read_text(), flags=re.MULTILINE))
+    labels = re.findall(r"^\s+([\w| -]+)\)", (ROOT / "run").read_text(), flags=re.MULTILINE)
+    return {name.strip() for label in labels for name in label.split("|")} - {"*"}
 
 
 def check_module(args: list[str]) -> None:
     module, rest = args[0], args[1:]
-    if module.rsplit(".", 1)[-1].isupper():  # a placeholder such as bench.NAME
+    if module.rsplit(".", 1)[-1].isupper() or module == "...":  # a placeholder: bench.NAME, python -m ...
         return
     argv = (module,)
     if (

@@ -12,7 +12,7 @@ def test_a_cache_that_holds_the_configured_concurrency_is_silent():
 
 
 def test_the_cpu_sized_cache_on_a_gpu_warns_with_the_fix():
-    """Session 9's run: 0.25 GiB of a 3B model's KV cache = 7,280 tokens, 512-token responses."""
+    """A measured run: 0.25 GiB of a 3B model's KV cache = 7,280 tokens, 512-token responses."""
     warning = kv_cache_warning(7_280, max_num_seqs=256, max_tokens=512)
     assert "7,280 tokens" in warning and "131,072" in warning
     assert "at most 14 full-length responses" in warning

@@ -1,8 +1,8 @@
 """Batch preparation (generator.prepare) and the worker loop around it, with a fake engine over both brokers.
 
-Missing, corrupt and undecodable images and a prompt whose pads do not match its images are rejected
-with their reasons, in place, while the rest of the batch is prepared and published; the same with the
-preparation pool and serially in the loop thread.
+Missing, corrupt and undecodable images, an image bomb (a header declaring 13000 x 13000 pixels) and a
+prompt whose pads do not match its images are rejected with their reasons, in place, while the rest of
+the batch is prepared and published; the same with the preparation pool and serially in the loop thread.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from broker.schemas import ImageRef, PromptRecord, RolloutGroup
 from generator.inputs import Completion, Result
 from generator.prepare import prepare_batch
 from tasks.prompt import render_prompt_ids
-from tests.fixtures.models import noisy_png
+from tests.fixtures.models import noisy_png, png_declaring
 from weights.config import WeightReceiverConfig
 
 
@@ -67,6 +67,7 @@ def batch(store: ImageStore) -> tuple[list[PromptRecord], dict[str, str]]:
         rec("p2", [good[0]]),
         rec("undecodable", [undecodable_ref(store)]),
         rec("text", [], "No image here"),
+        rec("bomb", [store.put(png_declaring(13000, 13000))]),
         rec("p3", [good[3]]),
     ]
     reasons = {
@@ -75,6 +76,7 @@ def batch(store: ImageStore) -> tuple[list[PromptRecord], dict[str, str]]:
         "two-bad": "image_missing",
         "mismatch": "image_count_mismatch",
         "undecodable": "image_undecodable",
+        "bomb": "image_too_large",
     }
     return records, reasons
 

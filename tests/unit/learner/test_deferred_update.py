@@ -166,7 +166,7 @@ def test_off_on_the_cpu_and_where_asked(tiny_model_dir, redis_server, names, tmp
 
 def test_a_one_rank_process_group_still_holds(tiny_model_dir, redis_server, names, tmp_path):
     """A one-GPU learner runs in a one-rank process group (FSDP2 needs one; learner.parallel): the world
-    size decides, not whether a group is up (session 33's H100 run never held for that)."""
+    size decides, not whether a group is up (were it the latter, a one-GPU learner would never hold)."""
     from broker.redis_server import free_port
 
     learner = _learner(tiny_model_dir, redis_server, names, tmp_path / "group", defer=True)

@@ -147,7 +147,7 @@ class _Killed(Exception):
 def test_a_learner_killed_around_a_publish_publishes_nothing_twice(
     broker_url, names, data, monkeypatch, dies
 ):
-    # The race of the roles-zmq fault case (issue 17): the learner dies after a top-up's publish
+    # The race of the roles-zmq fault case: the learner dies after a top-up's publish
     # returned and before its cursor reached the broker, with the last step's groups back but not
     # checkpointed (they are redelivered, so the restarted feeder's window is already full).
     # Dying just before the publish must not lose the batch either.

@@ -56,10 +56,12 @@ def setup(redis_server, names):
     transport = broker.connect(redis_server.url)
     cfg = LearnerConfig(broker=BrokerConfig(namespace=names.namespace))
     cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = 2, 1, False
+    cfg.checkpoint.keep = 1  # acks at the first checkpoint that holds a step (test_acks_lag_... lags them)
     feeder = PromptFeeder(
         transport, names, _records(), lambda ref: b"", groups_per_step=2, max_staleness=1, shuffle=False
     )
     inbox = Inbox(transport, names, cfg, feeder=feeder)
+    assert inbox.generations == 1
     prompts = Subscriber(transport, names.prompts, "generators", "gen-0", expect=PromptRecord)
     yield transport, names, inbox, feeder, prompts, Publisher(transport, names.scored)
     transport.close()
@@ -151,3 +153,65 @@ def test_a_redelivery_of_a_held_entry_is_ignored_and_acked_once(setup, redis_ser
     assert transport.pending(names.scored, names.LEARNER) == 2
     inbox.commit()
     assert inbox.ack_durable() == 2
+
+
+def test_a_forged_result_is_dead_lettered_and_the_genuine_one_is_trained(redis_server, names):
+    """Someone with broker access publishes a ScoredGroup with every reward 1.0 for a prompt in flight,
+    before the reward service does: it fails the run's message key, so the inbox never sees it, and the
+    genuine group that arrives after it is trained, not dead-lettered as already consumed."""
+    key = b"the run's message key"
+    run = broker.connect(redis_server.url, auth_key=key)
+    attacker = broker.connect(redis_server.url)
+    try:
+        cfg = LearnerConfig(broker=BrokerConfig(namespace=names.namespace))
+        cfg.algo.groups_per_step, cfg.algo.max_staleness, cfg.algo.dynamic_sampling = 2, 1, False
+        feeder = PromptFeeder(
+            run, names, _records(), lambda ref: b"", groups_per_step=2, max_staleness=1, shuffle=False
+        )
+        inbox = Inbox(run, names, cfg, feeder=feeder)
+        prompts = Subscriber(run, names.prompts, "generators", "gen-0", expect=PromptRecord)
+        inbox._feed(version=0)
+        got = prompts.poll(count=2, block_s=0.5)
+        prompts.ack([d for d, _ in got])
+        ids = [group_id(r.prompt_id, d.id) for d, r in got]
+        for (_, record), gid in zip(got, ids, strict=True):  # the forgeries come first
+            Publisher(attacker, names.scored).publish(_scored(gid, record.prompt_id, rewards=(1.0, 1.0)))
+        for (_, record), gid in zip(got, ids, strict=True):
+            Publisher(run, names.scored).publish(_scored(gid, record.prompt_id, rewards=(0.0, 1.0)))
+        step = inbox.collect(version=0)
+        assert [g.group.group_id for g in step] == ids
+        assert all([s.reward for s in g.scores] == [0.0, 1.0] for g in step), "the genuine groups"
+        assert inbox.sub.rejected_count("auth") == 2 and "duplicate" not in inbox.skipped
+        assert all("authentication tag" in d.reason for d in run.dead_letters(names.scored))
+    finally:
+        run.close()
+        attacker.close()
+
+
+def test_acks_lag_one_checkpoint_where_the_previous_one_is_kept(setup):
+    """keep >= 2: a step is acked once a second checkpoint holds it, so a learner that falls back to the
+    previous checkpoint gets its groups back; a redelivery of a held-by-checkpoint group is acked later."""
+    transport, names, inbox, feeder, prompts, scored = setup
+    inbox.generations = 2  # what checkpoint.keep = 2 gives (ack_generations)
+    inbox._feed(version=0)
+    first = _answer(prompts, scored, 2)
+    assert [g.group.group_id for g in inbox.collect(version=0)] == first
+    inbox.commit()
+    assert inbox.ack_durable() == 0  # one checkpoint holds step 1: still pending
+    assert transport.pending(names.scored, names.LEARNER) == 2
+    assert set(first) <= feeder.awaiting_checkpoint  # the broker's cursor still lists them
+    inbox._held.clear()  # as after a restart: the entries come back as the learner's own pending ones
+    restarted = broker.connect(transport.url)
+    again = restarted.consume(names.scored, names.LEARNER, "learner-0", count=2, block_s=0)
+    restarted.close()
+    assert [d.attempts for d in again] == [2, 2]
+    for delivery in again:
+        inbox._take(delivery, _scored(first[0], "p0"))
+    assert inbox.skipped["redelivered"] == 2 and transport.dead_letters(names.scored) == []
+    inbox._feed(version=1)
+    second = _answer(prompts, scored, 2)
+    assert [g.group.group_id for g in inbox.collect(version=1)] == second
+    inbox.commit()
+    assert inbox.ack_durable() == 2  # the second checkpoint: step 1's deliveries
+    assert not set(first) & feeder.awaiting_checkpoint
+    assert transport.pending(names.scored, names.LEARNER) == 2  # step 2's (the redeliveries were step 1's)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from learner.config import (
+from learner.config import LearnerConfig
+from learner.loss_config import (
     POLICY_CORRECTIONS,
     POLICY_LOSSES,
     CispoLoss,
@@ -14,7 +15,6 @@ from learner.config import (
     GeoMaskCorrection,
     GspoLoss,
     IcepopCorrection,
-    LearnerConfig,
     LossConfig,
     NoCorrection,
     PolicyLoss,

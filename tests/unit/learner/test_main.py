@@ -24,7 +24,8 @@ def test_relaunch_runs_this_module_under_torch_distributed():
 
 def test_relaunched_rank_reads_the_resolved_config(tmp_path, monkeypatch):
     from learner.__main__ import CONFIG_ENV, resolve
-    from learner.config import CispoLoss, IcepopCorrection, LearnerConfig
+    from learner.config import LearnerConfig
+    from learner.loss_config import CispoLoss, IcepopCorrection
     from runtime.config import write_resolved
 
     cfg = LearnerConfig(model="/m", nproc=2)

@@ -30,7 +30,7 @@ def test_learn_preset_is_a_quarter_billion_parameters_with_a_fifth_in_vision():
 def test_a_224_pixel_image_spans_four_attention_windows():
     visual = _model().model.visual
     grid = torch.tensor([[1, 224 // 14, 224 // 14]])
-    try:  # transformers >= 5.19: a shared helper; before: a method of the vision tower
+    try:  # transformers >= 5.19: a function of vision_utils; before: a method of the vision tower
         from transformers.vision_utils import get_vision_window_index
 
         _, cu_window = get_vision_window_index(

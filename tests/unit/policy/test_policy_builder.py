@@ -41,8 +41,8 @@ def test_checkpoint_files_and_config(tiny_model_dir):
 def test_a_video_processor_finds_its_settings_as_in_a_published_checkpoint(family_model_dir):
     """Where torchvision is installed (the GPU image), loading the processor loads a video processor too,
     whose settings come from processor_config.json's nested entry or preprocessor_config.json. A build made
-    without torchvision (here) nests none: the legacy file must be there (the failure seen under the GPU
-    image's versions, `./run test-gpu-stack`, with a cache built here)."""
+    without torchvision (the CPU install) nests none: the legacy file must be there (else the GPU stack's
+    versions, `./run test-gpu-stack`, fail on a model cache built by the CPU install)."""
     from transformers.video_processing_utils import BaseVideoProcessor
 
     settings, _ = BaseVideoProcessor.get_video_processor_dict(str(family_model_dir))

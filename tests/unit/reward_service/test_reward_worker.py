@@ -164,6 +164,24 @@ def test_garbage_is_dead_lettered_and_good_groups_survive(redis_server, names):
         assert dead.payload == b"\x93not a message"
 
 
+def test_a_forged_rollout_group_is_dead_lettered_and_never_scored(redis_server, names, monkeypatch):
+    monkeypatch.setenv("PARALLAX_BROKER_AUTH_KEY", "the run's key")  # the worker's BrokerConfig reads it
+    with (
+        broker.connect(redis_server.url, auth_key="the run's key") as run,
+        broker.connect(redis_server.url) as attacker,
+    ):
+        Publisher(attacker, names.rollouts).publish(make_group("g-forged", [T + "\\boxed{1}"], "1"))
+        Publisher(run, names.rollouts).publish(make_group("g-genuine", [T + "\\boxed{1}"], "1"))
+    worker = run_worker(config(redis_server.url, names))
+    assert worker.published == 1
+    assert worker.subscriber.rejected_count("auth") == 1
+    with broker.connect(redis_server.url, auth_key="the run's key") as transport:
+        sub = Subscriber(transport, names.scored, Names.LEARNER, CLIENT, expect=ScoredGroup)
+        assert [m.group.group_id for _, m in sub.poll(count=5, block_s=0.5)] == ["g-genuine"]
+        [dead] = transport.dead_letters(names.rollouts)
+        assert "authentication tag" in dead.reason
+
+
 def test_a_redelivered_group_is_published_once(redis_server, names):
     group = make_group("g-dup", [T + "\\boxed{1}"], "1")
     publish(redis_server.url, names, [group, group])  # e.g. a generator that retried its publish

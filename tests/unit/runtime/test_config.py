@@ -80,24 +80,22 @@ class Role:
     """Optional."""
 
 
-def test_a_wrong_type_in_toml_names_the_file_the_key_and_the_type(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[inner]\nlr = "fast"\n', "inner.lr = 'fast': expected float, got str"),
+        ("betas = [0.5]\n", "betas = [0.5]: expected tuple[float, float] (2 items), got an array"),
+        ("steps = 2.5\n", "steps = 2.5: expected int, got float"),
+        ("steps = true\n", "steps = True: expected int, got bool"),  # bool is not an int here
+        ("inner = 3\n", "inner: expected a table, got int"),
+    ],
+)
+def test_a_wrong_type_in_toml_names_the_file_the_key_and_the_type(tmp_path, text, message):
     toml = tmp_path / "c.toml"
-    toml.write_text('[inner]\nlr = "fast"\n')
+    toml.write_text(text)
     with pytest.raises(SystemExit) as info:
         load_config(Cfg, ["--config", str(toml)])
-    assert str(info.value) == f"error: {toml}: inner.lr = 'fast': expected float, got str"
-    toml.write_text("betas = [0.5]\n")
-    with pytest.raises(SystemExit, match=r"betas = \[0.5\]: expected tuple\[float, float\] \(2 items\)"):
-        load_config(Cfg, ["--config", str(toml)])
-    toml.write_text("steps = 2.5\n")
-    with pytest.raises(SystemExit, match="steps = 2.5: expected int, got float"):
-        load_config(Cfg, ["--config", str(toml)])
-    toml.write_text("steps = true\n")  # bool is not an int here
-    with pytest.raises(SystemExit, match="steps = True: expected int, got bool"):
-        load_config(Cfg, ["--config", str(toml)])
-    toml.write_text("inner = 3\n")
-    with pytest.raises(SystemExit, match="inner: expected a table, got int"):
-        load_config(Cfg, ["--config", str(toml)])
+    assert str(info.value) == f"error: {toml}: {message}"
 
 
 def test_a_choice_outside_its_literal_names_the_allowed_values(tmp_path):

@@ -65,3 +65,22 @@ def test_setup_logging_wraps_every_root_handler():
         for h in root.handlers:
             if h not in before:
                 root.removeHandler(h)
+
+
+def test_secret_fields_are_redacted_whole_but_paths_and_empty_ones_are_kept():
+    cfg = {
+        "weight_sync": {"token": "t0ken", "host": "h"},
+        "broker": {"password": "pw", "password_file": "/run/secrets/p", "auth_key_file": "/k"},
+        "api_key": "k3y",
+        "secret": "s",
+        "empty": {"token": ""},
+        "keys": ["a"],
+    }
+    assert redact_tree(cfg) == {
+        "weight_sync": {"token": "***", "host": "h"},
+        "broker": {"password": "***", "password_file": "/run/secrets/p", "auth_key_file": "/k"},
+        "api_key": "***",
+        "secret": "***",
+        "empty": {"token": ""},
+        "keys": ["a"],
+    }

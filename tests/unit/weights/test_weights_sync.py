@@ -37,7 +37,7 @@ CTX = mp.get_context("spawn")
 
 @pytest.fixture
 def procs(tmp_path):
-    """Start helper processes; on teardown ask them to stop, then kill what is left."""
+    """Start the learner and generator processes; on teardown ask them to stop, then kill what is left."""
     started = []
 
     def start(target, *args):

@@ -1,4 +1,4 @@
-"""Helpers of the weight-sync tests: a small mixed-dtype model, digests, and the bodies of the
+"""What the weight-sync tests share: a small mixed-dtype model, digests, and the bodies of the
 generator / learner processes that the tests start with multiprocessing (spawn).
 
 Child processes report through files (one JSON line per delivered version), never pickle.

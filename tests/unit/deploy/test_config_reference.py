@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
+
+import pytest
 
 from deploy import reference
 
@@ -38,3 +41,20 @@ def test_a_union_of_sections_gets_one_table_per_variant():
     page = reference.render()
     for variant in ("ppo-clip", "gspo", "cispo", "sapo"):
         assert f'`[loss.policy]` `type = "{variant}"`' in page
+
+
+def test_help_prints_usage_and_writes_no_file(tmp_path, capsys):
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            reference.main(["--help"])
+    finally:
+        os.chdir(cwd)
+    assert exit_.value.code == 0 and "python -m deploy.reference" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_page_goes_to_the_named_file(tmp_path):
+    assert reference.main([str(tmp_path / "page.md")]) == 0
+    assert (tmp_path / "page.md").read_text() == reference.render()
