@@ -117,10 +117,7 @@ def warm_start(
         sv.stage("warm-start", "done before (resumed run)")
         return out
     sv.stage("warm-start", f"{ws.steps} supervised steps on random answers")
-    args = ["--model", str(model_dir), "--task-dir", str(task_dir), "--out", str(out)]
-    args += ["--steps", str(ws.steps), "--batch", str(ws.batch), "--lr", str(ws.lr)]
-    args += ["--seed", str(cfg.learner.seed), "--thought", ws.thought]
-    args += ["--device", "cpu" if gpus.kind == "cpu" else "cuda"]
+    args = warm_start_args(cfg, model_dir, task_dir, out, "cpu" if gpus.kind == "cpu" else "cuda")
     child = sv.start(
         sv.roles,
         "warmstart",
@@ -132,6 +129,15 @@ def warm_start(
     tail_ = JsonlTail(out.with_name(out.name + ".metrics.jsonl"))
     sv.wait(child, on_tick=lambda: sv.status.warm(tail_.read()))
     return out
+
+
+def warm_start_args(cfg: LaunchConfig, model_dir: Path, task_dir: Path, out: Path, device: str) -> list[str]:
+    """The arguments of `python -m learner.warmstart` for this launch (deploy/docker-compose.yml's
+    `warmstart` service runs the same)."""
+    ws = cfg.warm_start
+    args = ["--model", str(model_dir), "--task-dir", str(task_dir), "--out", str(out)]
+    args += ["--steps", str(ws.steps), "--batch", str(ws.batch), "--lr", str(ws.lr)]
+    return args + ["--seed", str(cfg.learner.seed), "--thought", ws.thought, "--device", device]
 
 
 def check_cap(sv: Supervisor, model_dir: Path, gpus: GpuPlan, share: GeneratorShare) -> None:

@@ -185,6 +185,9 @@ class EvalConfig:
     """Sampling temperature for evaluation (0 = greedy)."""
     timeout_s: float = 600.0
     """Give up waiting for evaluation results after this long (the missing ones are counted)."""
+    stop_accuracy: float = 0.0
+    """Stop training once an evaluation's held-out accuracy reaches this (0 = never); the run then ends as at
+    max_steps (final checkpoint, export)."""
 
 
 @dataclass

@@ -153,6 +153,7 @@ class Learner:
         self._last_ckpt_step = 0
         self._held_groups = 0  # trained since the last checkpoint: their acks wait for the next one
         self._carried: dict[str, float] = defaultdict(float)  # a held update's times, for the next step
+        self._target_reached = 0.0  # the held-out accuracy that reached eval.stop_accuracy (0: not yet)
         clock.append(("broker and sender", time.perf_counter()))
         self._resume()
         clock.append(("resume", time.perf_counter()))
@@ -211,7 +212,7 @@ class Learner:
         return self.state.step + int(self.state.extra.get("version_offset", 0))
 
     def train(self) -> None:
-        """Train until `max_steps` optimizer steps or until the data runs out."""
+        """Train until `max_steps` optimizer steps, the data runs out or `eval.stop_accuracy` is reached."""
         evaluator = self.inbox.evaluator if self.inbox is not None else None
         if evaluator is not None and self.cfg.eval.at_start and self.state.step == 0:
             evaluator.start(0, self.state.version)
@@ -234,10 +235,18 @@ class Learner:
         log.info("stopping at step %d: max_steps reached", self.state.step)
 
     def _data_ended(self, trained: int) -> None:
-        """The data ran out (or nothing came for `idle_exit_s`) after `trained` steps of this run: say so, and
-        fail when none was trained and groups were rejected as broken (malformed, non-finite, empty...: a
-        generator or reward service at fault, not a finished run)."""
+        """The data ran out (or nothing came for `idle_exit_s`, or an evaluation reached
+        `eval.stop_accuracy`) after `trained` steps of this run: say so, and fail when none was trained and
+        groups were rejected as broken (malformed, non-finite, empty...: a generator or reward service at
+        fault, not a finished run)."""
         if self.inbox is None:
+            return
+        if self._target_reached:
+            target = self.cfg.eval.stop_accuracy
+            log.info(
+                "stopping at step %d: held-out accuracy %.3f reached eval.stop_accuracy %.3f",
+                *(self.state.step, self._target_reached, target),
+            )
             return
         skips = self.inbox.skip_summary()
         if trained == 0 and set(self.inbox.skipped) - set(ROUTINE_SKIPS):
@@ -341,7 +350,11 @@ class Learner:
         (on every rank) unless they are all here now."""
         payload = None
         if self.inbox is not None:
-            groups = self.inbox.collect(self._collect_version(), self.cfg.idle_exit_s, wait=wait)
+            groups = (
+                None  # eval.stop_accuracy reached: every rank stops here
+                if self._target_reached
+                else self.inbox.collect(self._collect_version(), self.cfg.idle_exit_s, wait=wait)
+            )
             payload = (
                 b"" if groups is NOT_READY else None if groups is None else msgspec.msgpack.encode(groups)
             )
@@ -395,8 +408,11 @@ class Learner:
             return
         if self._eval_due():
             self.inbox.evaluator.start(self.state.step, self.state.version)
+        target = self.cfg.eval.stop_accuracy
         for metrics in self.inbox.eval_metrics:
             values.update(metrics)
+            if target > 0 and metrics.get("eval/accuracy", 0.0) >= target:
+                self._target_reached = metrics["eval/accuracy"]
         self.inbox.eval_metrics.clear()
 
     def _record_consumed(self, groups: list[ScoredGroup]) -> None:

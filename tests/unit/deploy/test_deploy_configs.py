@@ -113,22 +113,41 @@ def test_compose_command_parses_into_its_role_config(service, monkeypatch, tmp_p
     cfg = load_config(
         config_class(module), [a if not a.startswith("deploy/") else str(ROOT / a) for a in args]
     )
-    assert cfg.broker.url == "redis://redis:6379/0", "no password on the command line"
+    assert cfg.broker.url == "redis://127.0.0.1:6379/0", "no password on the command line"
     assert cfg.broker.password() == PASSWORD, "the password reaches the process as a secret file"
-    assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@redis:6379/0"
+    assert cfg.broker.connect_url() == f"redis://:{PASSWORD}@127.0.0.1:6379/0"
     assert cfg.broker.auth_key() == KEY, "every role signs and verifies with the run's message key"
     assert PASSWORD not in " ".join(args) and KEY not in " ".join(args)
     assert cfg.broker.namespace == "parallax"
-    assert (cfg.metrics.host, cfg.metrics.port) == ("0.0.0.0", port), (
-        "Prometheus scrapes from its own container"
-    )
+    assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", port), "host networking: Prometheus is local"
     if module in ("learner", "generator"):
         assert cfg.gpus == {"learner": "0-5", "generator": "6-7"}[module]
         assert cfg.model.startswith("/models/")
     if module == "reward_service":
         assert cfg.workers == 4
     if module == "learner":
-        assert cfg.weight_sync.host == "learner", "generators in other containers must reach the rendezvous"
+        assert cfg.weight_sync.host == "127.0.0.1", "the generators reach the rendezvous on the host"
+
+
+def test_cpu_roles_read_the_secret_files_over_the_configs_the_launcher_writes(tmp_path):
+    """The cpu profile: the `configs` stage writes the role configs (no secret in them), each role adds
+    the secret files on its command line."""
+    from deploy import role_configs
+
+    runs, secrets = tmp_path / "runs", tmp_path / "secrets"
+    secrets.mkdir()
+    services = load_compose(ENV)["services"]
+    stage = [str(runs) if a == "/runs" else a for a in services["configs"]["command"][3:]]
+    assert role_configs.main(stage) == 0
+    for path in (runs / "configs").glob("*.toml"):
+        assert PASSWORD not in path.read_text() and KEY not in path.read_text(), path.name
+    for service, module in (("reward_cpu", "reward_service"), ("generator_cpu", "generator"),
+                            ("learner_cpu", "learner")):  # fmt: skip
+        args, env = compose_command(service, secrets)
+        assert not env.keys() & {"PARALLAX_BROKER_PASSWORD", "PARALLAX_BROKER_AUTH_KEY"}, service
+        cfg = load_config(config_class(module), [a.replace("/runs", str(runs), 1) for a in args])
+        assert cfg.broker.url == "redis://127.0.0.1:6379/0", service
+        assert cfg.broker.password() == PASSWORD and cfg.broker.auth_key() == KEY, service
 
 
 def test_a_wrong_key_in_a_toml_is_refused(tmp_path):

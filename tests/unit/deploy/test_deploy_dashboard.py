@@ -75,7 +75,7 @@ def test_the_script_runs_as_a_maintainer_runs_it(tmp_path):
 def test_datasource_is_provisioned_with_the_uid_every_panel_uses(board):
     provisioned = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
     (source,) = provisioned["datasources"]
-    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"  # host networking
     for panel in panels(board):
         assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, panel["title"]
         for target in panel["targets"]:

@@ -123,3 +123,37 @@ def test_feeder_drives_training_within_the_staleness_bound(
     assert any(x.get("eval/accuracy/synthetic") == 1.0 and x.get("eval/missing") == 0.0 for x in lines)
     assert any(x.get("eval/round") == 0.0 for x in lines)  # eval.at_start: round 0 before the first step
     learner.close()
+
+
+def test_training_stops_once_an_evaluation_reaches_stop_accuracy(
+    tiny_model_dir, tiny_processor, redis_server, names, tmp_path, caplog
+):
+    """The stand-in answers every held-out prompt right: the round at the start reaches 0.9, so the learner
+    stops long before max_steps, as a finished run (`eval.stop_accuracy`)."""
+    task = tmp_path / "task"
+    write_task(SyntheticConfig(out=task, train=12, test=3, image_size=56))
+    cfg = LearnerConfig(
+        model=str(tiny_model_dir),
+        broker=BrokerConfig(url=redis_server.url, namespace=names.namespace),
+        run_dir=str(tmp_path / "run"),
+        max_steps=40,
+        weight_sync=WeightSenderConfig(enabled=False),
+        idle_exit_s=20.0,
+    )
+    cfg.algo.groups_per_step, cfg.algo.max_staleness = 2, 1
+    cfg.feeder.train_data = str(task)
+    cfg.eval.every, cfg.eval.timeout_s, cfg.eval.at_start, cfg.eval.stop_accuracy = 2, 20.0, True, 0.9
+    cfg.checkpoint.every = 0
+    stand_in = StandIn(redis_server.url, names, tiny_processor)
+    stand_in.start()
+    learner = Learner(cfg, sender=NullSender())
+    try:
+        with caplog.at_level("INFO", logger="learner.trainer"):
+            learner.train()
+    finally:
+        stand_in.stop.set()
+        stand_in.join(timeout=5)
+    assert 1 <= learner.state.step < 40
+    assert learner._target_reached == 1.0
+    assert "reached eval.stop_accuracy 0.900" in caplog.text
+    learner.close()
