@@ -8,7 +8,7 @@ file has the broker password and the weight-sync token redacted, so they travel 
 $PARALLAX_BROKER_PASSWORD and $PARALLAX_WEIGHT_SYNC_TOKEN.
 A model path that is not a checkpoint directory is refused before anything starts, and so is a second
 learner of a run (learner/fencing.py: rank 0 takes the run's lock file and broker lease first).
-Each rank then runs `learner.trainer.run(cfg)`.
+Each rank then runs `learner.entry.run(cfg)`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")  # the claim's lines too
     claim = claim_run(cfg) if os.environ.get("RANK", "0") == "0" else None  # before torch and the model
-    from learner.trainer import run
+    from learner.entry import run
 
     run(cfg, claim)
 

@@ -223,3 +223,27 @@ def episode_stats(groups: Sequence[ScoredGroup]) -> dict[str, float]:
         "tool_images_per_sample": sum(len(s.images) for s in samples) / n,
         "env_failed": float(sum(bool(s.env_error) for s in samples)),
     }
+
+
+def rollout_stats(
+    groups: Sequence[ScoredGroup], samples: Sequence[TrainSample], n_stale: int, skipped: dict[str, int]
+) -> dict[str, float]:
+    """The step's rollout metrics: groups, samples, reward, accuracy, response length, episodes, the
+    generator seconds behind the step (each generate call that produced some of its groups, once) and
+    the inbox's skip counts (`skipped`)."""
+    scores = [s for g in groups for s in g.scores]
+    out = {
+        "groups": float(len(groups)),
+        "samples": float(len(samples)),
+        "stale_samples": float(n_stale),
+        "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
+        "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
+        "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
+        **episode_stats(groups),
+    }
+    calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}
+    out["generate_s"] = sum(seconds for _, seconds in calls)
+    out["generate_calls"] = float(len(calls))
+    for reason, count in skipped.items():
+        out[f"skipped/{reason}"] = float(count)
+    return out

@@ -37,7 +37,6 @@ from broker.images import ImageStore
 from broker.metrics import watch_pipeline
 from broker.names import Names
 from broker.schemas import ScoredGroup, WeightVersion
-from broker.transport import FencedError
 from learner import lora
 from learner.adapter_guard import STATE_KEY as GUARD_KEY
 from learner.adapter_guard import AdapterGuard
@@ -45,7 +44,6 @@ from learner.advantages import batch_advantages
 from learner.batching import MicroBatchPlanner
 from learner.checkpoint import Checkpointer, TrainerState, export_hf
 from learner.config import LearnerConfig
-from learner.fencing import lost_message
 from learner.inbox import NOT_READY, ROUTINE_SKIPS, NotReady, ack_generations
 from learner.metrics import LearnerMetrics, gpu_peak, lm_param_count, mfu, track_gpu_peak
 from learner.parallel import (
@@ -59,10 +57,10 @@ from learner.parallel import (
 )
 from learner.reference import build_reference
 from learner.samples import (
-    episode_stats,
     filter_env_failed,
     filter_stale,
     filter_truncated,
+    rollout_stats,
     spans_versions,
     staleness,
     to_samples,
@@ -71,9 +69,8 @@ from learner.update import Updater
 from learner.wiring import build_inbox, build_sender, guess_peak_flops
 from policy.loading import load_model, load_processor
 from policy.packing import PixelCache
-from runtime.config import to_dict, write_resolved
-from runtime.metrics import new_registry, start_metrics_server
-from runtime.redact import setup_logging
+from runtime.config import to_dict
+from runtime.metrics import new_registry
 from weights.adapter import AdapterTensors
 
 log = logging.getLogger(__name__)
@@ -317,7 +314,8 @@ class Learner:
         self._held_groups += len(groups)
         self.state.step += 1
         self.metrics.log_trained(self.state.step, [g.group.group_id for g in groups])
-        values.update(self._rollout_stats(groups, samples, n_stale))
+        skipped = self.inbox.skipped if self.inbox is not None else {}
+        values.update(rollout_stats(groups, samples, n_stale, skipped))
         every, export_every = cfg.checkpoint.every, cfg.checkpoint.export_hf_every
         checkpoint_due = every >= 0 and ((every > 0 and self.state.step % every == 0) or self._acks_due())
         export_due = export_every > 0 and self.state.step % export_every == 0
@@ -490,53 +488,3 @@ class Learner:
         if self.inbox is not None:
             self.inbox.ack_durable()
         return time.perf_counter() - t0
-
-    def _rollout_stats(self, groups, samples, n_stale) -> dict[str, float]:
-        scores = [s for g in groups for s in g.scores]
-        out = {
-            "groups": float(len(groups)),
-            "samples": float(len(samples)),
-            "stale_samples": float(n_stale),
-            "reward_mean": sum(s.reward for s in scores) / max(len(scores), 1),
-            "accuracy": sum(s.accuracy for s in scores) / max(len(scores), 1),
-            "response_len": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
-            **episode_stats(groups),
-        }
-        # Generator seconds behind this step: each generate call that produced some of its groups, once.
-        calls = {(g.group.generator_id, g.group.timings.get("generate", 0.0)) for g in groups}
-        out["generate_s"] = sum(seconds for _, seconds in calls)
-        out["generate_calls"] = float(len(calls))
-        if self.inbox is not None:
-            for reason, count in self.inbox.skipped.items():
-                out[f"skipped/{reason}"] = float(count)
-        return out
-
-
-def run(cfg: LearnerConfig, claim=None) -> None:
-    """Entry point of every rank (`python -m learner`); `claim`: rank 0's hold on the run
-    (learner.fencing.claim_run), released at the end. A learner whose lease another learner took exits
-    with SystemExit saying so, without writing anything more."""
-    setup_logging("INFO", "%(asctime)s %(name)s %(levelname)s %(message)s")
-    fence = claim.lease.fence if claim is not None else None
-    learner = None
-    try:
-        learner = Learner(cfg, fence=fence)
-        if learner.info.is_main:
-            write_resolved(cfg, cfg.run_dir, "learner")
-            start_metrics_server(cfg.metrics, learner.registry)
-        learner.train()
-    except KeyboardInterrupt:
-        if learner is None:
-            raise
-        log.info("interrupted at step %d: saving and exporting", learner.state.step)
-    except FencedError as exc:
-        if learner is not None:
-            learner.fenced = True
-        raise SystemExit(lost_message(fence.epoch if fence else 0, str(exc))) from None
-    finally:
-        try:
-            if learner is not None:
-                learner.close()
-        finally:
-            if claim is not None:
-                claim.release()

@@ -14,8 +14,9 @@ from broker.lease import Lease
 from broker.transport import FencedError
 from learner import fencing
 from learner.config import LearnerConfig
+from learner.entry import run
 from learner.fencing import HELD, Holder, claim_run
-from learner.trainer import Learner, run
+from learner.trainer import Learner
 from learner.wiring import NullSender
 from weights.config import WeightSenderConfig
 

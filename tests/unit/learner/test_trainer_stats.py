@@ -1,9 +1,7 @@
 """The per-step rollout statistics the learner logs (metrics.jsonl), on hand-made groups."""
 
-from types import SimpleNamespace
-
 from broker.schemas import RolloutGroup, Score, ScoredGroup
-from learner.trainer import Learner
+from learner.samples import rollout_stats
 
 
 def _group(generator_id: str, generate_s: float, rewards=(1.0, 0.0)) -> ScoredGroup:
@@ -28,7 +26,7 @@ def test_generate_seconds_count_each_generate_call_once():
         _group("gen-a", 0.5),
         _group("gen-b", 1.5),
     ]
-    stats = Learner._rollout_stats(SimpleNamespace(inbox=None), groups, [], 0)
+    stats = rollout_stats(groups, [], 0, {})
     assert stats["generate_calls"] == 3.0  # gen-a's call shared by two groups counts once
     assert stats["generate_s"] == 3.5
     assert stats["reward_mean"] == 3 / 8 and stats["groups"] == 4.0
