@@ -13,28 +13,12 @@ import time
 
 import pytest
 
-import broker
 from broker.channel import Publisher, Subscriber
 from broker.schemas import RolloutGroup, WeightVersion
 from broker.transport import BackpressureTimeout
 from tests.unit.broker.messages import rollout_group
 
 IDLE = 0.2  # claim_idle_s used by the reclaim tests
-
-
-@pytest.fixture
-def connect(broker_url):
-    """Factory of transports to the broker under test; closes them all afterwards."""
-    opened = []
-
-    def make(**opts):
-        transport = broker.connect(broker_url, **opts)
-        opened.append(transport)
-        return transport
-
-    yield make
-    for transport in opened:
-        transport.close()
 
 
 def test_publish_consume_ack(connect, names):

@@ -12,23 +12,8 @@ import time
 
 import pytest
 
-import broker
 from broker.lease import Lease
 from broker.transport import FencedError
-
-
-@pytest.fixture
-def connect(broker_url):
-    opened = []
-
-    def make(**opts):
-        transport = broker.connect(broker_url, **opts)
-        opened.append(transport)
-        return transport
-
-    yield make
-    for transport in opened:
-        transport.close()
 
 
 def test_a_lease_is_held_once_and_each_taker_gets_the_next_epoch(connect, names):
